@@ -1,0 +1,32 @@
+# Sluice: `make train` runs the CPU demo, `make test` runs the whole suite; both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test bench plan clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+train: setup
+	$(PY) train.py experiment=demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) scripts/bench/run_all.py $(ARGS)
+
+plan: setup
+	$(PY) scripts/plan.py $(ARGS)
+
+clean:
+	rm -rf outputs multirun .pytest_cache
