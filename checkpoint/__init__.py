@@ -1,0 +1,1 @@
+"""Dense weights in and out, and sharded training checkpoints."""

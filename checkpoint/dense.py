@@ -1,0 +1,73 @@
+"""Dense checkpoints (HF folder, .safetensors, MiniMind .pth): read the global-key state_dict, load it strictly."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+class CheckpointError(ValueError):
+    """A dense checkpoint that cannot be read or does not match the model; one readable message."""
+
+
+def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """A transformers save_pretrained folder: single or sharded safetensors, or pytorch_model.bin."""
+    if (folder / "model.safetensors").exists():
+        return load_file(folder / "model.safetensors")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
+    if (folder / "pytorch_model.bin").exists():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(f"checkpoint.load_dense={folder}: no model.safetensors, model.safetensors.index.json "
+                          "or pytorch_model.bin in that folder")
+
+
+def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The global-key state_dict stored at `path`, on the CPU."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
+                              "or a MiniMind .pth file")
+    if path.is_dir():
+        return _read_folder(path)
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]  # a training checkpoint that wraps the weights
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors")
+    # torch.compile prefixes names with `_orig_mod.`; the weights are the same.
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
+def check_keys(expected: set[str], found: set[str], source: str) -> None:
+    """Raise one message listing missing and unexpected keys, as strict=True loading would."""
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
+        raise CheckpointError(f"checkpoint.load_dense={source} does not match model: {'; '.join(parts)}; "
+                              "check that the model preset (layers, MoE, vocab) matches the checkpoint")
+
+
+def load_dense_into(model: nn.Module, path: str | Path) -> None:
+    """Load a dense checkpoint into the whole (unsharded) model with strict key matching."""
+    state = read_dense_state_dict(path)
+    if TIED_HEAD not in state and EMBEDDING in state:
+        state[TIED_HEAD] = state[EMBEDDING]  # safetensors stores a tied head once
+    check_keys(set(model.state_dict()), set(state), str(path))
+    for name, tensor in model.state_dict().items():
+        if tensor.shape != state[name].shape:
+            raise CheckpointError(f"checkpoint.load_dense={path}: {name} has shape {tuple(state[name].shape)}, "
+                                  f"the model expects {tuple(tensor.shape)}; check the model preset")
+    model.load_state_dict(state, strict=True)

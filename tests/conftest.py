@@ -1,0 +1,27 @@
+"""Shared fixtures: golden reference files and tiny configs."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def load_golden(kind: str) -> dict:
+    """A golden reference file (dense or moe) shipped with the tests."""
+    return torch.load(FIXTURES / f"minimind3_tiny_{kind}.pt", weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def golden_dense() -> dict:
+    return load_golden("dense")
+
+
+@pytest.fixture(scope="session")
+def golden_moe() -> dict:
+    return load_golden("moe")

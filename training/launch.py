@@ -1,0 +1,97 @@
+"""From a composed config to running workers: in-process, under torchrun, or self-launched locally."""
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import hydra
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from training.config import ConfigError, validate
+
+log = logging.getLogger("sluice")
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig) -> None:
+    """Hydra task: one run (or one job of a sweep)."""
+    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def under_torchrun() -> bool:
+    """True when a launcher (torchrun, the elastic agent, srun+torchrun) already started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def layout_world_size(cfg: DictConfig) -> int:
+    """Processes a self-launch starts: dp * tp * pp (dp defaults to 1 when nobody chose a world size)."""
+    p = cfg.parallel
+    return (p.dp or 1) * p.tp * p.pp
+
+
+def run(cfg: DictConfig, run_dir: Path) -> None:
+    """Validate, then train here (one process or torchrun rank) or start the local workers."""
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
+    try:
+        validate(cfg, world_size)
+    except ConfigError as error:
+        print(f"sluice: config error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if under_torchrun() or world_size == 1:
+        run_worker(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
+    else:
+        self_launch(cfg, world_size, run_dir)
+
+
+def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
+    """Body of every rank: grid, trainer, loop, clean shutdown. Returns the per-step losses."""
+    from parallel.grid import ParallelGrid
+    from training.trainer import Trainer
+
+    cfg = OmegaConf.create(cfg_dict)
+    p = cfg.parallel
+    if not under_torchrun():
+        grid = ParallelGrid.single()
+    else:
+        grid = ParallelGrid.build(p.dp, p.tp, p.pp, backend=p.backend, timeout_s=p.timeout_s)
+    try:
+        run_dir = agree_on_run_dir(run_dir, grid)
+        losses = Trainer(cfg, grid, Path(run_dir)).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return losses
+
+
+def agree_on_run_dir(run_dir: str, grid) -> str:
+    """Under torchrun each rank ran Hydra; rank 0's output directory is the run's one directory."""
+    if grid.world_size == 1:
+        return run_dir
+    box = [run_dir]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
+    """Start world_size local workers through the torchrun launcher API and wait for all of them."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn",
+    )
+    log.info("launching %d local workers (dp*tp*pp) into %s", world_size, run_dir)
+    try:
+        elastic_launch(config, entrypoint=run_worker)(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        first_line = str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
+        print(f"sluice: worker rank {rank} failed: {first_line} (the other workers were stopped)", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,92 @@
+"""The Trainer: builds model, engine, optimizer and data for one rank of the grid, then runs the loop."""
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from minimind import MiniMindConfig, MiniMindForCausalLM
+from parallel.grid import ParallelGrid
+from training.data import build_data
+from training.engine import Engine, LocalEngine
+from training.metrics import MetricsLogger
+from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+log = logging.getLogger("sluice")
+
+
+def model_config(cfg: DictConfig) -> MiniMindConfig:
+    """MiniMindConfig from the run config's model section (the preset name is not a model field)."""
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields.pop("name", None)
+    return MiniMindConfig(**fields)
+
+
+def build_model(cfg: DictConfig) -> MiniMindForCausalLM:
+    """The dense model, initialised from train.seed: identical on every rank of every layout."""
+    torch.manual_seed(cfg.train.seed)
+    model = MiniMindForCausalLM(model_config(cfg))
+    if cfg.checkpoint.load_dense:
+        from checkpoint.dense import load_dense_into
+
+        load_dense_into(model, cfg.checkpoint.load_dense)
+    return model
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: `auto` is bf16 on CUDA and fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def build_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid, dtype: torch.dtype) -> Engine:
+    """The step engine for this layout: the whole model locally, or this rank's share of the grid."""
+    if grid.world_size == 1:
+        return LocalEngine(model.to(grid.device), grid.device, dtype)
+    from parallel.engine import ParallelEngine
+
+    return ParallelEngine(cfg, model, grid, dtype)
+
+
+class Trainer:
+    """One rank's training loop; every layout differs only in the engine it builds."""
+
+    def __init__(self, cfg: DictConfig, grid: ParallelGrid, run_dir: Path):
+        self.cfg = cfg
+        self.grid = grid
+        self.run_dir = Path(run_dir)
+        dtype = resolve_dtype(cfg.train.dtype, grid.device)
+        self.engine = build_engine(cfg, build_model(cfg), grid, dtype)
+        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim)
+        self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
+        self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
+
+    def fit(self) -> list[float]:
+        """Train for train.steps optimizer steps; return the per-step losses (the same on every rank)."""
+        cfg, steps = self.cfg, self.cfg.train.steps
+        metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0)
+        losses: list[float] = []
+        try:
+            for step, micro_batches in zip(range(steps), self.data):
+                lr = lr_at(step, steps, cfg.optim)
+                set_lr(self.optimizer, lr)
+                start = time.perf_counter()
+                result = self.engine.step(micro_batches)
+                grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
+                                           cfg.train.grad_clip, self.grid.mp_group)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                step_time = time.perf_counter() - start
+                losses.append(result.loss)
+                tokens_per_s = self.tokens_per_step / step_time
+                metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
+                if step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
+                    metrics.log(step + 1, {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr,
+                                           "grad_norm": grad_norm, "tokens": result.tokens,
+                                           "tokens_per_s": tokens_per_s, "step_time_s": step_time})
+        finally:
+            metrics.close()
+        return losses
