@@ -1,0 +1,287 @@
+"""Tests for training/data.py: corpus, tokenizer, sample formats, the DP step stream, resume, checks."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from training.data import (
+    IGNORE_INDEX,
+    MicroBatch,
+    StepBatches,
+    _save_atomically,
+    build_data,
+    build_tokenizer,
+    check_data,
+    load_tokenizer_vocab_size,
+    synthetic_corpus,
+    synthetic_tokenizer_dir,
+    train_bpe_tokenizer,
+)
+
+SMALL = {"name": "synthetic", "num_docs": 300, "seed": 0, "vocab_size": 512}
+
+
+def make_cfg(data: dict, seq_len: int = 32, micro_batch_size: int = 2, n_microbatches: int = 2, seed: int = 0):
+    """A minimal run config with the fields build_data reads."""
+    return OmegaConf.create({
+        "data": data,
+        "train": {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "seed": seed},
+        "schedule": {"n_microbatches": n_microbatches},
+    })
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A MiniMind-style tokenizer folder trained on a small synthetic corpus."""
+    cache = tmp_path_factory.mktemp("cache")
+    tokenizer = build_tokenizer({**SMALL, "cache_dir": str(cache)})
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return build_tokenizer({"name": "jsonl", "tokenizer": str(tokenizer_dir)})
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------- corpus
+
+
+def test_corpus_is_deterministic_and_varied():
+    a, b = synthetic_corpus(50, seed=3), synthetic_corpus(50, seed=3)
+    assert a == b
+    assert a != synthetic_corpus(50, seed=4)
+    lengths = [len(doc.split()) for doc in synthetic_corpus(300, seed=0)]
+    assert min(lengths) >= 20 and max(lengths) <= 260
+    assert max(lengths) - min(lengths) > 100  # lengths vary
+
+
+def test_corpus_has_structure(tokenizer):
+    """Bigram conditional entropy of the token stream is far below the unigram entropy."""
+    ids = [i for doc in synthetic_corpus(400, seed=1) for i in tokenizer(doc, add_special_tokens=False)["input_ids"]]
+    n = len(ids)
+    unigram = collections.Counter(ids)
+    h_unigram = -sum(c / n * math.log2(c / n) for c in unigram.values())
+    previous = collections.Counter(ids[:-1])
+    pairs = collections.Counter(zip(ids, ids[1:]))
+    h_bigram = -sum(c / (n - 1) * math.log2(c / previous[a]) for (a, _), c in pairs.items())
+    assert h_bigram < h_unigram - 1.5, (h_unigram, h_bigram)
+
+
+# ---------------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_special_ids_and_round_trip(tokenizer):
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert 259 < len(tokenizer) <= 512
+    text = "the code of apple is 42. 17 plus 5 is 22. counting: 3 4 5 6 7. Unseen: é ü 🙂!"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer("the cat", add_special_tokens=False)["input_ids"][0] not in (0, 1, 2)  # no implicit bos
+
+
+def test_tokenizer_is_cached_not_rebuilt(tmp_path):
+    data = {**SMALL, "cache_dir": str(tmp_path)}
+    first = build_tokenizer(data)
+    folder = synthetic_tokenizer_dir(data)
+    assert folder.parent == tmp_path and (folder / "tokenizer.json").is_file()
+    mtime = (folder / "tokenizer.json").stat().st_mtime_ns
+    second = build_tokenizer(data)
+    assert (folder / "tokenizer.json").stat().st_mtime_ns == mtime
+    assert first.get_vocab() == second.get_vocab()
+    assert os.listdir(tmp_path) == [folder.name]  # no temporary folders left behind
+    other = synthetic_tokenizer_dir({**data, "vocab_size": 600})
+    assert other != folder  # corpus parameters name the folder
+
+
+def test_concurrent_save_keeps_the_winner(tmp_path, tokenizer):
+    target = tmp_path / "tok"
+    _save_atomically(tokenizer, target)
+    mtime = (target / "tokenizer.json").stat().st_mtime_ns
+    _save_atomically(tokenizer, target)  # a late process: its copy is discarded, no error
+    assert (target / "tokenizer.json").stat().st_mtime_ns == mtime
+    assert os.listdir(tmp_path) == ["tok"]
+
+
+def test_tokenizer_training_is_deterministic():
+    corpus = synthetic_corpus(100, seed=0)
+    a, b = train_bpe_tokenizer(corpus, 400), train_bpe_tokenizer(corpus, 400)
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+
+
+# ---------------------------------------------------------------------------------- formats
+
+
+def test_padded_format_layout(tmp_path, tokenizer_dir, tokenizer):
+    short, long = "the cat sees the dog.", " ".join(["the big dog runs in the park."] * 20)
+    path = write_jsonl(tmp_path / "tiny.jsonl", [short, long, "1 plus 2 is 3."])
+    seq_len = 16
+    cfg = make_cfg(
+        {"name": "jsonl", "path": str(path), "tokenizer": str(tokenizer_dir), "format": "padded",
+         "cache_dir": str(tmp_path / "cache")},
+        seq_len=seq_len, micro_batch_size=1, n_microbatches=3,
+    )
+    assert check_data(cfg) is None
+    stream, _ = build_data(cfg, dp_rank=0, dp_size=1)
+    ids, labels = stream.input_ids, stream.labels
+    assert ids.shape == (3, seq_len) and ids.dtype == torch.long
+
+    tokens = tokenizer(short, add_special_tokens=False)["input_ids"]
+    expected = [1, *tokens, 2] + [0] * (seq_len - len(tokens) - 2)
+    assert ids[0].tolist() == expected
+    assert labels[0].tolist() == [t if t != 0 else IGNORE_INDEX for t in expected]
+
+    tokens = tokenizer(long, add_special_tokens=False)["input_ids"]
+    assert ids[1].tolist() == [1, *tokens[: seq_len - 2], 2]  # truncated, no pad
+    assert torch.equal(labels[1], ids[1])
+
+    micro_batches = next(stream)
+    assert len(micro_batches) == 3 and all(mb.input_ids.shape == (1, seq_len) for mb in micro_batches)
+
+
+def test_packed_format_chunks_without_pads(tmp_path, tokenizer_dir, tokenizer):
+    texts = synthetic_corpus(20, seed=5)
+    path = write_jsonl(tmp_path / "docs.jsonl", texts)
+    seq_len = 24
+    cfg = make_cfg(
+        {"name": "jsonl", "path": str(path), "tokenizer": str(tokenizer_dir), "format": "packed",
+         "cache_dir": str(tmp_path / "cache")},
+        seq_len=seq_len,
+    )
+    stream, _ = build_data(cfg, 0, 1)
+    ids, labels = stream.input_ids, stream.labels
+    flat = [t for text in texts for t in [1, *tokenizer(text, add_special_tokens=False)["input_ids"], 2]]
+    n = len(flat) // seq_len
+    assert ids.shape == (n, seq_len)
+    assert ids.flatten().tolist() == flat[: n * seq_len]  # documents in order, remainder dropped
+    assert torch.equal(labels, ids) and not (ids == 0).any()
+
+
+def test_synthetic_packed_and_padded_via_build_data(tmp_path):
+    data = {**SMALL, "cache_dir": str(tmp_path)}
+    packed, tok = build_data(make_cfg(data, seq_len=64), 0, 1)
+    assert packed.input_ids.shape[1] == 64 and not (packed.input_ids == 0).any()
+    assert (packed.input_ids == 1).sum() > 0 and (packed.input_ids == 2).sum() > 0
+    padded, _ = build_data(make_cfg({**data, "format": "padded"}, seq_len=64), 0, 1)
+    assert padded.input_ids.shape == (SMALL["num_docs"], 64)
+    assert (padded.input_ids[:, 0] == 1).all()
+    assert load_tokenizer_vocab_size(make_cfg(data)) == len(tok)
+
+
+def test_build_data_accepts_plain_objects(tmp_path):
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(**SMALL, cache_dir=str(tmp_path)),
+        train=SimpleNamespace(seq_len=32, micro_batch_size=2, seed=0),
+        schedule=SimpleNamespace(n_microbatches=2),
+    )
+    stream, _ = build_data(cfg, 1, 2)
+    assert [mb.input_ids.shape for mb in next(stream)] == [(2, 32), (2, 32)]
+
+
+# ---------------------------------------------------------------------------------- step stream
+
+
+def numbered_samples(n: int, seq_len: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample i is filled with i, so a micro-batch shows which samples it holds."""
+    ids = torch.arange(n).repeat_interleave(seq_len).view(n, seq_len)
+    return ids, ids.clone()
+
+
+def rows(micro_batches: list[MicroBatch]) -> list[int]:
+    return [int(r) for mb in micro_batches for r in mb.input_ids[:, 0]]
+
+
+def test_dp_slicing_matches_single_replica():
+    ids, labels = numbered_samples(50)
+    single = StepBatches(ids, labels, micro_batch_size=2, n_microbatches=8, seed=7)
+    replicas = [StepBatches(ids, labels, 2, 4, dp_rank=d, dp_size=2, seed=7) for d in range(2)]
+    for _ in range(10):  # 160 sequences: crosses three epoch boundaries
+        expected = rows(next(single))
+        assert rows(next(replicas[0])) + rows(next(replicas[1])) == expected
+    # The global stream is the concatenation of seeded epoch permutations.
+    stream = StepBatches(ids, labels, micro_batch_size=5, n_microbatches=2, seed=7)
+    got = [r for _ in range(10) for r in rows(next(stream))]
+    perms = [torch.randperm(50, generator=torch.Generator().manual_seed(7 + e)).tolist() for e in range(2)]
+    assert got == perms[0] + perms[1]
+
+
+def test_micro_batches_are_contiguous_slices():
+    ids, labels = numbered_samples(40)
+    stream = StepBatches(ids, labels, micro_batch_size=3, n_microbatches=2, dp_rank=1, dp_size=2, seed=0)
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
+    micro_batches = stream.batch(1)  # step 1, replica 1: global positions 12 + 6 .. 12 + 12
+    assert [rows([mb]) for mb in micro_batches] == [perm[18:21], perm[21:24]]
+    assert all(mb.input_ids.dtype == torch.long and mb.labels.dtype == torch.long for mb in micro_batches)
+
+
+def test_state_dict_resume():
+    ids, labels = numbered_samples(30)
+    stream = StepBatches(ids, labels, 2, 2, seed=1)
+    seen = [rows(next(stream)) for _ in range(12)]
+    restarted = StepBatches(ids, labels, 2, 2, seed=1)
+    stream = StepBatches(ids, labels, 2, 2, seed=1)
+    for _ in range(5):
+        next(stream)
+    state = stream.state_dict()
+    assert state == {"step": 5}
+    restarted.load_state_dict(state)
+    assert [rows(next(restarted)) for _ in range(7)] == seen[5:]
+
+
+def test_too_small_data_set_errors():
+    ids, labels = numbered_samples(7)
+    with pytest.raises(ValueError, match="fewer than one global batch of 8"):
+        StepBatches(ids, labels, micro_batch_size=2, n_microbatches=2, dp_rank=0, dp_size=2)
+
+
+def test_num_label_tokens():
+    labels = torch.tensor([[5, 6, -100, -100], [-100, 7, 8, 9]])
+    assert MicroBatch(labels.clamp(min=0), labels).num_label_tokens() == 4  # position 0 never counts
+
+
+# ---------------------------------------------------------------------------------- check_data
+
+
+def test_check_data_messages(tmp_path, tokenizer_dir):
+    def jsonl(path, tokenizer=str(tokenizer_dir)):
+        return make_cfg({"name": "jsonl", "path": str(path), "tokenizer": tokenizer})
+
+    assert check_data(make_cfg(SMALL)) is None
+
+    missing = check_data(jsonl(tmp_path / "x.jsonl"))
+    assert missing.startswith("data.path: file") and "does not exist" in missing and "data.path=" in missing
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("this is not json\n")
+    assert "is not JSON" in check_data(jsonl(bad))
+
+    no_text = tmp_path / "no_text.jsonl"
+    no_text.write_text('{"content": "hi"}\n')
+    assert 'no "text" key' in check_data(jsonl(no_text))
+
+    good = write_jsonl(tmp_path / "good.jsonl", ["hello"])
+    assert check_data(jsonl(good)) is None
+    message = check_data(jsonl(good, tokenizer=str(tmp_path / "nope")))
+    assert message.startswith("data.tokenizer: folder") and "does not exist" in message
+    (tmp_path / "empty").mkdir()
+    assert "neither tokenizer.json nor tokenizer_config.json" in check_data(jsonl(good, str(tmp_path / "empty")))
+    assert "data.name" in check_data(make_cfg({"name": "parquet"}))
+    assert "data.format" in check_data(make_cfg({"format": "ragged"}))
+    with pytest.raises(ValueError, match="data.path"):
+        build_data(jsonl(tmp_path / "x.jsonl"), 0, 1)

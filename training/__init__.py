@@ -1,0 +1,1 @@
+"""Sluice training: config, launch, trainer, data, optimizer and metrics."""
