@@ -59,17 +59,18 @@ def expand_jobs(overrides: list[str]) -> list[list[str]]:
 def explain_compose_error(error: Exception, job: list[str]) -> str:
     """Turn Hydra's multi-line composition error into one line that names the key and the fix."""
     text = str(error).strip()
+    if error.__cause__ is not None:  # OmegaConf's reason (e.g. a type mismatch) hides in the cause
+        text += "\n" + str(error.__cause__).strip()
     for override in job:
         key, _, value = override.lstrip("+~").partition("=")
         group_dir = CONF_DIR / key
         if group_dir.is_dir() and f"'{key}/{value}'" in text:
             presets = sorted(p.stem for p in group_dir.glob("*.yaml"))
             return f"{key}={value}: no such preset; use one of {', '.join(presets)}"
-    first = text.splitlines()[0] if text else type(error).__name__
-    if "Key '" in text and "not in struct" in text or "Could not override" in first:
-        detail = " ".join(line.strip() for line in text.splitlines()[:2])
-        return f"{detail} (check the key's spelling; `python train.py --cfg job` lists every key)"
-    return f"{first} (overrides: {' '.join(job)})"
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(
+        ("full_key", "object_type", "reference_type", "Set the environment"))]
+    detail = " ".join(lines[:2]) if lines else type(error).__name__
+    return f"{detail} (check the override; `python train.py --cfg job` prints every key and value)"
 
 
 def preflight(argv: list[str]) -> None:

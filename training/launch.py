@@ -11,12 +11,13 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from training.cli import CONF_DIR
 from training.config import ConfigError, validate
 
 log = logging.getLogger("sluice")
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
     """Hydra task: one run (or one job of a sweep)."""
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
