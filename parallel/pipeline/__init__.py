@@ -1,0 +1,1 @@
+"""Pipeline parallelism: partitions, schedules as data, lowering, simulation, stages, transport, runtime."""
