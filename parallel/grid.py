@@ -1,0 +1,125 @@
+"""ParallelGrid: this rank's coordinates in the (pp, dp, tp) mesh and the process groups along each axis."""
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+ProcessGroup = dist.ProcessGroup if dist.is_available() else object
+
+
+def resolve_backend(backend: str) -> tuple[str, torch.device]:
+    """'auto' -> nccl on cuda:LOCAL_RANK when CUDA exists, else gloo on cpu; explicit names pick their device."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        return backend, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    raise ValueError(f"parallel.backend={backend!r} is not one of 'auto', 'nccl', 'gloo'")
+
+
+def check_sizes(world_size: int, dp: int | None, tp: int, pp: int) -> int:
+    """Return dp (defaulting to world_size // (tp*pp)); raise ValueError unless dp*tp*pp == world_size."""
+    for name, size in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"parallel.{name}={size!r} must be a positive integer")
+    dp = world_size // (tp * pp) if dp is None else dp
+    if dp * tp * pp != world_size:
+        raise ValueError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not equal "
+                         f"world_size={world_size}; choose sizes whose product is {world_size}")
+    return dp
+
+
+@dataclass
+class ParallelGrid:
+    """This rank's place in the (pp, dp, tp) grid (TP fastest) and its process groups; None = no peers."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    rank: int = 0
+    world_size: int = 1
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "none"
+    tp_group: ProcessGroup | None = field(default=None, repr=False)
+    dp_group: ProcessGroup | None = field(default=None, repr=False)
+    pp_group: ProcessGroup | None = field(default=None, repr=False)
+    mp_group: ProcessGroup | None = field(default=None, repr=False)  # tp x pp of one dp replica: grad norm
+    embed_group: ProcessGroup | None = field(default=None, repr=False)  # first + last stage: tied embeddings
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+
+    @classmethod
+    def single(cls, device: torch.device | str | None = None) -> "ParallelGrid":
+        """One process, no process group: every size is 1 and every group is None."""
+        if device is None:
+            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return cls(device=torch.device(device))
+
+    @classmethod
+    def build(cls, dp: int | None, tp: int, pp: int, backend: str = "auto", timeout_s: float = 300) -> "ParallelGrid":
+        """Join (or reuse) the default process group via env:// and carve the (pp, dp, tp) mesh out of it."""
+        if dist.is_initialized():
+            world_size = dist.get_world_size()
+            backend = dist.get_backend() if backend == "auto" else backend
+        else:
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+        dp = check_sizes(world_size, dp, tp, pp)  # before any rendezvous: a bad layout never starts
+        backend, device = resolve_backend(backend)
+        if not dist.is_initialized():
+            if world_size == 1 and "MASTER_ADDR" not in os.environ:
+                return cls.single(device)  # a plain `python train.py`: nothing to rendezvous with
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+        mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        rank = dist.get_rank()
+        pp_rank, dp_rank, tp_rank = (int(c) for c in mesh.get_coordinate())
+        grid = cls(pp=pp, dp=dp, tp=tp, rank=rank, world_size=world_size, pp_rank=pp_rank, dp_rank=dp_rank,
+                   tp_rank=tp_rank, device=device, backend=backend, mesh=mesh, tp_group=mesh.get_group("tp"),
+                   dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"))
+        timeout = timedelta(seconds=timeout_s)
+        grid.mp_group = grid._my_group([[grid.global_rank_of(p, d, t) for p in range(pp) for t in range(tp)]
+                                        for d in range(dp)], timeout)
+        if pp > 1:
+            grid.embed_group = grid._my_group([[grid.global_rank_of(0, d, t), grid.global_rank_of(pp - 1, d, t)]
+                                               for d in range(dp) for t in range(tp)], timeout)
+        return grid
+
+    def _my_group(self, rank_lists: list[list[int]], timeout: timedelta) -> ProcessGroup:
+        """Create every group in rank_lists (new_group is collective: all ranks, same order); return ours."""
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks, timeout=timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def global_rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """Global rank at grid coordinates (pp, dp, tp): tp + TP * (dp + DP * pp)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def pp_prev_rank(self) -> int:
+        """Global rank of the previous pp stage in this (dp, tp) column; wraps around for looped placements."""
+        return self.global_rank_of((self.pp_rank - 1) % self.pp, self.dp_rank, self.tp_rank)
+
+    @property
+    def pp_next_rank(self) -> int:
+        """Global rank of the next pp stage in this (dp, tp) column; wraps around for looped placements."""
+        return self.global_rank_of((self.pp_rank + 1) % self.pp, self.dp_rank, self.tp_rank)
