@@ -19,12 +19,6 @@ from .grid import ParallelGrid
 # MiniMind's plan (like Qwen3's before transformers added it) omits the per-head q/k norms: their weight
 # is replicated but each TP rank only sees its own heads, so its gradient is partial and must be summed.
 # Entries in the model's own plan win over these.
-PLAN_SUPPLEMENT = {
-    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
-}
-
-
 # ---- autograd communication -------------------------------------------------------------------------
 
 
@@ -199,7 +193,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     """Module-name pattern -> style for the whole model: base-model plan (prefixed) plus the head's plan."""
     base = getattr(model, "base_model", model)
     prefix = "" if base is model else f"{model.base_model_prefix}."
-    base_plan = {**PLAN_SUPPLEMENT, **(getattr(model.config, "base_model_tp_plan", None) or {})}
+    base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     plan = {f"{prefix}{k}": v for k, v in base_plan.items()}
     if base is model:
         return plan

@@ -231,10 +231,59 @@ def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
     _one_of(cfg, "parallel.backend", BACKENDS)
     p = cfg.parallel
     if world_size is not None:
+        if p.dp is None and world_size % (p.tp * p.pp):
+            raise ConfigError(f"world size {world_size} is not a multiple of parallel.tp*pp = {p.tp}*{p.pp}; "
+                              f"launch a multiple of {p.tp * p.pp} processes or change parallel.tp/pp")
         dp = p.dp or world_size // (p.tp * p.pp)
         if dp * p.tp * p.pp != world_size:
             raise ConfigError(f"world size {world_size} != parallel.dp*tp*pp = {dp}*{p.tp}*{p.pp}; "
-                              f"launch dp*tp*pp processes or change the parallel sizes")
+                              f"launch {dp * p.tp * p.pp} processes or change the parallel sizes")
+
+
+def validate_checkpoint(cfg: DictConfig) -> None:
+    """Paths that must exist before anything starts."""
+    from pathlib import Path
+
+    for key in ("load_dense", "resume"):
+        path = cfg.checkpoint[key]
+        if path is not None and not Path(path).exists():
+            raise ConfigError(f"checkpoint.{key}={path} does not exist; give an existing path or drop the override")
+
+
+def model_config(cfg: DictConfig):
+    """MiniMindConfig from the run config's model section (the preset name is not a model field)."""
+    from minimind import MiniMindConfig
+
+    fields = OmegaConf.to_container(cfg.model, resolve=True)
+    fields.pop("name", None)
+    return MiniMindConfig(**fields)
+
+
+def validate_layout(cfg: DictConfig) -> None:
+    """TP divisibility, the stage partition and the schedule itself (lowered and simulated) before launch."""
+    from parallel.pipeline.partition import layer_partition
+    from parallel.pipeline.schedules import SCHEDULES
+    from parallel.tensor import check_tp_divisibility
+
+    p, name = cfg.parallel, cfg.schedule.name
+    if name not in SCHEDULES:
+        raise ConfigError(f"schedule.name={name} is not a known schedule; use one of {', '.join(sorted(SCHEDULES))}")
+    spec = SCHEDULES[name]
+    if spec.needs_vpp and p.vpp < 2:
+        raise ConfigError(f"schedule={name} needs virtual stages; set parallel.vpp>=2")
+    if not spec.needs_vpp and p.vpp != 1:
+        raise ConfigError(f"schedule={name} runs one stage per rank but parallel.vpp={p.vpp}; set parallel.vpp=1 "
+                          "or pick an interleaved schedule")
+    try:
+        check_tp_divisibility(model_config(cfg), p.tp)
+        layer_partition(cfg.model.num_hidden_layers, p.pp * p.vpp,
+                        list(p.layers_per_stage) if p.layers_per_stage is not None else None)
+        if p.pp > 1:
+            from parallel.engine import lowered_schedule
+
+            lowered_schedule(cfg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> None:
@@ -243,4 +292,6 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> None:
     validate_model(cfg)
     validate_train(cfg)
     validate_parallel(cfg, world_size)
+    validate_layout(cfg)
     validate_data(cfg)
+    validate_checkpoint(cfg)

@@ -25,6 +25,8 @@ class Engine(Protocol):
 
     def step(self, micro_batches: list[MicroBatch]) -> StepResult: ...
 
+    def named_parameters(self) -> dict[str, nn.Parameter]: ...
+
     def parameters(self) -> list[nn.Parameter]: ...
 
     def norm_parameters(self) -> list[nn.Parameter]: ...
@@ -44,6 +46,9 @@ class LocalEngine:
         self.model = model
         self.device = device
         self.dtype = dtype
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters())
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())

@@ -2,26 +2,21 @@
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from minimind import MiniMindConfig, MiniMindForCausalLM
+from minimind import MiniMindForCausalLM
 from parallel.grid import ParallelGrid
+from training.config import model_config
 from training.data import build_data
 from training.engine import Engine, LocalEngine
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 log = logging.getLogger("sluice")
-
-
-def model_config(cfg: DictConfig) -> MiniMindConfig:
-    """MiniMindConfig from the run config's model section (the preset name is not a model field)."""
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    fields.pop("name", None)
-    return MiniMindConfig(**fields)
 
 
 def build_model(cfg: DictConfig) -> MiniMindForCausalLM:
@@ -64,8 +59,10 @@ class Trainer:
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
 
-    def fit(self) -> list[float]:
-        """Train for train.steps optimizer steps; return the per-step losses (the same on every rank)."""
+    def fit(self, on_step: Callable[[int], None] | None = None) -> list[float]:
+        """Train for train.steps optimizer steps; return the per-step losses (the same on every rank).
+
+        `on_step(step)` runs after each optimizer step (tests use it to inspect weights between steps)."""
         cfg, steps = self.cfg, self.cfg.train.steps
         metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0)
         losses: list[float] = []
@@ -81,6 +78,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 step_time = time.perf_counter() - start
                 losses.append(result.loss)
+                if on_step is not None:
+                    on_step(step + 1)
                 tokens_per_s = self.tokens_per_step / step_time
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
                 if step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
