@@ -25,6 +25,12 @@ BAD_CONFIGS = [
     (["parallel.tp=0"], "parallel.tp=0 must be positive"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2"),
     (["logger=nope"], "logger=nope: no such preset"),
+    (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
+    (["model=tiny", "parallel.pp=5"], "5 stages but the model has 4 layers; use at most 4 stages"),
+    (["model=tiny", "parallel.pp=3", "parallel.layers_per_stage=[1,3,1]"], "sums to 5 but the model has 4 layers"),
+    (["model=tiny", "parallel.pp=2", "parallel.layers_per_stage=[4,0]"], "parallel.layers_per_stage[1] = 0"),
+    (["model=tiny", "parallel.pp=2", "schedule.n_microbatches=0"], "schedule.n_microbatches=0 must be positive"),
+    (["checkpoint.load_dense=no/such.pth"], "checkpoint.load_dense=no/such.pth does not exist"),
 ]
 
 

@@ -61,11 +61,23 @@ def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
         grid = ParallelGrid.build(p.dp, p.tp, p.pp, backend=p.backend, timeout_s=p.timeout_s)
     try:
         run_dir = agree_on_run_dir(run_dir, grid)
+        configure_worker_logging(Path(run_dir), grid.rank)
         losses = Trainer(cfg, grid, Path(run_dir)).fit()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return losses
+
+
+def configure_worker_logging(run_dir: Path, rank: int) -> None:
+    """Self-launched workers start without Hydra's logging: rank 0 appends to the run's train.log."""
+    root = logging.getLogger()
+    if root.handlers or rank != 0:
+        return  # Hydra configured this process already, or this rank stays quiet
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
 
 
 def agree_on_run_dir(run_dir: str, grid) -> str:

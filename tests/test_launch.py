@@ -1,0 +1,58 @@
+"""Launch paths: self-launch through the torchrun launcher API, and torchrun itself; one run directory."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
+        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1"]
+
+
+def run(cmd: list[str], run_dir, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([*cmd, *TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    return result
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_self_launch_tp2_pp2_equals_single_process(tmp_path):
+    single = run([sys.executable, "train.py", "train.steps=5"], tmp_path / "single", tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    layout = run([sys.executable, "train.py", "train.steps=5", "parallel.tp=2", "parallel.pp=2"],
+                 tmp_path / "layout", tmp_path)
+    assert layout.returncode == 0, layout.stderr[-2000:]
+    expected, got = losses(tmp_path / "single"), losses(tmp_path / "layout")
+    assert len(got) == 5  # one record per step: only rank 0 writes metrics
+    assert got == pytest.approx(expected, rel=1e-5)
+    log_lines = (tmp_path / "layout" / "train.log").read_text()
+    assert log_lines.count("step 5 loss") == 1  # only rank 0 logs
+    assert "launching 4 local workers" in log_lines
+    assert sorted(p.name for p in (tmp_path / "layout").iterdir()) == [".hydra", "metrics.jsonl", "train.log"]
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+def test_torchrun_ranks_share_rank_zeros_run_directory(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    result = run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", "train.steps=2", "parallel.pp=2"],
+                 tmp_path / "run", tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(losses(tmp_path / "run")) == 2
+    assert not (ROOT / ".hydra").exists()  # rank 1 wrote no Hydra files of its own
+
+
+def test_world_size_mismatch_is_refused_before_training(tmp_path):
+    result = run([sys.executable, "train.py", "parallel.tp=2", "parallel.pp=2"], tmp_path / "run", tmp_path,
+                 env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "sluice: config error: world size 2 is not a multiple of parallel.tp*pp = 2*2; "
+        "launch a multiple of 4 processes or change parallel.tp/pp"]
