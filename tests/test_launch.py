@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.spawn import free_port
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
         "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1"]
@@ -56,3 +57,31 @@ def test_world_size_mismatch_is_refused_before_training(tmp_path):
     assert result.stderr.strip().splitlines() == [
         "sluice: config error: world size 2 is not a multiple of parallel.tp*pp = 2*2; "
         "launch a multiple of 4 processes or change parallel.tp/pp"]
+
+
+def test_sweep_runs_every_job_with_its_own_workers(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "-m", "schedule=gpipe,1f1b", "parallel.pp=2", *TINY,
+                             "train.steps=2", f"data.cache_dir={tmp_path}/cache", f"hydra.sweep.dir={tmp_path}/sweep"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    gpipe, one_f_one_b = losses(tmp_path / "sweep" / "0"), losses(tmp_path / "sweep" / "1")
+    assert len(gpipe) == 2 and gpipe == pytest.approx(one_f_one_b, rel=1e-12)
+
+
+def test_slurm_script_launches_torchrun_per_node(tmp_path):
+    """The sbatch script under stand-ins for srun/scontrol: one node, two CPU workers."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/usr/bin/env bash\nshift\nexec \"$@\"\n")  # drop --kill-on-bad-exit
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
+           "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "2",
+           "PYTHON_BIN": os.path.dirname(sys.executable), "RUN_DIR": str(tmp_path / "run"),
+           "RDZV_PORT": str(free_port())}
+    result = subprocess.run(["bash", "scripts/slurm/train.sbatch", "parallel.pp=2", *TINY, "train.steps=2",
+                             f"data.cache_dir={tmp_path}/cache"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(losses(tmp_path / "run")) == 2
