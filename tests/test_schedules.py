@@ -6,7 +6,8 @@ import pytest
 
 from parallel.pipeline.actions import Action, Costs, Kind, Schedule
 from parallel.pipeline.partition import rank_stages, stage_to_rank
-from parallel.pipeline.schedules import SCHEDULES, comm_peer, gpipe, hand_over, lower, one_f_one_b
+from parallel.pipeline.schedules import (SCHEDULES, _timeline, comm_peer, gpipe, hand_over, interleaved_1f1b,
+                                        lower, needs, one_f_one_b, zb_h1, zbv)
 from parallel.pipeline.simulate import ScheduleError, plan_text, simulate, verify
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
@@ -21,8 +22,20 @@ def text(schedule: Schedule) -> list[str]:
     return [" ".join(map(str, actions)) for actions in schedule]
 
 
-def built(name: str, pp: int, m: int) -> Schedule:
-    return lower(SCHEDULES[name].generate(pp, m, 1), pp, pp, "loop")
+def vpp_of(name: str) -> int:
+    return 2 if SCHEDULES[name].needs_vpp else 1
+
+
+def built(name: str, pp: int, m: int, costs: Costs | None = None) -> Schedule:
+    spec, vpp = SCHEDULES[name], vpp_of(name)
+    return lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement, costs)
+
+
+def shapes(name: str, pp: int) -> list[int]:
+    """Micro-batch counts worth checking at pp: the edges around pp and 2pp, and 16 (as constraints allow)."""
+    if name == "interleaved-1f1b":
+        return sorted({pp, 2 * pp, 16 // pp * pp})
+    return sorted({1, 2, 3, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 16} - {0})
 
 
 # --- Actions. -------------------------------------------------------------------------------------------
@@ -75,14 +88,17 @@ def test_lowered_1f1b_pairs_send_and_recv_into_one_batch():
     assert "SEND_B" not in rows[0] and "RECV_F" not in rows[0]
 
 
-def test_lowering_sends_right_after_producer_and_receives_before_consumer():
-    for pp, m in [(2, 3), (4, 8), (5, 2)]:
-        for name in SCHEDULES:
-            for actions in built(name, pp, m):
+def test_lowering_sends_after_producer_and_receives_before_consumer():
+    for pp, m in [(2, 4), (4, 8), (5, 5)]:
+        for name, spec in SCHEDULES.items():
+            n = pp * vpp_of(name)
+            for rank, actions in enumerate(built(name, pp, m)):
                 for k, a in enumerate(actions):
                     if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                        producer = next(b for b in reversed(actions[:k]) if not b.kind.is_comm)
-                        assert hand_over(producer, pp)[0] == a
+                        assert any((hand_over(b, n) or (None,))[0] == a for b in actions[:k]), (name, rank, k, a)
+                    need = None if a.kind.is_comm else needs(a, n)
+                    if need is not None and comm_peer(need, n, spec.placement, pp) != rank:
+                        assert need in actions[:k], (name, rank, k, a)
 
 
 def test_comm_peer():
@@ -92,6 +108,54 @@ def test_comm_peer():
     assert comm_peer(Action(Kind.RECV_B, 0, 2), 4, "v", 2) == 0  # stage 3 sits on rank 0 under V
     with pytest.raises(ValueError, match="compute action"):
         comm_peer(Action(F, 0, 1), 4, "loop", 4)
+
+
+# --- Interleaved 1F1B, ZB-H1, ZB-V. --------------------------------------------------------------------
+
+
+def test_new_generators_emit_compute_in_the_documented_order():
+    # Interleaved: a group of pp micro-batches goes through chunk 0, then chunk 1; backwards last chunk first.
+    assert text(interleaved_1f1b(2, 2, 2)) == [
+        "F0@s0 F1@s0 F0@s2 F1@s2 B0@s2 B1@s2 B0@s0 B1@s0",
+        "F0@s1 F1@s1 F0@s3 B0@s3 F1@s3 B1@s3 B0@s1 B1@s1",
+    ]
+    # ZB-H1: 1F1B with B split into I then W; rank r holds r of its W's back to the end.
+    assert text(zb_h1(3, 4)) == [
+        "F0@s0 F1@s0 F2@s0 I0@s0 W0@s0 F3@s0 I1@s0 W1@s0 I2@s0 W2@s0 I3@s0 W3@s0",
+        "F0@s1 F1@s1 I0@s1 F2@s1 I1@s1 W0@s1 F3@s1 I2@s1 W1@s1 I3@s1 W2@s1 W3@s1",
+        "F0@s2 I0@s2 F1@s2 I1@s2 F2@s2 I2@s2 W0@s2 F3@s2 I3@s2 W1@s2 W2@s2 W3@s2",
+    ]
+    # ZB-V: rank 0 holds the first and the last stage, rank 1 the two middle ones (the V).
+    assert text(zbv(2, 3)) == [
+        "F0@s0 F1@s0 F2@s0 F0@s3 I0@s3 W0@s3 F1@s3 I1@s3 W1@s3 I0@s0 W0@s0 F2@s3 I2@s3 W2@s3 I1@s0 W1@s0 I2@s0 W2@s0",
+        "F0@s1 F0@s2 F1@s1 F1@s2 I0@s2 W0@s2 F2@s1 I0@s1 W0@s1 F2@s2 I1@s2 W1@s2 I1@s1 I2@s2 I2@s1 W1@s1 W2@s2 W2@s1",
+    ]
+    assert SCHEDULES["interleaved-1f1b"].needs_vpp and SCHEDULES["interleaved-1f1b"].placement == "loop"
+    assert SCHEDULES["zbv"].needs_vpp and SCHEDULES["zbv"].placement == "v"
+    assert not SCHEDULES["zb-h1"].needs_vpp and SCHEDULES["zb-h1"].placement == "loop"
+
+
+def test_new_generators_refuse_shapes_they_cannot_run():
+    with pytest.raises(ValueError, match=r"schedule.n_microbatches to be a multiple of parallel.pp .*"
+                                         r"set schedule.n_microbatches=8"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match=r"set parallel.vpp>=2"):
+        interleaved_1f1b(4, 8, 1)
+    with pytest.raises(ValueError, match=r"exactly two chunks per rank; set parallel.vpp=2 \(got 3\)"):
+        zbv(4, 8, 3)
+    with pytest.raises(ValueError, match="parallel.vpp=1"):
+        zb_h1(4, 8, 2)
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "zbv"])
+def test_new_schedules_verify_with_and_without_comm_costs(name):
+    spec = SCHEDULES[name]
+    for pp in range(2, 9):
+        for vpp in ((2, 3) if name == "interleaved-1f1b" and pp <= 4 else (vpp_of(name),)):
+            for m in shapes(name, pp):
+                compute = spec.generate(pp, m, vpp)
+                for costs in (Costs(), Costs(f=1, b=2, i=1, w=1, comm=0.5)):
+                    verify(lower(compute, pp, pp * vpp, spec.placement, costs), pp, pp * vpp, m, spec.placement)
 
 
 # --- Simulation. ----------------------------------------------------------------------------------------
@@ -106,6 +170,56 @@ def test_bubble_and_peak_memory_match_the_textbook(name):
             assert res.makespan == pytest.approx(3.0 * (m + pp - 1))
             expected = [m] * pp if name == "gpipe" else [min(pp - r, m) for r in range(pp)]
             assert res.peak_live == expected, (pp, m)
+
+
+def test_interleaved_bubble_matches_the_textbook():
+    # Each chunk is 1/v of a stage, so F and B of a chunk cost 1/v of a full stage's (F=1, B=2).
+    for pp in range(2, 9):
+        for v in (2, 3):
+            for m in range(pp, 17, pp):
+                costs = Costs(f=1 / v, b=2 / v)
+                compute = interleaved_1f1b(pp, m, v)
+                res = simulate(lower(compute, pp, pp * v, "loop", costs), pp, pp * v, m, "loop", costs)
+                assert res.bubble_fraction == pytest.approx((pp - 1) / (v * m + pp - 1)), (pp, v, m)
+
+
+def test_zero_bubble_h1_beats_1f1b_at_equal_peak_memory():
+    costs = Costs(f=1, b=2, i=1, w=1)  # B = I + W, so both do the same work
+    for pp in range(2, 9):
+        for m in range(1, 17):
+            zb = simulate(built("zb-h1", pp, m, costs), pp, pp, m, "loop", costs)
+            base = simulate(built("1f1b", pp, m, costs), pp, pp, m, "loop", costs)
+            assert zb.bubble_fraction < base.bubble_fraction, (pp, m)
+            # Peak memory of the pipeline (its fullest rank) is 1F1B's: min(pp, m) micro-batches. Deferring W's
+            # moves later ranks up to that level, which is what lets them fill their bubbles.
+            assert max(zb.peak_live) == max(base.peak_live) == min(pp, m), (pp, m)
+            assert base.peak_live == [min(pp - r, m) for r in range(pp)]
+            if m >= pp:  # a third of 1F1B's bubble: (p-1) instead of 3(p-1) units per rank
+                assert zb.makespan == pytest.approx(3 * m + pp - 1)
+                assert zb.bubble_fraction == pytest.approx((pp - 1) / (3 * m + pp - 1))
+
+
+def test_zero_bubble_v_bubble_and_memory():
+    costs = Costs(f=1, b=2, i=1, w=1)  # per chunk, i.e. half of a stage of the same model under 1F1B
+    for pp in range(2, 9):
+        for m in (pp, 2 * pp, 16):
+            res = simulate(built("zbv", pp, m, costs), pp, 2 * pp, m, "v", costs)
+            # Two chunks of half a stage each: 2*min(pp, m) chunk activations = 1F1B's peak of min(pp, m) stages.
+            assert max(res.peak_live) == 2 * min(pp, m), (pp, m)
+            if m >= 2 * pp:  # only the start-up ramp is left
+                assert res.bubble_fraction == pytest.approx((pp - 1) / (6 * m + pp - 1)), (pp, m)
+
+
+def test_lowering_meets_where_both_ranks_are_idle():
+    # Interleaved at pp=2: a send right after its producer would wait for a consumer still busy with a
+    # backward; the lowering moves the pair to a moment both ranks are free, so the run is the timeline.
+    costs, compute = Costs(f=0.5, b=1.0), interleaved_1f1b(2, 4, 2)
+    res = simulate(lower(compute, 2, 4, "loop", costs), 2, 4, 4, "loop", costs)
+    assert res.makespan == pytest.approx((2 * 4 + 1) * 1.5)
+    # Every compute starts exactly when the compute-only timeline says: no rank ever waits on a comm batch.
+    starts, _ = _timeline(compute, 4, [0, 1, 0, 1], costs)
+    for r, actions in enumerate(res.actions):
+        assert [res.start[r][k] for k, a in enumerate(actions) if not a.kind.is_comm] == pytest.approx(starts[r])
 
 
 def test_comm_cost_stretches_the_step():

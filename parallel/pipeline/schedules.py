@@ -9,7 +9,7 @@ all of its ops), no schedule whose compute order is feasible can deadlock.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .actions import Action, Costs, Kind, Schedule
@@ -31,15 +31,101 @@ def gpipe(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
 def one_f_one_b(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
     """1F1B: warm-up forwards, then alternate one forward and one backward, then drain the backwards."""
     _one_chunk("1f1b", vpp)
+    m = n_microbatches
+    # Rank r has pp-r-1 forwards in flight before the first backward comes back to it.
+    return [_one_f_one_b([Action(F, i, r) for i in range(m)], [Action(B, i, r) for i in range(m)], pp - r - 1)
+            for r in range(pp)]
+
+
+def interleaved_1f1b(pp: int, n_microbatches: int, vpp: int) -> Schedule:
+    """Megatron's interleaved 1F1B: vpp chunks per rank (looped), micro-batches in groups of pp, depth first."""
+    if vpp < 2:
+        raise ValueError(f"schedule 'interleaved-1f1b' needs virtual stages; set parallel.vpp>=2 (got {vpp})")
+    m = n_microbatches
+    if m % pp:
+        raise ValueError(
+            f"schedule 'interleaved-1f1b' needs schedule.n_microbatches to be a multiple of parallel.pp "
+            f"(got {m} and {pp}); set schedule.n_microbatches={-(-m // pp) * pp}")
+
+    def unit(k: int, r: int, backward: bool) -> tuple[int, int]:
+        """(micro-batch, stage) of rank r's k-th forward or backward: a group of pp micro-batches runs
+        through chunk 0, then chunk 1, ... (backwards: last chunk first) before the next group starts."""
+        group, i = divmod(k, pp * vpp)
+        chunk = vpp - 1 - i // pp if backward else i // pp
+        return group * pp + i % pp, chunk * pp + r
+
+    schedule = []
+    for r in range(pp):
+        forwards = [Action(F, *unit(k, r, False)) for k in range(m * vpp)]
+        backwards = [Action(B, *unit(k, r, True)) for k in range(m * vpp)]
+        # Warm up through every chunk but the last for one whole group, plus 1F1B's one forward per hop
+        # to the last rank. (Megatron takes two per hop: its lock-step exchange needs the slack; `lower`
+        # places our sends and receives where both ends are idle anyway, so one is enough and saves memory.)
+        schedule.append(_one_f_one_b(forwards, backwards, (vpp - 1) * pp + pp - r - 1))
+    return schedule
+
+
+def zb_h1(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into I and W, and rank r's W's deferred by r steps."""
+    _one_chunk("zb-h1", vpp)
     m, schedule = n_microbatches, []
     for r in range(pp):
-        warmup = min(pp - r - 1, m)  # forwards in flight before the first backward reaches rank r
+        warmup = min(pp - r - 1, m)
         actions = [Action(F, i, r) for i in range(warmup)]
-        for i in range(m - warmup):  # steady state: one forward, then the oldest backward
-            actions += [Action(F, warmup + i, r), Action(B, i, r)]
-        actions += [Action(B, i, r) for i in range(m - warmup, m)]  # cool-down
+        deferred = iter(range(m))  # W's in micro-batch order
+        for i in range(m):
+            if warmup + i < m:
+                actions.append(Action(F, warmup + i, r))
+            actions.append(Action(I, i, r))
+            # Gradients now travel at the speed of I, so rank r runs out of I's r steps before rank 0 does;
+            # holding r W's back fills exactly that tail, and keeps at most pp micro-batches (1F1B's peak) live.
+            if i >= r:
+                actions.append(Action(W, next(deferred), r))
+        actions += [Action(W, i, r) for i in deferred]
         schedule.append(actions)
     return schedule
+
+
+def zbv(pp: int, n_microbatches: int, vpp: int = 2) -> Schedule:
+    """ZB-V (Qi et al. 2024): two chunks per rank in a V, split backward; no bubble at F=I=W, 1F1B's memory."""
+    if vpp != 2:
+        raise ValueError(f"schedule 'zbv' holds exactly two chunks per rank; set parallel.vpp=2 (got {vpp})")
+    m = n_microbatches
+    n = max(m, 2 * pp - 1)  # plan a full pipeline, then drop the micro-batches that do not exist
+    schedule = []
+    for r in range(pp):
+        down, up = r, 2 * pp - 1 - r  # chunk 0 on the way down the V, chunk 1 on the way back up
+        count = {(kind, s): 0 for kind in (F, I, W) for s in (down, up)}
+        actions: list[Action] = []
+
+        def run(*steps: tuple[Kind, int]) -> None:
+            for kind, s in steps:
+                actions.append(Action(kind, count[kind, s], s))
+                count[kind, s] += 1
+
+        run(*[(F, down)] * (2 * (pp - r) - 1))  # warm-up: enough forwards to reach the bottom of the V
+        for _ in range(r):
+            run((F, up), (F, down))
+        for _ in range(pp - r):
+            run((F, up), (I, up), (W, up))
+        while count[F, up] < n:  # steady state: F, I, W of each chunk in turn
+            if count[F, down] < n:
+                run((F, down))
+            run((I, down), (W, down), (F, up), (I, up), (W, up))
+        for _ in range(r):  # cool-down: I's first, they are on the critical path; W's fill in behind
+            run((I, down), (I, up))
+        for _ in range(pp - r):
+            run((I, down), (W, down))
+        run(*[(W, up)] * (n - count[W, up]), *[(W, down)] * (n - count[W, down]))
+        schedule.append([a for a in actions if a.microbatch < m])
+    return schedule
+
+
+def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward at a time, then the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    steady = [a for pair in zip(forwards[warmup:], backwards) for a in pair]
+    return forwards[:warmup] + steady + backwards[len(forwards) - warmup:]
 
 
 def _one_chunk(name: str, vpp: int) -> None:
@@ -59,7 +145,33 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(gpipe),
     "1f1b": ScheduleSpec(one_f_one_b),
+    "interleaved-1f1b": ScheduleSpec(interleaved_1f1b, needs_vpp=True),
+    "zb-h1": ScheduleSpec(zb_h1),
+    "zbv": ScheduleSpec(zbv, placement="v", needs_vpp=True),
 }
+
+
+def load_schedule(cfg_schedule, pp: int, n_microbatches: int, vpp: int) -> tuple[Schedule, str]:
+    """Compute lists and placement for the `schedule` config section: a registered name, or `table` + `path`."""
+    name = _get(cfg_schedule, "name")
+    if name == "table":
+        from .tables import load_table  # tables builds on this module
+
+        path = _get(cfg_schedule, "path")
+        if not path or path == "???":
+            raise ValueError("schedule=table needs schedule.path=<a .csv or .json schedule table>")
+        compute, meta = load_table(path, pp=pp, n_microbatches=n_microbatches, vpp=vpp)
+        return compute, meta.placement
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule.name={name} is not a known schedule; use one of "
+                         f"{', '.join(sorted(SCHEDULES))}, or table with schedule.path=<file>")
+    spec = SCHEDULES[name]
+    return spec.generate(pp, n_microbatches, vpp), spec.placement
+
+
+def _get(section, key: str):
+    """A key of a config section given as a DictConfig, a dataclass or a plain dict."""
+    return section.get(key) if isinstance(section, Mapping) or hasattr(section, "get") else getattr(section, key, None)
 
 
 # --- Who talks to whom. ---------------------------------------------------------------------------------
@@ -114,13 +226,19 @@ def comm_peer(action: Action, n_stages: int, placement: str, pp: int) -> int:
 def lower(compute: Schedule, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> Schedule:
     """Add SEND_*/RECV_* to per-rank compute lists; neighbouring stages on one rank hand over locally.
 
-    Order: run the compute lists on a timeline (`costs`, default F=1 B=2 I=1 W=1) where every action starts
-    as soon as its rank is free and its input exists. A cross-rank hand-over gets the time t its producer
-    ends, and both its SEND and its RECV go, on their own rank, right after the last compute that started
-    before t. So the SEND directly follows its producer, the RECV precedes its consumer, and whatever comes
-    before an op on its rank depends only on hand-overs with a smaller t: by induction on t, both ends of
-    every pair get posted while the other waits, and no feasible schedule can deadlock.
-    In 1F1B this yields the classic pairing: `F(i) SEND_F(i) RECV_B(j) B(j) SEND_B(j) RECV_F(i+1)`.
+    Both ends of a hand-over sit in blocking batches, so whoever posts first waits for the other. First run
+    the compute lists on a timeline (`costs`, default F=1 B=2 I=1 W=1) where every action starts as soon as
+    its rank is free and its input exists; a hand-over's producer ends there at time t.
+    Meet: put the SEND and the RECV into gaps between computes that are open at one common moment, at or
+    after t on the producer and before the consumer on the other rank. Then nobody waits and the run is
+    exactly the timeline. Megatron's interleaved exchange gets this for free by running in lock-step; here
+    any schedule does, whenever such gaps exist.
+    Eager (the fallback when some hand-over has no such pair of gaps): both ends go, on their own rank,
+    right after the last compute that started before t. The SEND directly follows its producer, the RECV
+    precedes its consumer, and whatever comes before an op on its rank depends only on hand-overs with a
+    smaller t: by induction on t, both ends of every pair get posted while the other waits, so no feasible
+    schedule can deadlock (but a producer may wait for a busy consumer).
+    In 1F1B both yield the classic pairing: `F(i) SEND_F(i) RECV_B(j) B(j) SEND_B(j) RECV_F(i+1)`.
     Compute lists that cannot run to the end (a broken schedule) get RECV-just-before / SEND-just-after
     for the part that never ran, so `simulate.verify` can name the fault instead of this function.
     """
@@ -129,28 +247,79 @@ def lower(compute: Schedule, pp: int, n_stages: int, placement: str, costs: Cost
         raise ValueError("lowering needs positive compute costs (the placement argument relies on it)")
     owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
     starts, ends = _timeline(compute, n_stages, owner, costs)
+    if all(len(starts[r]) == len(actions) for r, actions in enumerate(compute)):
+        places = _meet(compute, owner, n_stages, starts, ends)
+        if places is not None:
+            lowered = _assemble(compute, places)
+            if _channels_in_order(lowered, owner):
+                return lowered
+    return _assemble(compute, _eager(compute, owner, n_stages, starts, ends))
 
-    gaps: list[dict[int, list]] = [{} for _ in range(pp)]  # rank -> gap index (before compute k) -> ops
 
-    def put(rank: int, gap: int, key: tuple, action: Action) -> None:
-        gaps[rank].setdefault(gap, []).append((key, action))
+Place = tuple[int, int, tuple, Action]  # rank, gap (the op goes before compute #gap), sort key in the gap, op
+_EPS = 1e-9  # timeline times are sums of float costs
 
+
+def _cross_rank(compute: Schedule, owner: list[int], n_stages: int):
+    """Every hand-over that leaves its rank: (producer rank, its slot, SEND, consumer rank, RECV)."""
     for r, actions in enumerate(compute):
         for k, a in enumerate(actions):
             pair = hand_over(a, n_stages)
-            if pair is None or owner[pair[1].stage] == r:
-                continue  # nothing leaves the rank
-            send, recv = pair
-            q = owner[recv.stage]
-            if k < len(ends[r]):  # the producer ran on the timeline
-                t = ends[r][k]
-                # Ties in t: sends before receives in a batch, then a fixed order on both ends of a channel.
-                put(r, bisect_left(starts[r], t), (t, 0, send.stage, send.microbatch), send)
-                put(q, bisect_left(starts[q], t), (t, 1, send.stage, send.microbatch), recv)
-            else:  # never ran: keep it local to the producer and the consumer, and let verify explain
-                put(r, k + 1, (float("inf"), 0, 0, 0), send)
-                put(q, _first_consumer(compute[q], recv, n_stages), (float("inf"), 1, 0, 0), recv)
+            if pair is not None and owner[pair[1].stage] != r:
+                yield r, k, pair[0], owner[pair[1].stage], pair[1]
 
+
+def _eager(compute: Schedule, owner: list[int], n_stages: int, starts: list, ends: list) -> list[Place]:
+    """Both ends right after the last compute on their rank that started before the data exists."""
+    places: list[Place] = []
+    for r, k, send, q, recv in _cross_rank(compute, owner, n_stages):
+        if k < len(ends[r]):  # the producer ran on the timeline
+            t = ends[r][k]
+            # Ties in t: sends before receives in a batch, then a fixed order on both ends of a channel.
+            places.append((r, bisect_left(starts[r], t), (t, 0, send.stage, send.microbatch), send))
+            places.append((q, bisect_left(starts[q], t), (t, 1, send.stage, send.microbatch), recv))
+        else:  # never ran: keep it local to the producer and the consumer, and let verify explain
+            places.append((r, k + 1, (float("inf"), 0, 0, 0), send))
+            places.append((q, _first_consumer(compute[q], recv, n_stages), (float("inf"), 1, 0, 0), recv))
+    return places
+
+
+def _meet(compute: Schedule, owner: list[int], n_stages: int, starts: list, ends: list) -> list[Place] | None:
+    """Both ends in gaps open at one common moment (the earliest), so no rank waits; None if one has none."""
+    consumer = {needs(a, n_stages): (q, k) for q, actions in enumerate(compute) for k, a in enumerate(actions)}
+
+    def gap(rank: int, g: int) -> tuple[float, float]:
+        """When rank is between compute g-1 and compute g on the timeline: [end of g-1, start of g]."""
+        return (ends[rank][g - 1] if g else 0.0), (starts[rank][g] if g < len(starts[rank]) else float("inf"))
+
+    places: list[Place] = []
+    for r, k, send, q, recv in _cross_rank(compute, owner, n_stages):
+        t, (_, kc) = ends[r][k], consumer[recv]
+        best = None  # (moment, producer gap, consumer gap)
+        for g in range(k + 1, len(compute[r]) + 1):
+            a1, b1 = gap(r, g)
+            if a1 > starts[q][kc] + _EPS:
+                break  # the consumer would have to wait
+            for g2 in range(kc, -1, -1):
+                a2, b2 = gap(q, g2)
+                if b2 < t - _EPS:
+                    break  # before the data exists
+                moment = max(a1, a2)
+                if moment <= min(b1, b2) + _EPS and (best is None or moment < best[0] - _EPS):
+                    best = (moment, g, g2)
+        if best is None:
+            return None
+        moment, g, g2 = best
+        places.append((r, g, (moment, 0, send.stage, send.microbatch), send))
+        places.append((q, g2, (moment, 1, send.stage, send.microbatch), recv))
+    return places
+
+
+def _assemble(compute: Schedule, places: list[Place]) -> Schedule:
+    """Interleave the placed comm ops with each rank's compute list."""
+    gaps: list[dict[int, list]] = [{} for _ in compute]
+    for rank, g, key, action in places:
+        gaps[rank].setdefault(g, []).append((key, action))
     lowered: Schedule = []
     for r, actions in enumerate(compute):
         out: list[Action] = []
@@ -160,6 +329,19 @@ def lower(compute: Schedule, pp: int, n_stages: int, placement: str, costs: Cost
                 out.append(actions[k])
         lowered.append(out)
     return lowered
+
+
+def _channels_in_order(lowered: Schedule, owner: list[int]) -> bool:
+    """True if, between every two ranks, sends and receives are posted in the same order (FIFO matching)."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    received: dict[tuple[int, int], list[Action]] = {}
+    for r, actions in enumerate(lowered):
+        for a in actions:
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                sent.setdefault((r, owner[counterpart(a).stage]), []).append(counterpart(a))
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                received.setdefault((owner[counterpart(a).stage], r), []).append(a)
+    return sent == received
 
 
 def _timeline(

@@ -7,7 +7,7 @@ is posted in the peer's current batch; messages between two ranks match in posti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .actions import Action, Costs, Kind, Schedule
 from .partition import stage_to_rank
@@ -32,6 +32,7 @@ class SimResult:
     busy: list[float]  # compute time per rank
     bubble_fraction: float  # 1 - sum(busy) / (pp * makespan)
     peak_live: list[int]  # per rank: most micro-batches whose activations are held at once, all chunks
+    actions: Schedule = field(default_factory=list)  # the lowered schedule the times belong to
 
 
 def verify(lowered: Schedule, pp: int, n_stages: int, n_microbatches: int, placement: str) -> None:
@@ -49,7 +50,7 @@ def simulate(
     start, end, busy = _run(lowered, pp, n_stages, placement, costs)
     makespan = max((t for row in end for t in row), default=0.0)
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
-    return SimResult(start, end, makespan, busy, bubble, [_peak_live(actions) for actions in lowered])
+    return SimResult(start, end, makespan, busy, bubble, [_peak_live(actions) for actions in lowered], lowered)
 
 
 def _peak_live(actions: list[Action]) -> int:
