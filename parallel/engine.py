@@ -1,28 +1,38 @@
-"""ParallelEngine: this rank's share of a DP x TP x PP layout behind the trainer's `step(micro_batches)`."""
+"""ParallelEngine: this rank's share of a DP x TP x PP layout behind the trainer's `step(micro_batches)`.
+
+With `parallel.emulate=true` one process holds every pipeline rank of its (dp, tp) coordinate: the same
+stages, the same lowered lists and the same runtime loop, over in-process channels instead of P2P.
+"""
 
 import functools
+import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
 from minimind import MiniMindForCausalLM
 from parallel.collectives import all_reduce_
 from parallel.grid import ParallelGrid
+from parallel.pipeline.actions import Kind, Schedule
 from parallel.pipeline.partition import layer_partition, rank_stages
 from parallel.pipeline.prune import prune_to_stage
-from parallel.pipeline.runtime import StepPlan, execute
+from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
 from parallel.pipeline.schedules import SCHEDULES, comm_peer, lower
 from parallel.pipeline.simulate import verify
 from parallel.pipeline.stage import Stage
-from parallel.pipeline.transport import P2PTransport
+from parallel.pipeline.transport import LocalTransport, P2PTransport
 from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from training.data import MicroBatch
-from training.engine import StepResult
+from training.engine import Engine, LocalEngine, StepResult
 from training.loss import dense_token_loss
 
+Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
 
-def lowered_schedule(cfg: DictConfig) -> tuple[list, int, str]:
+
+def lowered_schedule(cfg: DictConfig) -> tuple[Schedule, int, str]:
     """The verified, lowered action lists of every pipeline rank, the stage count and the placement."""
     spec = SCHEDULES[cfg.schedule.name]
     pp, vpp, m = cfg.parallel.pp, cfg.parallel.vpp, cfg.schedule.n_microbatches
@@ -32,33 +42,65 @@ def lowered_schedule(cfg: DictConfig) -> tuple[list, int, str]:
     return lowered, n_stages, spec.placement
 
 
+def build_parallel_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid,
+                          dtype: torch.dtype) -> Engine:
+    """The engine for this layout: the whole model locally when there is nothing to split, else a ParallelEngine."""
+    if grid.world_size == 1 and cfg.parallel.pp == 1:
+        return LocalEngine(model.to(grid.device), grid.device, dtype)
+    return ParallelEngine(cfg, model, grid, dtype)
+
+
+@dataclass
+class TracedStepResult(StepResult):
+    """A step's result plus its measured action times: every rank's on global rank 0, None elsewhere."""
+
+    trace: Trace | None = None
+
+
 class ParallelEngine:
     """Builds this rank's stages (pruned, TP-sharded) and runs one step: schedule, then gradient syncs."""
 
     def __init__(self, cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid, dtype: torch.dtype):
         self.grid = grid
-        self.n_microbatches = cfg.schedule.n_microbatches
+        pp, vpp, m = cfg.parallel.pp, cfg.parallel.vpp, cfg.schedule.n_microbatches
+        self.n_microbatches = m
         lowered, n_stages, placement = lowered_schedule(cfg)
-        self.actions = lowered[grid.pp_rank]
+        self.planned = (lowered, pp, n_stages, m, placement)  # what `write_trace` draws the measurement against
+        # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
+        self.emulated = pp > grid.pp
+        ranks = list(range(pp)) if self.emulated else [grid.pp_rank]
+        self.lists = {r: lowered[r] for r in ranks}
         partition = layer_partition(model.config.num_hidden_layers, n_stages, cfg.parallel.layers_per_stage)
         self.tied = bool(model.config.tie_word_embeddings)
-        modules = {s: prune_to_stage(model, partition[s], s == 0, s == n_stages - 1)
-                   for s in rank_stages(grid.pp_rank, grid.pp, cfg.parallel.vpp, placement)}
-        for module in modules.values():
-            apply_tensor_parallel(module, grid)
-            module.to(grid.device)
         vocab_start = grid.tp_rank * (model.config.vocab_size // grid.tp)
         token_loss = dense_token_loss if grid.tp == 1 else functools.partial(
             vocab_parallel_cross_entropy, group=grid.tp_group, vocab_start=vocab_start)
-        self.stages = {s: Stage(m, s, n_stages, grid.device, dtype, token_loss) for s, m in modules.items()}
+        self.stages_of: dict[int, dict[int, Stage]] = {}  # pipeline rank -> its stages
+        for r in ranks:
+            modules = {s: prune_to_stage(model, partition[s], s == 0, s == n_stages - 1)
+                       for s in rank_stages(r, pp, vpp, placement)}
+            for module in modules.values():
+                apply_tensor_parallel(module, grid)
+                module.to(grid.device)
+            if self.tied and n_stages > 1 and {0, n_stages - 1} <= modules.keys():
+                # V placement: the first and last stage share a rank, so the tie is one Parameter again.
+                modules[n_stages - 1].lm_head.weight = modules[0].model.embed_tokens.weight
+            split = {a.stage for a in lowered[r] if a.kind is Kind.I}
+            self.stages_of[r] = {s: Stage(module, s, n_stages, grid.device, dtype, token_loss, s in split)
+                                 for s, module in modules.items()}
+        self.stages = {s: stage for stages in self.stages_of.values() for s, stage in stages.items()}
         self.first = self.stages[0].module.model.embed_tokens.weight if 0 in self.stages else None
         last = self.stages.get(n_stages - 1)
         self.head = last.module.lm_head.weight if last is not None else None
-        boundary = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
-        # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
-        self.transport = P2PTransport(grid.rank, boundary, torch.float32, grid.device, cfg.parallel.timeout_s)
-        self.peer_of = lambda action: grid.global_rank_of(comm_peer(action, n_stages, placement, grid.pp),
-                                                          grid.dp_rank, grid.tp_rank)
+        if self.emulated:
+            self.transport = LocalTransport()
+            self.peer_of = functools.partial(comm_peer, n_stages=n_stages, placement=placement, pp=pp)
+        else:
+            boundary = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
+            # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
+            self.transport = P2PTransport(grid.rank, boundary, torch.float32, grid.device, cfg.parallel.timeout_s)
+            self.peer_of = lambda action: grid.global_rank_of(comm_peer(action, n_stages, placement, grid.pp),
+                                                              grid.dp_rank, grid.tp_rank)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Every parameter this rank holds under its dense name, each Parameter once."""
@@ -86,30 +128,65 @@ class ParallelEngine:
             params.append(param)
         return params
 
-    def step(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """Forward and backward over the step's micro-batches, then tied-embedding and DP gradient sums."""
+    def peak_live(self) -> dict[int, int]:
+        """Per pipeline rank: the most micro-batches whose saved state its stages held at once in the last step."""
+        return {r: sum(s.peak_live for s in stages.values()) for r, stages in self.stages_of.items()}
+
+    def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult:
+        """Forward and backward over the step's micro-batches, then tied-embedding and DP gradient sums.
+
+        With `trace`, every rank also times each of its actions and global rank 0 receives them all."""
         grid = self.grid
         tokens = torch.tensor([sum(mb.num_label_tokens() for mb in micro_batches)], dtype=torch.float64)
         tokens = int(all_reduce_(tokens.to(grid.device), grid.dp_group).item())
         plan = StepPlan(loss_scale=1.0 / max(tokens, 1), aux_scale=1.0 / (self.n_microbatches * grid.dp))
         for stage in self.stages.values():
             stage.reset()
-        execute(self.actions, self.stages, self.transport, self.peer_of, micro_batches, plan)
+        records: dict[int, list[Record]] | None = None
+        if trace:
+            if grid.world_size > 1:
+                dist.barrier()  # a common time origin for every rank's records
+            records, origin = {}, time.perf_counter()
+        if self.emulated:
+            execute_emulated(self.lists, self.stages_of, self.transport, self.peer_of, micro_batches, plan, records)
+        else:
+            r = grid.pp_rank
+            execute(self.lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan,
+                    None if records is None else records.setdefault(r, []))
         self._sync_gradients()
         sums = torch.stack([sum(s.loss_sum for s in self.stages.values()),
                             sum(s.aux_sum for s in self.stages.values())]).to(grid.device)
         all_reduce_(sums, grid.pp_group)  # the loss lives on the last stage, aux on every stage
         all_reduce_(sums, grid.dp_group)
         loss_sum, aux_sum = sums.tolist()
-        return StepResult(loss_sum / max(tokens, 1), aux_sum / (self.n_microbatches * grid.dp), tokens)
+        result = StepResult(loss_sum / max(tokens, 1), aux_sum / (self.n_microbatches * grid.dp), tokens)
+        if records is None:
+            return result
+        return TracedStepResult(result.loss, result.aux_loss, result.tokens, self._gather(records, origin))
+
+    def _gather(self, records: dict[int, list[Record]], origin: float) -> Trace | None:
+        """Every rank's records, keyed by global rank and relative to the common origin, on global rank 0."""
+        grid = self.grid
+        mine = {grid.global_rank_of(r, grid.dp_rank, grid.tp_rank): [(a, s - origin, e - origin) for a, s, e in recs]
+                for r, recs in records.items()}
+        if grid.world_size == 1:
+            return mine
+        gathered = [None] * grid.world_size if grid.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return {rank: recs for part in gathered for rank, recs in part.items()} if grid.rank == 0 else None
 
     def _sync_gradients(self) -> None:
         """Sum the tied embedding's two copies (first and last stage), then sum every gradient over DP."""
         grid = self.grid
-        if self.tied and grid.pp > 1 and self.first is not self.head:
-            tied = self.first if self.first is not None else self.head
-            if tied is not None:
-                all_reduce_(tied.grad, grid.embed_group)
+        if self.tied and self.first is not self.head:
+            if self.emulated:  # both copies are here: the embedding group's all-reduce, in place
+                total = self.first.grad + self.head.grad
+                self.first.grad.copy_(total)
+                self.head.grad.copy_(total)
+            elif grid.pp > 1:
+                tied = self.first if self.first is not None else self.head
+                if tied is not None:
+                    all_reduce_(tied.grad, grid.embed_group)
         if grid.dp > 1:
             for param in self.parameters():
                 if param.grad is not None:

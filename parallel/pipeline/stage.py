@@ -1,28 +1,34 @@
 """Stage: forward and backward of one model chunk for one micro-batch, keeping only what backward needs."""
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from training.engine import autocast
 from training.loss import TokenLoss, shifted_loss_sum
 
+from .weight_grad import SplitLinears, WeightGradStore
+
 
 @dataclass
 class Saved:
-    """What the backward of one micro-batch needs: the received input leaf and the outputs to differentiate."""
+    """What the backward of one micro-batch needs: the received input leaf and where to start autograd."""
 
     inputs: torch.Tensor | None  # the leaf whose .grad is sent upstream (None on the first stage)
-    outputs: list[torch.Tensor]
-    grads_from_outside: bool  # True when outputs[0] waits for a gradient from the next stage
+    # Gradient edges, not the output tensors: the boundary activation's storage is free once it is sent,
+    # since autograd needs only the node that produced it (Megatron frees it by hand for the same reason).
+    edges: list[GradientEdge]
+    seeds: list[torch.Tensor | None]  # the gradient fed to each edge; None = the one from the next stage
 
 
 class Stage:
-    """One pipeline stage (chunk) of the model on this rank: F and B for one micro-batch at a time."""
+    """One pipeline stage (chunk) of the model on this rank: F, B, I and W for one micro-batch at a time."""
 
     def __init__(self, module: nn.Module, index: int, n_stages: int, device: torch.device, dtype: torch.dtype,
-                 token_loss: TokenLoss):
+                 token_loss: TokenLoss, split_backward: bool = False):
         self.module = module
         self.index = index
         self.is_first = index == 0
@@ -30,21 +36,32 @@ class Stage:
         self.device = device
         self.dtype = dtype
         self.token_loss = token_loss
+        # Only schedules with I/W pay for the function mode that routes linears through the split backward.
+        self.weight_grads = WeightGradStore() if split_backward else None
         self.saved: dict[int, Saved] = {}
+        self.peak_live = 0  # most micro-batches holding saved state at once during the step
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.aux_sum = torch.zeros((), dtype=torch.float64)
 
     def reset(self) -> None:
-        """Forget the previous step's sums; nothing may still be saved."""
+        """Forget the previous step's sums and peak; nothing may still be saved."""
         assert not self.saved, f"stage {self.index}: micro-batches {sorted(self.saved)} never ran backward"
+        pending = self.weight_grads.pending if self.weight_grads is not None else {}
+        assert not pending, f"stage {self.index}: micro-batches {sorted(pending)} never ran W"
         self.loss_sum.zero_()
         self.aux_sum.zero_()
+        self.peak_live = 0
+
+    def live(self) -> int:
+        """Micro-batches whose activations (or, after I, W's inputs) this stage holds now."""
+        return len(self.saved) + (len(self.weight_grads.pending) if self.weight_grads is not None else 0)
 
     def forward(self, microbatch: int, inputs: torch.Tensor, labels: torch.Tensor | None,
                 loss_scale: float, aux_scale: float) -> torch.Tensor | None:
         """Run this chunk on one micro-batch; return the boundary activation (None on the last stage)."""
         leaf = None
-        with autocast(self.device, self.dtype):
+        split = SplitLinears(self.weight_grads) if self.weight_grads is not None else nullcontext()
+        with autocast(self.device, self.dtype), split:
             if self.is_first:
                 hidden, aux = self.module.model(input_ids=inputs)
             else:
@@ -54,20 +71,36 @@ class Stage:
             if self.is_last:
                 loss_sum = shifted_loss_sum(self.module.lm_head(hidden), labels, self.token_loss)
         self.aux_sum += aux.detach().double().cpu()
-        outputs = [aux * aux_scale] if aux.requires_grad else []
+        scalars = [aux * aux_scale] if aux.requires_grad else []
         if self.is_last:
             self.loss_sum += loss_sum.detach().double().cpu()
-            self.saved[microbatch] = Saved(leaf, [loss_sum * loss_scale] + outputs, grads_from_outside=False)
+            scalars.insert(0, loss_sum * loss_scale)
+            self._save(microbatch, leaf, scalars, [torch.ones_like(s) for s in scalars])
             return None
-        self.saved[microbatch] = Saved(leaf, [hidden] + outputs, grads_from_outside=True)
+        self._save(microbatch, leaf, [hidden, *scalars], [None, *(torch.ones_like(s) for s in scalars)])
         return hidden.detach()
 
-    def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """Backward of one micro-batch (loss and aux terms included); return the input gradient to send."""
-        saved = self.saved.pop(microbatch)
-        outputs = saved.outputs
-        grads = [grad_output] if saved.grads_from_outside else [None]
-        grads += [None] * (len(outputs) - 1)
-        torch.autograd.backward(outputs, [g if g is not None else torch.ones_like(o) for g, o in zip(grads, outputs)])
-        return None if saved.inputs is None else saved.inputs.grad
+    def _save(self, microbatch: int, leaf: torch.Tensor | None, outputs: list[torch.Tensor],
+              seeds: list[torch.Tensor | None]) -> None:
+        self.saved[microbatch] = Saved(leaf, [get_gradient_edge(o) for o in outputs], seeds)
+        self.peak_live = max(self.peak_live, self.live())
 
+    def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """B: the full backward of one micro-batch (loss and aux included); return the input gradient."""
+        return self._backward(microbatch, grad_output)
+
+    def backward_input(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """I: the backward without the linear layers' weight gradients, which wait for W; return the input grad."""
+        assert self.weight_grads is not None, f"stage {self.index} was not built for split backward (I/W)"
+        with self.weight_grads.defer(microbatch):
+            return self._backward(microbatch, grad_output)
+
+    def backward_weight(self, microbatch: int) -> None:
+        """W: the weight gradients I deferred for this micro-batch."""
+        self.weight_grads.apply(microbatch)
+
+    def _backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        saved = self.saved.pop(microbatch)
+        seeds = [grad_output if s is None else s for s in saved.seeds]
+        torch.autograd.backward(saved.edges, seeds)
+        return None if saved.inputs is None else saved.inputs.grad

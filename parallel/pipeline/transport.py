@@ -1,6 +1,11 @@
-"""Transport: moves boundary tensors (activations forward, gradients backward) between pipeline ranks."""
+"""Transport: moves boundary tensors (activations forward, gradients backward) between pipeline ranks.
 
-from dataclasses import dataclass
+`post` starts a batch of sends and receives and returns at once with one `Pending` per message; the runtime
+decides when to wait. Two implementations: torch.distributed P2P, and in-process channels for emulation.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
 
@@ -8,21 +13,39 @@ import torch
 import torch.distributed as dist
 
 from .actions import Action, Kind
+from .schedules import counterpart
+
+SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
 @dataclass
 class Message:
-    """One boundary transfer: the comm action, the peer's global rank, and the tensor for a send."""
+    """One boundary transfer: the comm action, the peer's rank, and the tensor for a send."""
 
     action: Action
     peer: int
     tensor: torch.Tensor | None = None
 
 
-class Transport(Protocol):
-    """Posts a batch of sends and receives together and returns the received tensors by action."""
+class Pending(Protocol):
+    """One posted transfer. For a receive, `tensor` is valid once ready; a send's tensor may go once ready."""
 
-    def exchange(self, messages: list[Message]) -> dict[Action, torch.Tensor]: ...
+    message: Message
+    tensor: torch.Tensor | None
+
+    def ready(self) -> bool:
+        """True when the transfer needs no more waiting (never blocks)."""
+        ...
+
+    def wait(self) -> None:
+        """Block until ready; raise TransportTimeout naming the transfer when it takes too long."""
+        ...
+
+
+class Transport(Protocol):
+    """Posts a batch of sends and receives together, without waiting for any of them."""
+
+    def post(self, messages: list[Message]) -> list[Pending]: ...
 
 
 class TransportTimeout(RuntimeError):
@@ -31,6 +54,34 @@ class TransportTimeout(RuntimeError):
 
 DIRECTION = {Kind.SEND_F: "sending activation to", Kind.RECV_F: "receiving activation from",
              Kind.SEND_B: "sending gradient to", Kind.RECV_B: "receiving gradient from"}
+
+
+def describe(rank: int, msg: Message) -> str:
+    """'rank 1: receiving activation from rank 0 for micro-batch 3 (stage 1, RECV_F3@s1)'."""
+    return (f"rank {rank}: {DIRECTION[msg.action.kind]} rank {msg.peer} for micro-batch "
+            f"{msg.action.microbatch} (stage {msg.action.stage}, {msg.action})")
+
+
+# --- torch.distributed point-to-point ------------------------------------------------------------------
+
+
+@dataclass
+class P2PPending:
+    """A posted isend/irecv; for a receive, `tensor` is the buffer it lands in."""
+
+    message: Message
+    tensor: torch.Tensor | None
+    works: list  # one work per op, or the batch's coalesced work(s) under NCCL
+    transport: "P2PTransport"
+    waited: bool = False
+
+    def ready(self) -> bool:
+        return self.waited or all(work.is_completed() for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            self.transport.wait(work, self.message)
+        self.waited = True
 
 
 class P2PTransport:
@@ -44,23 +95,24 @@ class P2PTransport:
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
 
-    def exchange(self, messages: list[Message]) -> dict[Action, torch.Tensor]:
-        ops, received = [], {}
+    def post(self, messages: list[Message]) -> list[Pending]:
+        ops, tensors = [], []
         for msg in messages:
-            if msg.action.kind in (Kind.SEND_F, Kind.SEND_B):
-                ops.append(dist.P2POp(dist.isend, msg.tensor.contiguous(), msg.peer))
+            if msg.action.kind in SENDS:
+                tensor = msg.tensor.contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, msg.peer))
             else:
-                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, msg.peer))
-                received[msg.action] = buffer
-        for work, msg in zip(dist.batch_isend_irecv(ops), messages):
-            self._wait(work, msg)
-        return received
+                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, tensor, msg.peer))
+            tensors.append(tensor)
+        works = dist.batch_isend_irecv(ops)
+        # gloo returns one work per op; NCCL coalesces the batch, and then every op waits for all of it.
+        per_op = [[work] for work in works] if len(works) == len(ops) else [list(works)] * len(ops)
+        return [P2PPending(msg, tensor, w, self) for msg, tensor, w in zip(messages, tensors, per_op)]
 
-    def _wait(self, work: dist.Work, msg: Message) -> None:
+    def wait(self, work: dist.Work, msg: Message) -> None:
         """Wait for one transfer; on timeout or a dead peer raise naming what we waited for."""
-        what = (f"rank {self.rank}: {DIRECTION[msg.action.kind]} rank {msg.peer} for micro-batch "
-                f"{msg.action.microbatch} (stage {msg.action.stage}, {msg.action})")
+        what = describe(self.rank, msg)
         try:
             completed = work.wait(timeout=self.timeout)
         except RuntimeError as error:
@@ -69,3 +121,85 @@ class P2PTransport:
         if completed is False:
             raise TransportTimeout(f"{what} did not complete within {self.timeout.total_seconds():.0f}s "
                                    "(parallel.timeout_s)")
+
+
+# --- in-process channels (emulation) ---------------------------------------------------------------------
+
+
+class EmulationError(RuntimeError):
+    """The emulated ranks deadlocked or exchanged mismatched messages; the message names ranks and slots."""
+
+
+@dataclass
+class LocalPending:
+    """A transfer between two emulated ranks; a send is ready at once (the channel buffers it)."""
+
+    message: Message
+    tensor: torch.Tensor | None = None
+    matched: bool = False
+
+    def ready(self) -> bool:
+        return self.matched
+
+    def wait(self) -> None:
+        if not self.matched:  # a single thread cannot wait; the cooperative scheduler switches ranks instead
+            raise EmulationError(f"waiting on an unmatched in-process transfer: {self.message}")
+
+
+@dataclass
+class _Channel:
+    """Messages from one rank to another, matched first-in first-out as NCCL and gloo match them."""
+
+    sends: deque = field(default_factory=deque)  # (action, tensor) not yet received
+    recvs: deque = field(default_factory=deque)  # LocalPending receives not yet matched
+
+
+class LocalTransport:
+    """All pipeline ranks of one process share these channels; `endpoint(rank)` is one rank's Transport."""
+
+    def __init__(self) -> None:
+        self.channels: dict[tuple[int, int], _Channel] = {}
+
+    def endpoint(self, rank: int) -> "LocalEndpoint":
+        return LocalEndpoint(self, rank)
+
+    def channel(self, src: int, dst: int) -> _Channel:
+        return self.channels.setdefault((src, dst), _Channel())
+
+    def unconsumed(self) -> list[str]:
+        """Messages sent but never received (a clean step leaves none)."""
+        return [f"{a} from rank {src} to rank {dst}" for (src, dst), ch in self.channels.items() for a, _ in ch.sends]
+
+
+@dataclass
+class LocalEndpoint:
+    """One emulated rank's view of the shared channels."""
+
+    hub: LocalTransport
+    rank: int
+
+    def post(self, messages: list[Message]) -> list[Pending]:
+        posted = []
+        for msg in messages:
+            if msg.action.kind in SENDS:
+                # A copy, as a wire would make: the receiver owns its buffer and the sender may free its own.
+                channel = self.hub.channel(self.rank, msg.peer)
+                channel.sends.append((msg.action, msg.tensor.detach().clone()))
+                pending = LocalPending(msg, msg.tensor, matched=True)
+            else:
+                channel = self.hub.channel(msg.peer, self.rank)
+                pending = LocalPending(msg)
+                channel.recvs.append(pending)
+            _match(channel)
+            posted.append(pending)
+        return posted
+
+
+def _match(channel: _Channel) -> None:
+    """Pair the oldest unmatched send with the oldest unmatched receive, as a real channel would."""
+    while channel.sends and channel.recvs:
+        (sent, tensor), recv = channel.sends.popleft(), channel.recvs.popleft()
+        if counterpart(sent) != recv.message.action:
+            raise EmulationError(f"messages out of order: rank {recv.message.peer} sent {sent} first, but the oldest "
+                                 f"receive posted for it is {recv.message.action} (channels match in posting order)")
+        recv.tensor, recv.matched = tensor, True
