@@ -294,6 +294,8 @@ def _meet(compute: Schedule, owner: list[int], n_stages: int, starts: list, ends
 
     places: list[Place] = []
     for r, k, send, q, recv in _cross_rank(compute, owner, n_stages):
+        if recv not in consumer:
+            return None  # nobody uses it (a broken schedule): the eager placement lets verify say so
         t, (_, kc) = ends[r][k], consumer[recv]
         best = None  # (moment, producer gap, consumer gap)
         for g in range(k + 1, len(compute[r]) + 1):

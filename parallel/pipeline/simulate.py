@@ -71,10 +71,11 @@ def _check(lowered: Schedule, pp: int, n_stages: int, m: int, placement: str) ->
         raise ScheduleError(f"the schedule has {len(lowered)} rank lists but parallel.pp={pp}")
     owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
     slots: list[dict[Action, int]] = []  # per rank: action -> its slot
+    everywhere = {a for actions in lowered for a in actions}
     for r, actions in enumerate(lowered):
         seen: dict[Action, int] = {}
         for k, a in enumerate(actions):
-            _check_action(r, k, a, seen, owner, n_stages, m)
+            _check_action(r, k, a, seen, owner, n_stages, m, everywhere)
             seen[a] = k
         slots.append(seen)
 
@@ -116,8 +117,10 @@ def _check(lowered: Schedule, pp: int, n_stages: int, m: int, placement: str) ->
                     )
 
 
-def _check_action(r: int, k: int, a: Action, seen: dict[Action, int], owner: list[int], n_stages: int, m: int) -> None:
-    """Faults visible from one rank's list up to slot k."""
+def _check_action(
+    r: int, k: int, a: Action, seen: dict[Action, int], owner: list[int], n_stages: int, m: int, everywhere: set[Action]
+) -> None:
+    """Faults visible from one rank's list up to slot k (and, to explain a missing input, all ranks' actions)."""
     mb, s = a.microbatch, a.stage
     if not 0 <= s < n_stages:
         _fail(r, k, a, f"stage {s} does not exist ({n_stages} stages)")
@@ -159,6 +162,9 @@ def _check_action(r: int, k: int, a: Action, seen: dict[Action, int], owner: lis
         if not any(x in seen for x in makers):
             _fail(r, k, a, f"runs before {' or '.join(map(str, makers))} produces its input on this rank")
     elif need not in seen:
+        makers = [Action(F, mb, src)] if a.kind is F else [Action(B, mb, src), Action(I, mb, src)]
+        if not any(x in everywhere for x in makers):  # say why no RECV was lowered: nobody makes the input
+            _fail(r, k, a, f"its input never comes: no rank runs {' or '.join(map(str, makers))}")
         _fail(r, k, a, f"runs before its input arrives (no {need} earlier on this rank)")
 
 
