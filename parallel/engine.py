@@ -5,8 +5,10 @@ stages, the same lowered lists and the same runtime loop, over in-process channe
 """
 
 import functools
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,8 +22,8 @@ from parallel.pipeline.actions import Kind, Schedule
 from parallel.pipeline.partition import layer_partition, rank_stages
 from parallel.pipeline.prune import prune_to_stage
 from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
-from parallel.pipeline.schedules import SCHEDULES, comm_peer, lower
-from parallel.pipeline.simulate import verify
+from parallel.pipeline.schedules import comm_peer, load_schedule, lower
+from parallel.pipeline.simulate import SimResult, simulate, verify
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import LocalTransport, P2PTransport
 from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -34,12 +36,12 @@ Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, s
 
 def lowered_schedule(cfg: DictConfig) -> tuple[Schedule, int, str]:
     """The verified, lowered action lists of every pipeline rank, the stage count and the placement."""
-    spec = SCHEDULES[cfg.schedule.name]
     pp, vpp, m = cfg.parallel.pp, cfg.parallel.vpp, cfg.schedule.n_microbatches
+    compute, placement = load_schedule(cfg.schedule, pp, m, vpp)  # a registered generator or a table file
     n_stages = pp * vpp
-    lowered = lower(spec.generate(pp, m, vpp), pp, n_stages, spec.placement)
-    verify(lowered, pp, n_stages, m, spec.placement)
-    return lowered, n_stages, spec.placement
+    lowered = lower(compute, pp, n_stages, placement)
+    verify(lowered, pp, n_stages, m, placement)
+    return lowered, n_stages, placement
 
 
 def build_parallel_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid,
@@ -65,7 +67,7 @@ class ParallelEngine:
         pp, vpp, m = cfg.parallel.pp, cfg.parallel.vpp, cfg.schedule.n_microbatches
         self.n_microbatches = m
         lowered, n_stages, placement = lowered_schedule(cfg)
-        self.planned = (lowered, pp, n_stages, m, placement)  # what `write_trace` draws the measurement against
+        self.schedule = (lowered, pp, n_stages, m, placement)
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = pp > grid.pp
         ranks = list(range(pp)) if self.emulated else [grid.pp_rank]
@@ -127,6 +129,11 @@ class ParallelEngine:
                 continue  # the last stage's copy of the tied embedding: counted on the first stage
             params.append(param)
         return params
+
+    @property
+    def planned(self) -> SimResult:
+        """The simulated step (unit costs) that `write_trace` draws the measured one against."""
+        return simulate(*self.schedule)
 
     def peak_live(self) -> dict[int, int]:
         """Per pipeline rank: the most micro-batches whose saved state its stages held at once in the last step."""
@@ -191,3 +198,15 @@ class ParallelEngine:
             for param in self.parameters():
                 if param.grad is not None:
                     all_reduce_(param.grad, grid.dp_group)
+
+
+def write_trace(run_dir: str | Path, step: int, trace: Trace, planned: SimResult) -> float:
+    """On global rank 0: write `trace_step{N}.json` (Chrome trace, one track per rank) and `trace_step{N}.png`
+    (measured against planned); return the measured bubble fraction for metrics.jsonl."""
+    from parallel.pipeline.timeline import chrome_trace, draw_measured_vs_planned, measured_bubble
+
+    path = Path(run_dir) / f"trace_step{step}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(trace, name=f"step {step}")))
+    draw_measured_vs_planned(planned, trace, path.with_suffix(".png"), title=f"step {step}")
+    return measured_bubble(trace)
