@@ -58,10 +58,9 @@ def interleaved_1f1b(pp: int, n_microbatches: int, vpp: int) -> Schedule:
     for r in range(pp):
         forwards = [Action(F, *unit(k, r, False)) for k in range(m * vpp)]
         backwards = [Action(B, *unit(k, r, True)) for k in range(m * vpp)]
-        # Warm up through every chunk but the last for one whole group, plus 1F1B's one forward per hop
-        # to the last rank. (Megatron takes two per hop: its lock-step exchange needs the slack; `lower`
-        # places our sends and receives where both ends are idle anyway, so one is enough and saves memory.)
-        schedule.append(_one_f_one_b(forwards, backwards, (vpp - 1) * pp + pp - r - 1))
+        # Warm up through every chunk but the last for one whole group, plus two per hop to the last rank
+        # (Megatron's count; one would do at zero comm cost, the second hides a transfer's latency).
+        schedule.append(_one_f_one_b(forwards, backwards, (vpp - 1) * pp + 2 * (pp - r - 1)))
     return schedule
 
 
@@ -226,19 +225,13 @@ def comm_peer(action: Action, n_stages: int, placement: str, pp: int) -> int:
 def lower(compute: Schedule, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> Schedule:
     """Add SEND_*/RECV_* to per-rank compute lists; neighbouring stages on one rank hand over locally.
 
-    Both ends of a hand-over sit in blocking batches, so whoever posts first waits for the other. First run
-    the compute lists on a timeline (`costs`, default F=1 B=2 I=1 W=1) where every action starts as soon as
-    its rank is free and its input exists; a hand-over's producer ends there at time t.
-    Meet: put the SEND and the RECV into gaps between computes that are open at one common moment, at or
-    after t on the producer and before the consumer on the other rank. Then nobody waits and the run is
-    exactly the timeline. Megatron's interleaved exchange gets this for free by running in lock-step; here
-    any schedule does, whenever such gaps exist.
-    Eager (the fallback when some hand-over has no such pair of gaps): both ends go, on their own rank,
-    right after the last compute that started before t. The SEND directly follows its producer, the RECV
-    precedes its consumer, and whatever comes before an op on its rank depends only on hand-overs with a
-    smaller t: by induction on t, both ends of every pair get posted while the other waits, so no feasible
-    schedule can deadlock (but a producer may wait for a busy consumer).
-    In 1F1B both yield the classic pairing: `F(i) SEND_F(i) RECV_B(j) B(j) SEND_B(j) RECV_F(i+1)`.
+    Order: run the compute lists on a timeline (`costs`, default F=1 B=2 I=1 W=1) where every action starts
+    as soon as its rank is free and its input exists. A cross-rank hand-over gets the time t its producer
+    ends, and both its SEND and its RECV go, on their own rank, right after the last compute that started
+    before t. So the SEND directly follows its producer, the RECV precedes its consumer, and whatever comes
+    before an op on its rank depends only on hand-overs with a smaller t: by induction on t, both ends of
+    every pair get posted while the other waits, and no feasible schedule can deadlock.
+    In 1F1B this yields the classic pairing: `F(i) SEND_F(i) RECV_B(j) B(j) SEND_B(j) RECV_F(i+1)`.
     Compute lists that cannot run to the end (a broken schedule) get RECV-just-before / SEND-just-after
     for the part that never ran, so `simulate.verify` can name the fault instead of this function.
     """
@@ -247,81 +240,28 @@ def lower(compute: Schedule, pp: int, n_stages: int, placement: str, costs: Cost
         raise ValueError("lowering needs positive compute costs (the placement argument relies on it)")
     owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
     starts, ends = _timeline(compute, n_stages, owner, costs)
-    if all(len(starts[r]) == len(actions) for r, actions in enumerate(compute)):
-        places = _meet(compute, owner, n_stages, starts, ends)
-        if places is not None:
-            lowered = _assemble(compute, places)
-            if _channels_in_order(lowered, owner):
-                return lowered
-    return _assemble(compute, _eager(compute, owner, n_stages, starts, ends))
 
+    gaps: list[dict[int, list]] = [{} for _ in range(pp)]  # rank -> gap index (before compute k) -> ops
 
-Place = tuple[int, int, tuple, Action]  # rank, gap (the op goes before compute #gap), sort key in the gap, op
-_EPS = 1e-9  # timeline times are sums of float costs
+    def put(rank: int, gap: int, key: tuple, action: Action) -> None:
+        gaps[rank].setdefault(gap, []).append((key, action))
 
-
-def _cross_rank(compute: Schedule, owner: list[int], n_stages: int):
-    """Every hand-over that leaves its rank: (producer rank, its slot, SEND, consumer rank, RECV)."""
     for r, actions in enumerate(compute):
         for k, a in enumerate(actions):
             pair = hand_over(a, n_stages)
-            if pair is not None and owner[pair[1].stage] != r:
-                yield r, k, pair[0], owner[pair[1].stage], pair[1]
+            if pair is None or owner[pair[1].stage] == r:
+                continue  # nothing leaves the rank
+            send, recv = pair
+            q = owner[recv.stage]
+            if k < len(ends[r]):  # the producer ran on the timeline
+                t = ends[r][k]
+                # Ties in t: sends before receives in a batch, then a fixed order on both ends of a channel.
+                put(r, bisect_left(starts[r], t), (t, 0, send.stage, send.microbatch), send)
+                put(q, bisect_left(starts[q], t), (t, 1, send.stage, send.microbatch), recv)
+            else:  # never ran: keep it local to the producer and the consumer, and let verify explain
+                put(r, k + 1, (float("inf"), 0, 0, 0), send)
+                put(q, _first_consumer(compute[q], recv, n_stages), (float("inf"), 1, 0, 0), recv)
 
-
-def _eager(compute: Schedule, owner: list[int], n_stages: int, starts: list, ends: list) -> list[Place]:
-    """Both ends right after the last compute on their rank that started before the data exists."""
-    places: list[Place] = []
-    for r, k, send, q, recv in _cross_rank(compute, owner, n_stages):
-        if k < len(ends[r]):  # the producer ran on the timeline
-            t = ends[r][k]
-            # Ties in t: sends before receives in a batch, then a fixed order on both ends of a channel.
-            places.append((r, bisect_left(starts[r], t), (t, 0, send.stage, send.microbatch), send))
-            places.append((q, bisect_left(starts[q], t), (t, 1, send.stage, send.microbatch), recv))
-        else:  # never ran: keep it local to the producer and the consumer, and let verify explain
-            places.append((r, k + 1, (float("inf"), 0, 0, 0), send))
-            places.append((q, _first_consumer(compute[q], recv, n_stages), (float("inf"), 1, 0, 0), recv))
-    return places
-
-
-def _meet(compute: Schedule, owner: list[int], n_stages: int, starts: list, ends: list) -> list[Place] | None:
-    """Both ends in gaps open at one common moment (the earliest), so no rank waits; None if one has none."""
-    consumer = {needs(a, n_stages): (q, k) for q, actions in enumerate(compute) for k, a in enumerate(actions)}
-
-    def gap(rank: int, g: int) -> tuple[float, float]:
-        """When rank is between compute g-1 and compute g on the timeline: [end of g-1, start of g]."""
-        return (ends[rank][g - 1] if g else 0.0), (starts[rank][g] if g < len(starts[rank]) else float("inf"))
-
-    places: list[Place] = []
-    for r, k, send, q, recv in _cross_rank(compute, owner, n_stages):
-        if recv not in consumer:
-            return None  # nobody uses it (a broken schedule): the eager placement lets verify say so
-        t, (_, kc) = ends[r][k], consumer[recv]
-        best = None  # (moment, producer gap, consumer gap)
-        for g in range(k + 1, len(compute[r]) + 1):
-            a1, b1 = gap(r, g)
-            if a1 > starts[q][kc] + _EPS:
-                break  # the consumer would have to wait
-            for g2 in range(kc, -1, -1):
-                a2, b2 = gap(q, g2)
-                if b2 < t - _EPS:
-                    break  # before the data exists
-                moment = max(a1, a2)
-                if moment <= min(b1, b2) + _EPS and (best is None or moment < best[0] - _EPS):
-                    best = (moment, g, g2)
-        if best is None:
-            return None
-        moment, g, g2 = best
-        places.append((r, g, (moment, 0, send.stage, send.microbatch), send))
-        places.append((q, g2, (moment, 1, send.stage, send.microbatch), recv))
-    return places
-
-
-def _assemble(compute: Schedule, places: list[Place]) -> Schedule:
-    """Interleave the placed comm ops with each rank's compute list."""
-    gaps: list[dict[int, list]] = [{} for _ in compute]
-    for rank, g, key, action in places:
-        gaps[rank].setdefault(g, []).append((key, action))
     lowered: Schedule = []
     for r, actions in enumerate(compute):
         out: list[Action] = []
@@ -331,19 +271,6 @@ def _assemble(compute: Schedule, places: list[Place]) -> Schedule:
                 out.append(actions[k])
         lowered.append(out)
     return lowered
-
-
-def _channels_in_order(lowered: Schedule, owner: list[int]) -> bool:
-    """True if, between every two ranks, sends and receives are posted in the same order (FIFO matching)."""
-    sent: dict[tuple[int, int], list[Action]] = {}
-    received: dict[tuple[int, int], list[Action]] = {}
-    for r, actions in enumerate(lowered):
-        for a in actions:
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                sent.setdefault((r, owner[counterpart(a).stage]), []).append(counterpart(a))
-            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-                received.setdefault((owner[counterpart(a).stage], r), []).append(a)
-    return sent == received
 
 
 def _timeline(

@@ -1,8 +1,13 @@
 """Check a lowered schedule before launch (ownership, completeness, matching, no deadlock) and simulate it.
 
-The P2P model is the runtime's: a maximal run of consecutive SEND_*/RECV_* actions on a rank is posted as
-one batch (`batch_isend_irecv`) and the rank waits for all of it. An op completes once its counterpart
-is posted in the peer's current batch; messages between two ranks match in posting order.
+A maximal run of consecutive SEND_*/RECV_* actions on a rank is posted as one batch (`batch_isend_irecv`);
+messages between two ranks match in posting order. Two models of waiting:
+- `verify` (the stricter): the rank waits for its whole batch where it posts it. An op completes once its
+  counterpart is posted in the peer's current batch.
+- `simulate` (the runtime's): the rank posts and moves on; a compute waits for the batch that carries its
+  input, and the step ends when every batch is done. A batch completes as a unit once all its ops' peers
+  have posted (NCCL coalesces it; gloo would let each op finish alone, which is never later).
+The runtime blocks on a subset of what the stricter model blocks on, so whatever passes `verify` runs.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ class SimResult:
     """Predicted timing and memory of one training step under a lowered schedule."""
 
     start: list[list[float]]  # per rank, per slot (comm actions: when the batch was posted)
-    end: list[list[float]]
+    end: list[list[float]]  # (comm actions: when their batch completed)
     makespan: float
     busy: list[float]  # compute time per rank
     bubble_fraction: float  # 1 - sum(busy) / (pp * makespan)
@@ -44,10 +49,10 @@ def verify(lowered: Schedule, pp: int, n_stages: int, n_microbatches: int, place
 def simulate(
     lowered: Schedule, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None
 ) -> SimResult:
-    """Verify, then replay the schedule with `costs`: per-action times, makespan, bubble, peak memory."""
+    """Check, then replay the schedule as the runtime runs it with `costs`: times, makespan, bubble, memory."""
     costs = costs or Costs()
     _check(lowered, pp, n_stages, n_microbatches, placement)
-    start, end, busy = _run(lowered, pp, n_stages, placement, costs)
+    start, end, busy = _replay(lowered, pp, n_stages, placement, costs)
     makespan = max((t for row in end for t in row), default=0.0)
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
     return SimResult(start, end, makespan, busy, bubble, [_peak_live(actions) for actions in lowered], lowered)
@@ -240,6 +245,78 @@ def _run(
                 progress = True
     if any(pos[r] < len(lowered[r]) for r in range(pp)):
         raise ScheduleError("deadlock: " + "; ".join(_blocked(lowered, pos, batch, done, owner, n_stages)))
+    return start, end, busy
+
+
+def _replay(
+    lowered: Schedule, pp: int, n_stages: int, placement: str, costs: Costs
+) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """Replay all ranks as the runtime runs them: post batches without waiting, wait for inputs at computes."""
+    owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
+    start = [[0.0] * len(actions) for actions in lowered]
+    end = [[0.0] * len(actions) for actions in lowered]
+    busy = [0.0] * pp
+    clock, pos = [0.0] * pp, [0] * pp
+    arrived: dict[Action, float] = {}  # keyed by the RECV that names an input: when it is on its rank
+    waiting: dict[Action, tuple[int, int]] = {}  # posted op whose counterpart is not posted yet -> (rank, batch)
+    open_ops: dict[tuple[int, int], int] = {}  # (rank, first slot) of a batch -> its ops not matched yet
+    matched: dict[tuple[int, int], float] = {}  # (rank, first slot) of a batch -> latest match so far
+
+    def post(r: int, first: int) -> None:
+        """Post the batch starting at slot `first`; complete every batch whose last op this matches."""
+        actions = lowered[r]
+        stop = next((j for j in range(first, len(actions)) if not actions[j].kind.is_comm), len(actions))
+        open_ops[r, first], matched[r, first] = stop - first, clock[r]
+        for j in range(first, stop):
+            start[r][j] = clock[r]
+            mate = counterpart(actions[j])
+            if mate not in waiting:
+                waiting[actions[j]] = (r, first)
+                continue
+            peer = waiting.pop(mate)
+            both_posted = max(clock[r], start[peer[0]][peer[1]])
+            for b in ((r, first), peer):
+                matched[b] = max(matched[b], both_posted)
+                open_ops[b] -= 1
+                if open_ops[b] == 0:
+                    complete(*b)
+        pos[r] = stop
+
+    def complete(r: int, first: int) -> None:
+        done = matched[r, first] + costs.comm
+        for j in range(first, len(lowered[r])):
+            a = lowered[r][j]
+            if not a.kind.is_comm:
+                break
+            end[r][j] = done
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                arrived[a] = done
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(pp):
+            while pos[r] < len(lowered[r]):
+                k, a = pos[r], lowered[r][pos[r]]
+                if a.kind.is_comm:
+                    post(r, k)
+                else:
+                    need = needs(a, n_stages)
+                    if need is not None and need not in arrived:
+                        break  # the batch carrying its input is not complete yet
+                    start[r][k] = max(clock[r], arrived.get(need, 0.0))
+                    end[r][k] = clock[r] = start[r][k] + costs.of(a.kind)
+                    busy[r] += costs.of(a.kind)
+                    pair = hand_over(a, n_stages)
+                    if pair is not None and owner[pair[1].stage] == r:
+                        arrived[pair[1]] = clock[r]  # local hand-over: no comm, the tensor is simply there
+                    pos[r] += 1
+                progress = True
+    stuck = [f"rank {r}, slot {pos[r]}, {lowered[r][pos[r]]} waits for its input {needs(lowered[r][pos[r]], n_stages)}"
+             for r in range(pp) if pos[r] < len(lowered[r])]
+    stuck += [f"rank {r}, slot {lowered[r].index(a)}, {a} is never matched" for a, (r, _) in waiting.items()]
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(stuck))
     return start, end, busy
 
 
