@@ -1,0 +1,179 @@
+"""Pictures and traces of a pipeline step: planned (simulated) or measured, as PNG timelines or Chrome traces.
+
+A measured step is `{rank: [(action, start_s, end_s), ...]}` with action text as `str(Action)` (`F3@s1`,
+`RECV_B2@s0`, ...) and times from one clock shared by all ranks (e.g. `time.time()` after a barrier).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .simulate import SimResult
+
+__all__ = ["COLORS", "chrome_trace", "draw_measured_vs_planned", "draw_timeline", "intervals", "measured_bubble"]
+
+Interval = tuple[str, float, float]  # (action text, start, end)
+Intervals = Mapping[int, Sequence[Interval]] | Sequence[Sequence[Interval]]
+
+COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3", "comm": "#BBBBBB"}
+_ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)?(?:@s(\d+))?")
+
+
+def intervals(source: SimResult | Intervals, comm: bool = False) -> dict[int, list[Interval]]:
+    """Per-rank (action, start, end) of a simulated step or of given intervals; comm actions only if asked."""
+    if isinstance(source, SimResult):
+        return {r: [(str(a), source.start[r][k], source.end[r][k]) for k, a in enumerate(actions)
+                    if comm or not a.kind.is_comm]
+                for r, actions in enumerate(source.actions)}
+    rows = source.items() if isinstance(source, Mapping) else enumerate(source)
+    return {int(r): [(str(t), float(s), float(e)) for t, s, e in row if comm or _kind(str(t)) != "comm"]
+            for r, row in rows}
+
+
+def measured_bubble(measured: Intervals) -> float:
+    """1 - busy / (ranks * span): busy is time in F/B/I/W, span from the first start to the last end."""
+    rows = intervals(measured, comm=True)
+    times = [t for row in rows.values() for _, s, e in row for t in (s, e)]
+    if not rows or not times or max(times) <= min(times):
+        return 0.0
+    busy = sum(e - s for row in rows.values() for text, s, e in row if _kind(text) in "FBIW")
+    return 1.0 - busy / (len(rows) * (max(times) - min(times)))
+
+
+def chrome_trace(measured: Intervals, name: str = "pipeline step") -> dict:
+    """Chrome-trace JSON (chrome://tracing, Perfetto): one named track per rank, one "X" event per action."""
+    rows = intervals(measured, comm=True)
+    t0 = min((s for row in rows.values() for _, s, _ in row), default=0.0)
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": name}}]
+    for rank in sorted(rows):
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
+            {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
+        ]
+        for text, start, end in rows[rank]:
+            m = _ACTION_RE.fullmatch(text)
+            args = {"microbatch": int(m.group(2))} if m and m.group(2) else {}
+            if m and m.group(3):
+                args["stage"] = int(m.group(3))
+            events.append({"name": text, "cat": _kind(text), "ph": "X", "pid": 0, "tid": rank,
+                           "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def draw_timeline(source: SimResult | Intervals, path: str | Path, title: str = "", unit: str = "") -> Path:
+    """Write a PNG: one row per rank, a colored box per F/B/I/W action with its micro-batch number."""
+    plt = _pyplot()
+    rows = intervals(source)
+    fig, ax = plt.subplots(figsize=_size(rows, 1))
+    _draw(ax, rows, _heading(source, title), unit or _unit(source))
+    _legend(fig, rows)
+    return _save(fig, path)
+
+
+def draw_measured_vs_planned(planned: SimResult | Intervals, measured: Intervals, path: str | Path,
+                             title: str = "") -> Path:
+    """Write a PNG with two panels: the planned (simulated) step above, the measured one below."""
+    plt = _pyplot()
+    plan_rows, real_rows = intervals(planned), intervals(measured)
+    width, height = _size(plan_rows if len(plan_rows) >= len(real_rows) else real_rows, 2)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(width, height))
+    _draw(top, plan_rows, _heading(planned, "planned"), _unit(planned))
+    _draw(bottom, real_rows, _heading(measured, "measured"), "seconds")
+    if title:
+        fig.suptitle(title)
+    _legend(fig, plan_rows, real_rows)
+    return _save(fig, path)
+
+
+# --- Drawing helpers. -----------------------------------------------------------------------------------
+
+
+def _kind(text: str) -> str:
+    """F, B, I, W, or comm (SEND_*/RECV_* and anything unrecognised, which never counts as busy)."""
+    m = _ACTION_RE.fullmatch(text.strip())
+    return m.group(1) if m and m.group(1) in ("F", "B", "I", "W") else "comm"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on cluster nodes or in CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _size(rows: dict[int, list[Interval]], panels: int) -> tuple[float, float]:
+    most = max((len(row) for row in rows.values()), default=1)
+    return min(28.0, max(10.0, most * 0.32)), panels * (1.2 + 0.45 * max(len(rows), 1))
+
+
+def _unit(source: object) -> str:
+    return "time (cost units)" if isinstance(source, SimResult) else "seconds"
+
+
+def _heading(source: SimResult | Intervals, title: str) -> str:
+    if isinstance(source, SimResult):
+        stats = f"makespan {source.makespan:g}, bubble {source.bubble_fraction:.1%}"
+    else:
+        stats = f"bubble {measured_bubble(source):.1%}"
+    return f"{title}: {stats}" if title else stats
+
+
+def _draw(ax, rows: dict[int, list[Interval]], title: str, unit: str) -> None:
+    """Boxes per rank (rank 0 on top), shaded lighter for a rank's later chunks, micro-batch number inside."""
+    t0 = min((s for row in rows.values() for _, s, _ in row), default=0.0)
+    span = max((e for row in rows.values() for _, _, e in row), default=1.0) - t0 or 1.0
+    most = max((len(row) for row in rows.values()), default=1)
+    fontsize = max(4.0, min(9.0, 700.0 / most))
+    for rank, row in rows.items():
+        chunk_of = _chunks(row)
+        for text, start, end in row:
+            m = _ACTION_RE.fullmatch(text.strip())
+            chunk = chunk_of.get(int(m.group(3)), 0) if m and m.group(3) else 0
+            color = _lighter(COLORS[_kind(text)], min(0.6, 0.35 * chunk))
+            ax.barh(rank, end - start, left=start - t0, height=0.8, color=color, edgecolor="white", linewidth=0.5)
+            if m and m.group(2) and (end - start) / span > 0.004:
+                ax.text((start + end) / 2 - t0, rank, m.group(2), ha="center", va="center",
+                        fontsize=fontsize, color="white" if chunk == 0 else "black")
+    ax.set_yticks(sorted(rows), [f"rank {r}" for r in sorted(rows)])
+    ax.set_ylim(max(rows, default=0) + 0.6, min(rows, default=0) - 0.6)  # rank 0 on top
+    ax.set_xlim(0, span)
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def _legend(fig, *row_sets: dict[int, list[Interval]]) -> None:
+    from matplotlib.patches import Patch
+
+    kinds = {_kind(text) for rows in row_sets for row in rows.values() for text, _, _ in row}
+    chunked = any(len(_chunks(row)) > 1 for rows in row_sets for row in rows.values())
+    names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
+    handles = [Patch(color=COLORS[k], label=names[k]) for k in "FBIW" if k in kinds]
+    if chunked:
+        handles.append(Patch(color=_lighter("#777777", 0.35), label="later chunk (lighter)"))
+    fig.legend(handles=handles, loc="lower center", ncol=max(len(handles), 1), fontsize=8, frameon=False)
+
+
+def _chunks(row: list[Interval]) -> dict[int, int]:
+    """Stage -> which of the rank's chunks it is (0 = its lowest stage), from the stages its actions name."""
+    stages = sorted({int(m.group(3)) for text, _, _ in row if (m := _ACTION_RE.fullmatch(text.strip())) and m.group(3)})
+    return {s: i for i, s in enumerate(stages)}
+
+
+def _lighter(color: str, amount: float) -> tuple[float, float, float]:
+    """Mix a hex color with white."""
+    rgb = [int(color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path

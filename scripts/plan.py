@@ -1,0 +1,154 @@
+"""Show what a run config would do, without launching anything: partition, schedule grid, bubble, memory, PNG.
+
+    python scripts/plan.py model=tiny parallel.pp=4 schedule=1f1b schedule.n_microbatches=8 [--out=plan.png]
+
+Arguments are the Hydra overrides of train.py, plus `--out=PATH` (or `--out PATH`) for the timeline PNG.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from minimind.model import MiniMindForCausalLM  # noqa: E402
+from parallel.pipeline.actions import Kind, Schedule  # noqa: E402
+from parallel.pipeline.partition import layer_partition, stage_to_rank  # noqa: E402
+from parallel.pipeline.schedules import load_schedule, lower  # noqa: E402
+from parallel.pipeline.simulate import plan_text, simulate, verify  # noqa: E402
+from parallel.pipeline.timeline import draw_timeline  # noqa: E402
+from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
+from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
+
+BYTES_PER_FLOAT = 4  # fp32 activations (bf16 autocast saves some tensors in half: this is the upper bound)
+MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-batch, stage) of layers(stage) "
+                  "x micro_batch_size x seq_len x 4 B x (6*hidden + 4*kv_dim + 4*ffn_width)")
+
+
+def split_args(argv: list[str]) -> tuple[list[str], Path]:
+    """Hydra overrides and the PNG path (`--out=PATH`, `--out PATH`; default plan.png in the cwd)."""
+    overrides, out, args = [], Path("plan.png"), iter(argv)
+    for arg in args:
+        if arg.startswith("--out="):
+            out = Path(arg.split("=", 1)[1])
+        elif arg == "--out":
+            out = Path(next(args, "plan.png"))
+        else:
+            overrides.append(arg)
+    return overrides, out
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The run config train.py would see, validated; exit 2 with one line if it is wrong."""
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose(config_name="config", overrides=overrides)
+        except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
+            fail(explain_compose_error(error, overrides))
+    try:
+        validate(cfg)
+    except ConfigError as error:
+        fail(str(error))
+    return cfg
+
+
+def stage_parameters(cfg: DictConfig, partition: list[range]) -> tuple[list[int], int, bool]:
+    """Parameters per stage (a tied lm_head counts on the last stage, which holds a copy), unique total, tied."""
+    with torch.device("meta"):  # shapes only: no memory, no init time, any model size
+        model = MiniMindForCausalLM(model_config(cfg))
+    layer_stage = {layer: s for s, layers in enumerate(partition) for layer in layers}
+    last = len(partition) - 1
+    per_stage = [0] * len(partition)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name.startswith("model.embed_tokens."):
+            stage = 0
+        elif name.startswith("model.layers."):
+            stage = layer_stage[int(name.split(".")[2])]
+        else:  # model.norm.*, lm_head.*
+            stage = last
+        per_stage[stage] += param.numel()
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    return per_stage, sum(p.numel() for p in model.parameters()), tied
+
+
+def activation_bytes(lowered: Schedule, partition: list[range], cfg: DictConfig) -> list[int]:
+    """Per rank, the peak of MEMORY_FORMULA over the lowered action list."""
+    mc = model_config(cfg)
+    ffn = (mc.num_experts_per_tok * (mc.moe_intermediate_size or mc.intermediate_size) if mc.use_moe
+           else mc.intermediate_size)
+    per_token_layer = BYTES_PER_FLOAT * (6 * mc.hidden_size + 4 * mc.num_key_value_heads * mc.head_dim + 4 * ffn)
+    per_layer = cfg.train.micro_batch_size * cfg.train.seq_len * per_token_layer
+    peaks = []
+    for actions in lowered:
+        live = peak = 0
+        for a in actions:  # held from F until B (or W, under the I/W split) frees them
+            if a.kind in (Kind.F, Kind.B, Kind.W):
+                live += len(partition[a.stage]) * (1 if a.kind is Kind.F else -1)
+                peak = max(peak, live)
+        peaks.append(peak * per_layer)
+    return peaks
+
+
+def human(n: float) -> str:
+    """Bytes in binary units."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def main(argv: list[str]) -> int:
+    """Print the plan of the composed config and write its timeline PNG."""
+    overrides, out = split_args(argv)
+    cfg = compose_config(overrides)
+    p, m = cfg.parallel, cfg.schedule.n_microbatches
+    pp, vpp = p.pp, p.vpp
+    n_stages = pp * vpp
+    layers = list(p.layers_per_stage) if p.layers_per_stage is not None else None
+    try:
+        partition = layer_partition(cfg.model.num_hidden_layers, n_stages, layers)
+        compute, placement = load_schedule(cfg.schedule, pp, m, vpp)
+        lowered = lower(compute, pp, n_stages, placement)
+        verify(lowered, pp, n_stages, m, placement)
+    except ValueError as error:
+        fail(str(error))
+    sim = simulate(lowered, pp, n_stages, m, placement)
+
+    print(f"plan: model={cfg.model.name} ({cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}), "
+          f"pp={pp} vpp={vpp} tp={p.tp} dp={p.dp or 'auto'}, schedule={cfg.schedule.name}, {m} micro-batches of "
+          f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens")
+    per_stage, total, tied = stage_parameters(cfg, partition)
+    print(f"partition: {n_stages} stages, placement {placement}")
+    for s, layer_range in enumerate(partition):
+        extras = [x for x, here in (("embed_tokens", s == 0), ("norm + lm_head", s == n_stages - 1)) if here]
+        span = f"layers {layer_range.start}-{layer_range.stop - 1}" if len(layer_range) > 1 else f"layer {layer_range.start}"
+        print(f"  stage {s} on rank {stage_to_rank(s, pp, placement)}: {span} ({len(layer_range)})"
+              f"{' + ' + ', '.join(extras) if extras else ''}, {per_stage[s]:,} params")
+    note = " (lm_head tied to embed_tokens: counted once; the last stage holds a copy)" if tied and n_stages > 1 else ""
+    print(f"  total {total:,} parameters{note}")
+    print("schedule:")
+    print(plan_text(lowered, pp, n_stages, m, placement))
+    print(f"predicted: makespan {sim.makespan:g} cost units, bubble fraction {sim.bubble_fraction:.1%}")
+    memory = activation_bytes(lowered, partition, cfg)
+    for r in range(pp):
+        print(f"  rank {r}: peak live micro-batches {sim.peak_live[r]}, peak activation memory "
+              f"{memory[r]:,} bytes ({human(memory[r])})")
+    print(f"  ({MEMORY_FORMULA}; per tensor-parallel rank divide by tp)")
+    title = f"{cfg.schedule.name}, pp={pp} vpp={vpp}, {m} micro-batches"
+    print(f"timeline: {draw_timeline(sim, out, title)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
