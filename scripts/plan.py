@@ -132,7 +132,8 @@ def main(argv: list[str]) -> int:
     print(f"partition: {n_stages} stages, placement {placement}")
     for s, layer_range in enumerate(partition):
         extras = [x for x, here in (("embed_tokens", s == 0), ("norm + lm_head", s == n_stages - 1)) if here]
-        span = f"layers {layer_range.start}-{layer_range.stop - 1}" if len(layer_range) > 1 else f"layer {layer_range.start}"
+        first, last = layer_range.start, layer_range.stop - 1
+        span = f"layers {first}-{last}" if last > first else f"layer {first}"
         print(f"  stage {s} on rank {stage_to_rank(s, pp, placement)}: {span} ({len(layer_range)})"
               f"{' + ' + ', '.join(extras) if extras else ''}, {per_stage[s]:,} params")
     note = " (lm_head tied to embed_tokens: counted once; the last stage holds a copy)" if tied and n_stages > 1 else ""

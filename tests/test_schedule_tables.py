@@ -52,7 +52,8 @@ def test_table_is_a_readable_timeline(tmp_path):
         "1,,F0,B0,,F1,B1,,F2,B2,,,",
     ]
     zbv = json.loads(dump_builtin("zbv", 2, 2, tmp_path / "zbv.json").read_text())
-    assert zbv["placement"] == "v" and [c for c in zbv["ranks"][0] if c][:3] == ["F0@s0", "F1@s0", "F0@s3"]  # two stages: named
+    # Two stages per rank: every cell names its stage.
+    assert zbv["placement"] == "v" and [c for c in zbv["ranks"][0] if c][:3] == ["F0@s0", "F1@s0", "F0@s3"]
 
 
 def test_hand_written_tables_without_metadata(tmp_path):
@@ -180,4 +181,5 @@ def test_table_missing_a_micro_batch_the_config_asks_for(tmp_path):
     # Declared for 2 micro-batches, the config agrees, but rank 1 never runs micro-batch 1 at all.
     refuse(write(tmp_path, "t.csv", "# n_microbatches=2\n0,F0,F1,B0,B1\n1,F0,B0\n"),
            "rank 0, slot 6, B1@s0: its input never comes: no rank runs B1@s1 or I1@s1")
-    refuse(write(tmp_path, "u.csv", "# n_microbatches=2\n0,F0,B0\n1,F0,B0\n"), "rank 0, slot 4 (end of list), F1@s0: missing")
+    refuse(write(tmp_path, "u.csv", "# n_microbatches=2\n0,F0,B0\n1,F0,B0\n"),
+           "rank 0, slot 4 (end of list), F1@s0: missing")
