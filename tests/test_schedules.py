@@ -387,3 +387,33 @@ def test_stage_to_rank_agrees_with_rank_stages():
         for placement, vpp in (("loop", 1), ("loop", 3), ("v", 2)):
             for r in range(pp):
                 assert all(stage_to_rank(s, pp, placement) == r for s in rank_stages(r, pp, vpp, placement))
+
+
+# --- The README's "Writing a schedule" example, kept honest. ---------------------------------------------
+
+
+def one_f_one_b_late_w(pp: int, n_microbatches: int, vpp: int = 1) -> list[list[Action]]:
+    """1F1B with the backward split: I at once (it unblocks the rank before), every W at the very end."""
+    m, schedule = n_microbatches, []
+    for r in range(pp):  # rank r runs stage r
+        warmup = min(pp - r - 1, m)  # forwards in flight before the first gradient comes back
+        actions = [Action(Kind.F, i, r) for i in range(warmup)]
+        for i in range(m):
+            if warmup + i < m:
+                actions.append(Action(Kind.F, warmup + i, r))
+            actions.append(Action(Kind.I, i, r))
+        actions += [Action(Kind.W, i, r) for i in range(m)]  # weight grads fill the tail; memory stays held
+        schedule.append(actions)
+    return schedule
+
+
+def test_readme_example_schedule(monkeypatch):
+    from parallel.pipeline.schedules import ScheduleSpec, load_schedule
+
+    monkeypatch.setitem(SCHEDULES, "1f1b-late-w", ScheduleSpec(one_f_one_b_late_w))
+    compute, placement = load_schedule({"name": "1f1b-late-w"}, 4, 8, 1)
+    lowered = lower(compute, 4, 4, placement)
+    verify(lowered, 4, 4, 8, placement)
+    costs = Costs(f=1, b=2, i=1, w=1)
+    res = simulate(lowered, 4, 4, 8, placement, costs)
+    assert (res.makespan, res.peak_live) == (30, [8] * 4)  # 1F1B: 33 and [4, 3, 2, 1]; ZB-H1: 27 and [4] * 4

@@ -86,8 +86,7 @@ def zb_h1(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
 
 
 def zbv(pp: int, n_microbatches: int, vpp: int = 2) -> Schedule:
-    """ZB-V (Qi et al. 2023, sec. 6): two chunks per rank in a V, split backward; at F=I=W only the start-up
-    ramp is idle, with the peak activation memory of 1F1B."""
+    """ZB-V (Qi et al. 2023, sec. 6): two chunks per rank in a V, split backward; 1F1B's memory, ~no bubble."""
     if vpp != 2:
         raise ValueError(f"schedule 'zbv' holds exactly two chunks per rank; set parallel.vpp=2 (got {vpp})")
     m = n_microbatches
