@@ -15,6 +15,7 @@ from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.actions import Action, Kind
+from parallel.pipeline.prune import prune_to_stage
 from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec, lower
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.stage import Stage
@@ -97,8 +98,6 @@ def test_input_then_weight_backward_equals_full_backward(moe):
 
 def test_stage_drops_the_boundary_activation_once_it_is_handed_over():
     model = tiny()
-    from parallel.pipeline.prune import prune_to_stage
-
     stage = Stage(prune_to_stage(model, range(1, 3), False, False), 1, 3, CPU, torch.float32, dense_token_loss)
     x = torch.randn(2, 16, 32)
     out = stage.forward(0, x, None, 1.0, 1.0)

@@ -3,15 +3,17 @@
 It holds no schedule-specific branch: warm-up, steady state and cool-down exist only in the list.
 
 Communication. A run of consecutive SEND_*/RECV_* actions is posted as one batch, in list order, and the loop
-moves on at once: a receive is waited for only right before the compute that consumes it, a send only
-before the step ends (its tensor is dropped as soon as the transfer is done). So a RECV that the lowering
+moves on at once: a receive is waited for only right before the compute that consumes it, a send only at
+the end of the step (its tensor is dropped as soon as the transfer is done). So a RECV that the lowering
 placed ahead of its consumer overlaps the computes in between, and every send overlaps what follows it.
-Why this cannot deadlock where the lowering's batch model (wait for the whole batch at once) does not:
-every op is posted at the same place in the same list, so each peer pair posts in the same relative
-order as before (FIFO matching and NCCL's per-pair stream order are untouched); and a rank now blocks
-only on a subset of what it blocked on before, later or at the same point. Completion of an op depends
-only on both ends having been posted, which can only happen earlier now, so by induction over the batch
-model's completion order every op still completes.
+
+Why this stays deadlock-free wherever the lowering's model (wait for a whole batch before posting the next)
+is: (1) every op is posted at its own place in the list, so each peer pair sees the same posting order, and
+FIFO matching and NCCL's one stream per pair see the same sequence as before; (2) a rank blocks only on a
+receive right before its consumer and on its sends at the end, each at or after the point where the batch
+model blocked on the same op. An op completes once both ends are posted (under NCCL also once the ops before
+it on the pair's stream did, an order the batch model already obeyed). Posts can only move earlier and waits
+only later, so by induction over the order in which the batch model completes ops, every op completes here.
 
 `run` is a generator that yields whenever the list must wait for a transfer: `execute` waits on the
 transport (one process per rank); `execute_emulated` switches to another rank (all ranks in one process).
@@ -66,33 +68,42 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
     """Execute one rank's list; gradients accumulate in the stages' parameters. Yields where it must wait."""
     inbox: dict[tuple[str, int, int], torch.Tensor | Pending] = {}  # inputs of local computes, by receiver
     outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # outputs waiting for their SEND, by sender
-    sending: list[Pending] = []
+    sending: list[Pending] = []  # posted sends; each holds its tensor until the wire is done with it
     for slot, group in comm_runs(actions):
         start = time.perf_counter()
         if group[0].kind.is_comm:
-            messages = [Message(a, peer_of(a), outbox.pop(_key(a)) if a.kind in SENDS else None) for a in group]
-            for pending in transport.post(messages):
-                if pending.message.action.kind in SENDS:
-                    sending.append(pending)
-                else:
-                    inbox[_key(pending.message.action)] = pending
-            _record(records, group, start)
-            continue
-        action = group[0]
-        key = _input_key(action)
-        inputs = inbox.pop(key, None) if key else None
-        if inputs is not None and not isinstance(inputs, torch.Tensor):  # a receive still in flight
-            if not inputs.ready():
-                yield Blocked(slot, action, inputs)
-            inputs = inputs.tensor
-        sending = [p for p in sending if not p.ready()]  # release what the wire is done with
-        start = time.perf_counter()
-        _compute(action, stages, inputs, micro_batches, plan, inbox, outbox)
+            _post(group, transport, peer_of, inbox, outbox, sending)
+        else:
+            action = group[0]
+            received = inbox.get(_input_key(action))
+            if received is not None and not isinstance(received, torch.Tensor) and not received.ready():
+                yield Blocked(slot, action, received)  # resumed once it is ready
+            sending[:] = [p for p in sending if not p.ready()]  # release what the wire is done with
+            start = time.perf_counter()
+            _compute(action, stages, _take_input(action, inbox), micro_batches, plan, inbox, outbox)
         _record(records, group, start)
     for pending in sending:
         if not pending.ready():
             yield Blocked(len(actions), pending.message.action, pending)
     assert not inbox and not outbox, f"unconsumed boundary tensors: {sorted(inbox) + sorted(outbox)}"
+
+
+def _post(group: list[Action], transport: Transport, peer_of: Callable[[Action], int], inbox: dict, outbox: dict,
+          sending: list[Pending]) -> None:
+    """Post one run of comm actions as one batch: sends take their tensor from the outbox, receives file a
+    Pending in the inbox. A function of its own, so no local outlives the post and pins a sent tensor."""
+    messages = [Message(a, peer_of(a), outbox.pop(_key(a)) if a.kind in SENDS else None) for a in group]
+    for pending in transport.post(messages):
+        if pending.message.action.kind in SENDS:
+            sending.append(pending)
+        else:
+            inbox[_key(pending.message.action)] = pending
+
+
+def _take_input(action: Action, inbox: dict) -> torch.Tensor | None:
+    """Pop a compute's input from a neighbouring stage (a local hand-over or a completed receive), if any."""
+    received = inbox.pop(_input_key(action), None)
+    return received if received is None or isinstance(received, torch.Tensor) else received.tensor
 
 
 def _record(records: list[Record] | None, group: list[Action], start: float) -> None:
@@ -108,12 +119,10 @@ def _key(comm: Action) -> tuple[str, int, int]:
 
 
 def _input_key(action: Action) -> tuple[str, int, int] | None:
-    """The mailbox key of a compute's input from a neighbouring stage, if it has one."""
-    if action.kind is Kind.F:
-        return ACTIVATION, action.microbatch, action.stage
-    if action.kind in (Kind.B, Kind.I):
-        return GRADIENT, action.microbatch, action.stage
-    return None
+    """The mailbox key of a compute's input from a neighbouring stage (never there for the first F or last B)."""
+    if action.kind is Kind.W:
+        return None  # W works on what its I left behind
+    return ACTIVATION if action.kind is Kind.F else GRADIENT, action.microbatch, action.stage
 
 
 def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | None, micro_batches: list[MicroBatch],
