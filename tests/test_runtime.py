@@ -147,6 +147,20 @@ def _v_gpipe(pp: int, m: int) -> list[list[Action]]:
     return out
 
 
+def test_a_receive_blocks_only_its_consumer():
+    # Rank 0 posts RECV_B0 before F1 but needs it only at B0. Waiting for the whole batch (the lowering's
+    # stricter model) would deadlock: rank 1 makes B0's gradient only after it got F1 from rank 0.
+    S, R = Kind.SEND_F, Kind.RECV_F
+    rank0 = [Action(F, 0, 0), Action(S, 0, 0), Action(Kind.RECV_B, 0, 0), Action(F, 1, 0), Action(S, 1, 0),
+             Action(Kind.RECV_B, 1, 0), Action(B, 0, 0), Action(B, 1, 0)]
+    rank1 = [Action(R, 0, 1), Action(F, 0, 1), Action(R, 1, 1), Action(F, 1, 1), Action(B, 0, 1),
+             Action(Kind.SEND_B, 0, 1), Action(B, 1, 1), Action(Kind.SEND_B, 1, 1)]
+    engine = ParallelEngine(layout_cfg("gpipe", 2, 2), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine.lists = {0: rank0, 1: rank1}
+    engine.step(batches(2))
+    assert_grads_match(engine, dense_grads(tiny(), batches(2)))
+
+
 # --- Faults the emulation names instead of hanging or corrupting. ------------------------------------------
 
 
