@@ -5,8 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import training.trainer
-from parallel.engine import build_parallel_engine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.schedules import SCHEDULES
 from tests.equivalence import compose_run_config, run_training
@@ -50,9 +48,7 @@ def assert_same_losses(emulated: list[float], distributed: list[float]) -> None:
 
 
 @pytest.mark.parametrize("layout", PP2 + PP4, ids=lambda layout: "-".join(x.split("=")[1] for x in layout))
-def test_emulated_pipeline_matches_distributed(layout, distributed, tmp_path, monkeypatch):
-    # TODO(trainer): drop once training.trainer.build_engine delegates to build_parallel_engine.
-    monkeypatch.setattr(training.trainer, "build_engine", build_parallel_engine)
+def test_emulated_pipeline_matches_distributed(layout, distributed, tmp_path):
     cfg = compose_run_config([*COMMON, *layout, "parallel.emulate=true"], tmp_path / "cache")
     result = run_training(cfg, ParallelGrid.single(torch.device("cpu")), tmp_path / "run")
     assert_same_losses(result["losses"], distributed[tuple(layout)])

@@ -85,3 +85,13 @@ def test_slurm_script_launches_torchrun_per_node(tmp_path):
                             timeout=300, env={**os.environ, **env})
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(losses(tmp_path / "run")) == 2
+
+
+def test_emulated_pipeline_runs_in_one_process_from_the_command_line(tmp_path):
+    emulated = run([sys.executable, "train.py", "train.steps=2", "parallel.pp=2", "parallel.emulate=true"],
+                   tmp_path / "emulated", tmp_path)
+    assert emulated.returncode == 0, emulated.stderr[-2000:]
+    assert "launching" not in (tmp_path / "emulated" / "train.log").read_text()  # no workers were started
+    single = run([sys.executable, "train.py", "train.steps=2"], tmp_path / "single", tmp_path)
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert losses(tmp_path / "emulated") == pytest.approx(losses(tmp_path / "single"), rel=1e-5)

@@ -1,10 +1,8 @@
 """Tracing a step: every rank times its actions, rank 0 writes one Chrome trace and a measured-vs-planned PNG."""
 
-import inspect
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from parallel.engine import ParallelEngine, write_trace
@@ -12,7 +10,6 @@ from parallel.grid import ParallelGrid
 from tests.equivalence import layout_worker
 from tests.spawn import run_workers
 from tests.test_runtime import batches, layout_cfg, tiny
-from training.trainer import Trainer
 
 
 def trace_worker(rank: int, world_size: int, schedule: str, run_dir: str) -> float | None:
@@ -57,7 +54,6 @@ def test_emulated_trace_has_every_pipeline_rank(tmp_path):
     assert 0.0 <= bubble < 1.0
 
 
-@pytest.mark.skipif("trace_step" not in inspect.getsource(Trainer.fit), reason="the trainer does not trace yet")
 def test_trainer_traces_the_configured_step(tmp_path):
     overrides = ["model=tiny", "parallel.pp=2", "train.steps=2", "train.trace_step=2", "train.log_every=5"]
     run_workers(layout_worker, 2, overrides, str(tmp_path / "cache"), str(tmp_path / "run"), timeout=120)

@@ -222,14 +222,15 @@ def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
     _positive(cfg, "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp", "parallel.timeout_s")
     _one_of(cfg, "parallel.backend", BACKENDS)
     p = cfg.parallel
+    pp = 1 if p.emulate else p.pp  # emulation runs every pipeline rank inside one process
     if world_size is not None:
-        if p.dp is None and world_size % (p.tp * p.pp):
-            raise ConfigError(f"world size {world_size} is not a multiple of parallel.tp*pp = {p.tp}*{p.pp}; "
-                              f"launch a multiple of {p.tp * p.pp} processes or change parallel.tp/pp")
-        dp = p.dp or world_size // (p.tp * p.pp)
-        if dp * p.tp * p.pp != world_size:
-            raise ConfigError(f"world size {world_size} != parallel.dp*tp*pp = {dp}*{p.tp}*{p.pp}; "
-                              f"launch {dp * p.tp * p.pp} processes or change the parallel sizes")
+        if p.dp is None and world_size % (p.tp * pp):
+            raise ConfigError(f"world size {world_size} is not a multiple of parallel.tp*pp = {p.tp}*{pp}; "
+                              f"launch a multiple of {p.tp * pp} processes or change parallel.tp/pp")
+        dp = p.dp or world_size // (p.tp * pp)
+        if dp * p.tp * pp != world_size:
+            raise ConfigError(f"world size {world_size} != parallel.dp*tp*pp = {dp}*{p.tp}*{pp}; "
+                              f"launch {dp * p.tp * pp} processes or change the parallel sizes")
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:

@@ -31,7 +31,7 @@ def under_torchrun() -> bool:
 def layout_world_size(cfg: DictConfig) -> int:
     """Processes a self-launch starts: dp * tp * pp (dp defaults to 1 when nobody chose a world size)."""
     p = cfg.parallel
-    return (p.dp or 1) * p.tp * p.pp
+    return (p.dp or 1) * p.tp * (1 if p.emulate else p.pp)  # emulation runs a whole pipeline per process
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
@@ -58,7 +58,7 @@ def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
     if not under_torchrun():
         grid = ParallelGrid.single()
     else:
-        grid = ParallelGrid.build(p.dp, p.tp, p.pp, backend=p.backend, timeout_s=p.timeout_s)
+        grid = ParallelGrid.build(p.dp, p.tp, 1 if p.emulate else p.pp, backend=p.backend, timeout_s=p.timeout_s)
     try:
         run_dir = agree_on_run_dir(run_dir, grid)
         configure_worker_logging(Path(run_dir), grid.rank)

@@ -39,11 +39,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def build_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid, dtype: torch.dtype) -> Engine:
     """The step engine for this layout: the whole model locally, or this rank's share of the grid."""
-    if grid.world_size == 1:
+    if grid.world_size == 1 and cfg.parallel.pp == 1:
         return LocalEngine(model.to(grid.device), grid.device, dtype)
-    from parallel.engine import ParallelEngine
+    from parallel.engine import build_parallel_engine
 
-    return ParallelEngine(cfg, model, grid, dtype)
+    return build_parallel_engine(cfg, model, grid, dtype)
 
 
 class Trainer:
@@ -71,7 +71,8 @@ class Trainer:
                 lr = lr_at(step, steps, cfg.optim)
                 set_lr(self.optimizer, lr)
                 start = time.perf_counter()
-                result = self.engine.step(micro_batches)
+                traced = step + 1 == cfg.train.trace_step and hasattr(self.engine, "planned")
+                result = self.engine.step(micro_batches, trace=True) if traced else self.engine.step(micro_batches)
                 grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
                                            cfg.train.grad_clip, self.grid.mp_group)
                 self.optimizer.step()
@@ -82,10 +83,14 @@ class Trainer:
                     on_step(step + 1)
                 tokens_per_s = self.tokens_per_step / step_time
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
-                if step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
-                    metrics.log(step + 1, {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr,
-                                           "grad_norm": grad_norm, "tokens": result.tokens,
-                                           "tokens_per_s": tokens_per_s, "step_time_s": step_time})
+                record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time}
+                if traced and self.grid.rank == 0:
+                    from parallel.engine import write_trace
+
+                    record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace, self.engine.planned)
+                if traced or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
+                    metrics.log(step + 1, record)
         finally:
             metrics.close()
         return losses
