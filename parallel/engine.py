@@ -46,7 +46,7 @@ def lowered_schedule(cfg: DictConfig) -> tuple[Schedule, int, str]:
 
 def build_parallel_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid,
                           dtype: torch.dtype) -> Engine:
-    """The engine for this layout: the whole model locally when there is nothing to split, else a ParallelEngine."""
+    """The step engine for this layout: the whole model locally when nothing is split, else this rank's share."""
     if grid.world_size == 1 and cfg.parallel.pp == 1:
         return LocalEngine(model.to(grid.device), grid.device, dtype)
     return ParallelEngine(cfg, model, grid, dtype)

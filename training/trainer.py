@@ -9,10 +9,10 @@ import torch
 from omegaconf import DictConfig
 
 from minimind import MiniMindForCausalLM
+from parallel.engine import build_parallel_engine
 from parallel.grid import ParallelGrid
 from training.config import model_config
 from training.data import build_data
-from training.engine import Engine, LocalEngine
 from training.metrics import MetricsLogger
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -37,15 +37,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def build_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid, dtype: torch.dtype) -> Engine:
-    """The step engine for this layout: the whole model locally, or this rank's share of the grid."""
-    if grid.world_size == 1 and cfg.parallel.pp == 1:
-        return LocalEngine(model.to(grid.device), grid.device, dtype)
-    from parallel.engine import build_parallel_engine
-
-    return build_parallel_engine(cfg, model, grid, dtype)
-
-
 class Trainer:
     """One rank's training loop; every layout differs only in the engine it builds."""
 
@@ -54,7 +45,7 @@ class Trainer:
         self.grid = grid
         self.run_dir = Path(run_dir)
         dtype = resolve_dtype(cfg.train.dtype, grid.device)
-        self.engine = build_engine(cfg, build_model(cfg), grid, dtype)
+        self.engine = build_parallel_engine(cfg, build_model(cfg), grid, dtype)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
