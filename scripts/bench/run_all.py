@@ -20,6 +20,7 @@ VARIANTS = {
     "1 process (grad accumulation)": [],
     "pp2 gpipe": ["parallel.pp=2", "schedule=gpipe"],
     "pp2 1f1b": ["parallel.pp=2", "schedule=1f1b"],
+    "pp2 zb-h1": ["parallel.pp=2", "schedule=zb-h1"],
 }
 WARMUP_STEPS = 2
 
