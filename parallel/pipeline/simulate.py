@@ -180,16 +180,21 @@ def _fail(rank: int, slot: int | str, action: Action, why: str) -> None:
 # --- The run: compute when inputs exist, comm batches when both ends are posted. -----------------------
 
 
+def _fresh_replay(lowered: Schedule, pp: int, n_stages: int, placement: str) -> tuple:
+    """The state both replays start from: stage owners, per-slot start/end, busy time, clocks, positions,
+    and `arrived` (keyed by the RECV that names an input: when that input is on its rank)."""
+    owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
+    start = [[0.0] * len(actions) for actions in lowered]
+    end = [[0.0] * len(actions) for actions in lowered]
+    arrived: dict[Action, float] = {}
+    return owner, start, end, [0.0] * pp, [0.0] * pp, [0] * pp, arrived
+
+
 def _run(
     lowered: Schedule, pp: int, n_stages: int, placement: str, costs: Costs
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Replay all ranks under the batch model; raise ScheduleError naming every blocked rank on deadlock."""
-    owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    start = [[0.0] * len(actions) for actions in lowered]
-    end = [[0.0] * len(actions) for actions in lowered]
-    busy = [0.0] * pp
-    clock, pos = [0.0] * pp, [0] * pp
-    arrived: dict[Action, float] = {}  # keyed by the RECV that names an input: when it is on its rank
+    owner, start, end, busy, clock, pos, arrived = _fresh_replay(lowered, pp, n_stages, placement)
     batch: list[range | None] = [None] * pp  # the slots of each rank's posted, unfinished batch
     done: dict[tuple[int, int], float] = {}  # (rank, slot) of a finished comm op -> when
 
@@ -252,12 +257,7 @@ def _replay(
     lowered: Schedule, pp: int, n_stages: int, placement: str, costs: Costs
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Replay all ranks as the runtime runs them: post batches without waiting, wait for inputs at computes."""
-    owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    start = [[0.0] * len(actions) for actions in lowered]
-    end = [[0.0] * len(actions) for actions in lowered]
-    busy = [0.0] * pp
-    clock, pos = [0.0] * pp, [0] * pp
-    arrived: dict[Action, float] = {}  # keyed by the RECV that names an input: when it is on its rank
+    owner, start, end, busy, clock, pos, arrived = _fresh_replay(lowered, pp, n_stages, placement)
     waiting: dict[Action, tuple[int, int]] = {}  # posted op whose counterpart is not posted yet -> (rank, batch)
     open_ops: dict[tuple[int, int], int] = {}  # (rank, first slot) of a batch -> its ops not matched yet
     matched: dict[tuple[int, int], float] = {}  # (rank, first slot) of a batch -> latest match so far
