@@ -180,21 +180,47 @@ def _fail(rank: int, slot: int | str, action: Action, why: str) -> None:
 # --- The run: compute when inputs exist, comm batches when both ends are posted. -----------------------
 
 
-def _fresh_replay(lowered: Schedule, pp: int, n_stages: int, placement: str) -> tuple:
-    """The state both replays start from: stage owners, per-slot start/end, busy time, clocks, positions,
-    and `arrived` (keyed by the RECV that names an input: when that input is on its rank)."""
-    owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    start = [[0.0] * len(actions) for actions in lowered]
-    end = [[0.0] * len(actions) for actions in lowered]
-    arrived: dict[Action, float] = {}
-    return owner, start, end, [0.0] * pp, [0.0] * pp, [0] * pp, arrived
+@dataclass
+class _ReplayState:
+    """What both replays track: stage owners, per-slot start/end, busy time, clocks, list positions, and
+    `arrived` (keyed by the RECV that names an input: when that input is on its rank)."""
+
+    owner: list[int]
+    start: list[list[float]]
+    end: list[list[float]]
+    busy: list[float]
+    clock: list[float]
+    pos: list[int]
+    arrived: dict[Action, float]
+
+    @classmethod
+    def fresh(cls, lowered: Schedule, pp: int, n_stages: int, placement: str) -> "_ReplayState":
+        return cls([stage_to_rank(s, pp, placement) for s in range(n_stages)],
+                   [[0.0] * len(actions) for actions in lowered], [[0.0] * len(actions) for actions in lowered],
+                   [0.0] * pp, [0.0] * pp, [0] * pp, {})
+
+    def compute(self, a: Action, r: int, k: int, n_stages: int, costs: Costs) -> bool:
+        """Run compute action `a` (slot k of rank r) if its input is there; False if it has to wait."""
+        need = needs(a, n_stages)
+        if need is not None and need not in self.arrived:
+            return False
+        self.start[r][k] = max(self.clock[r], self.arrived.get(need, 0.0))
+        self.end[r][k] = self.clock[r] = self.start[r][k] + costs.of(a.kind)
+        self.busy[r] += costs.of(a.kind)
+        pair = hand_over(a, n_stages)
+        if pair is not None and self.owner[pair[1].stage] == r:
+            self.arrived[pair[1]] = self.clock[r]  # local hand-over: no comm, the tensor is simply there
+        self.pos[r] += 1
+        return True
 
 
 def _run(
     lowered: Schedule, pp: int, n_stages: int, placement: str, costs: Costs
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Replay all ranks under the batch model; raise ScheduleError naming every blocked rank on deadlock."""
-    owner, start, end, busy, clock, pos, arrived = _fresh_replay(lowered, pp, n_stages, placement)
+    state = _ReplayState.fresh(lowered, pp, n_stages, placement)
+    owner, start, end, busy, clock, pos, arrived = (state.owner, state.start, state.end, state.busy, state.clock,
+                                                    state.pos, state.arrived)
     batch: list[range | None] = [None] * pp  # the slots of each rank's posted, unfinished batch
     done: dict[tuple[int, int], float] = {}  # (rank, slot) of a finished comm op -> when
 
@@ -203,17 +229,7 @@ def _run(
         actions, k = lowered[r], pos[r]
         a = actions[k]
         if not a.kind.is_comm:
-            need = needs(a, n_stages)
-            if need is not None and need not in arrived:
-                return False
-            start[r][k] = max(clock[r], arrived.get(need, 0.0))
-            end[r][k] = clock[r] = start[r][k] + costs.of(a.kind)
-            busy[r] += costs.of(a.kind)
-            pair = hand_over(a, n_stages)
-            if pair is not None and owner[pair[1].stage] == r:
-                arrived[pair[1]] = clock[r]  # local hand-over: no comm, the tensor is simply there
-            pos[r] += 1
-            return True
+            return state.compute(a, r, k, n_stages, costs)
         if batch[r] is None:  # post the whole run of comm actions at once
             stop = next((j for j in range(k, len(actions)) if not actions[j].kind.is_comm), len(actions))
             batch[r] = range(k, stop)
@@ -257,7 +273,9 @@ def _replay(
     lowered: Schedule, pp: int, n_stages: int, placement: str, costs: Costs
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Replay all ranks as the runtime runs them: post batches without waiting, wait for inputs at computes."""
-    owner, start, end, busy, clock, pos, arrived = _fresh_replay(lowered, pp, n_stages, placement)
+    state = _ReplayState.fresh(lowered, pp, n_stages, placement)
+    owner, start, end, busy, clock, pos, arrived = (state.owner, state.start, state.end, state.busy, state.clock,
+                                                    state.pos, state.arrived)
     waiting: dict[Action, tuple[int, int]] = {}  # posted op whose counterpart is not posted yet -> (rank, batch)
     open_ops: dict[tuple[int, int], int] = {}  # (rank, first slot) of a batch -> its ops not matched yet
     matched: dict[tuple[int, int], float] = {}  # (rank, first slot) of a batch -> latest match so far
@@ -300,17 +318,8 @@ def _replay(
                 k, a = pos[r], lowered[r][pos[r]]
                 if a.kind.is_comm:
                     post(r, k)
-                else:
-                    need = needs(a, n_stages)
-                    if need is not None and need not in arrived:
-                        break  # the batch carrying its input is not complete yet
-                    start[r][k] = max(clock[r], arrived.get(need, 0.0))
-                    end[r][k] = clock[r] = start[r][k] + costs.of(a.kind)
-                    busy[r] += costs.of(a.kind)
-                    pair = hand_over(a, n_stages)
-                    if pair is not None and owner[pair[1].stage] == r:
-                        arrived[pair[1]] = clock[r]  # local hand-over: no comm, the tensor is simply there
-                    pos[r] += 1
+                elif not state.compute(a, r, k, n_stages, costs):
+                    break  # the batch carrying its input is not complete yet
                 progress = True
     stuck = [f"rank {r}, slot {pos[r]}, {lowered[r][pos[r]]} waits for its input {needs(lowered[r][pos[r]], n_stages)}"
              for r in range(pp) if pos[r] < len(lowered[r])]
