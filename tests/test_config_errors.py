@@ -31,6 +31,8 @@ BAD_CONFIGS = [
     (["model=tiny", "parallel.pp=2", "parallel.layers_per_stage=[4,0]"], "parallel.layers_per_stage[1] = 0"),
     (["model=tiny", "parallel.pp=2", "schedule.n_microbatches=0"], "schedule.n_microbatches=0 must be positive"),
     (["checkpoint.load_dense=no/such.pth"], "checkpoint.load_dense=no/such.pth does not exist"),
+    (["checkpoint.every=100"], "checkpoint.every: training checkpoints are not implemented yet"),
+    (["data.format=zip"], "data.format: unknown format 'zip'; use data.format=packed or data.format=padded"),
 ]
 
 

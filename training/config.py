@@ -141,8 +141,6 @@ class ConfigError(ValueError):
 
 DTYPES = ("auto", "fp32", "bf16")
 LOGGERS = ("tensorboard", "wandb", "none")
-DATA_NAMES = ("synthetic", "jsonl")
-DATA_FORMATS = ("packed", "padded")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -204,11 +202,7 @@ def validate_data(cfg: DictConfig) -> None:
     """Data source, files on disk and the tokenizer's vocabulary against the model's."""
     from training.data import check_data, load_tokenizer_vocab_size
 
-    _one_of(cfg, "data.name", DATA_NAMES)
-    _one_of(cfg, "data.format", DATA_FORMATS)
-    if cfg.data.name == "synthetic":
-        _positive(cfg, "data.num_docs", "data.vocab_size")
-    problem = check_data(cfg)
+    problem = check_data(cfg)  # names, formats, sizes and files: one check shared with the data loader
     if problem:
         raise ConfigError(problem)
     vocab = cfg.data.vocab_size if cfg.data.name == "synthetic" else load_tokenizer_vocab_size(cfg)
@@ -237,10 +231,16 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     """Paths that must exist before anything starts."""
     from pathlib import Path
 
-    for key in ("load_dense", "resume"):
-        path = cfg.checkpoint[key]
-        if path is not None and not Path(path).exists():
-            raise ConfigError(f"checkpoint.{key}={path} does not exist; give an existing path or drop the override")
+    path = cfg.checkpoint.load_dense
+    if path is not None and not Path(path).exists():
+        raise ConfigError(f"checkpoint.load_dense={path} does not exist; give an existing path or drop the override")
+    # Training checkpoints (save, resume) are not built yet: refuse the keys instead of silently ignoring them.
+    for key in ("dir", "resume"):
+        if cfg.checkpoint[key] is not None:
+            raise ConfigError(f"checkpoint.{key}: training checkpoints are not implemented yet; drop the override "
+                              "(checkpoint.load_dense loads dense weights)")
+    if cfg.checkpoint.every:
+        raise ConfigError("checkpoint.every: training checkpoints are not implemented yet; drop the override")
 
 
 def model_config(cfg: DictConfig):

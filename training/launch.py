@@ -11,6 +11,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from parallel.collectives import broadcast_object
 from training.cli import CONF_DIR
 from training.config import ConfigError, validate
 
@@ -82,11 +83,7 @@ def configure_worker_logging(run_dir: Path, rank: int) -> None:
 
 def agree_on_run_dir(run_dir: str, grid) -> str:
     """Under torchrun each rank ran Hydra; rank 0's output directory is the run's one directory."""
-    if grid.world_size == 1:
-        return run_dir
-    box = [run_dir]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(run_dir, None if grid.world_size == 1 else dist.group.WORLD, src=0)
 
 
 def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:

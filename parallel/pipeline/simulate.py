@@ -274,8 +274,7 @@ def _replay(
 ) -> tuple[list[list[float]], list[list[float]], list[float]]:
     """Replay all ranks as the runtime runs them: post batches without waiting, wait for inputs at computes."""
     state = _ReplayState.fresh(lowered, pp, n_stages, placement)
-    owner, start, end, busy, clock, pos, arrived = (state.owner, state.start, state.end, state.busy, state.clock,
-                                                    state.pos, state.arrived)
+    start, end, busy, clock, pos, arrived = state.start, state.end, state.busy, state.clock, state.pos, state.arrived
     waiting: dict[Action, tuple[int, int]] = {}  # posted op whose counterpart is not posted yet -> (rank, batch)
     open_ops: dict[tuple[int, int], int] = {}  # (rank, first slot) of a batch -> its ops not matched yet
     matched: dict[tuple[int, int], float] = {}  # (rank, first slot) of a batch -> latest match so far
