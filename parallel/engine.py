@@ -7,72 +7,53 @@ stages, the same lowered lists and the same runtime loop, over in-process channe
 import functools
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
 from minimind import MiniMindForCausalLM
 from parallel.collectives import all_reduce_
 from parallel.grid import ParallelGrid
-from parallel.pipeline.actions import Kind, Schedule
-from parallel.pipeline.partition import layer_partition, rank_stages
+from parallel.pipeline.actions import Kind
+from parallel.pipeline.partition import rank_stages
+from parallel.pipeline.plan import plan_pipeline
 from parallel.pipeline.prune import prune_to_stage
 from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
-from parallel.pipeline.schedules import comm_peer, load_schedule, lower
-from parallel.pipeline.simulate import SimResult, simulate, verify
+from parallel.pipeline.schedules import comm_peer
+from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import LocalTransport, P2PTransport
+from parallel.spec import EngineSpec
+from parallel.step import Engine, LocalEngine, MicroBatch, StepResult, dense_token_loss
 from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from training.data import MicroBatch
-from training.engine import Engine, LocalEngine, StepResult
-from training.loss import dense_token_loss
 
 Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
 
 
-def lowered_schedule(cfg: DictConfig) -> tuple[Schedule, int, str]:
-    """The verified, lowered action lists of every pipeline rank, the stage count and the placement."""
-    pp, vpp, m = cfg.parallel.pp, cfg.parallel.vpp, cfg.schedule.n_microbatches
-    compute, placement = load_schedule(cfg.schedule, pp, m, vpp)  # a registered generator or a table file
-    n_stages = pp * vpp
-    lowered = lower(compute, pp, n_stages, placement)
-    verify(lowered, pp, n_stages, m, placement)
-    return lowered, n_stages, placement
-
-
-def build_parallel_engine(cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid,
-                          dtype: torch.dtype) -> Engine:
+def build_engine(spec: EngineSpec, model: MiniMindForCausalLM, grid: ParallelGrid) -> Engine:
     """The step engine for this layout: the whole model locally when nothing is split, else this rank's share."""
-    if grid.world_size == 1 and cfg.parallel.pp == 1:
-        return LocalEngine(model.to(grid.device), grid.device, dtype)
-    return ParallelEngine(cfg, model, grid, dtype)
-
-
-@dataclass
-class TracedStepResult(StepResult):
-    """A step's result plus its measured action times: every rank's on global rank 0, None elsewhere."""
-
-    trace: Trace | None = None
+    if grid.world_size == 1 and spec.pipeline.pp == 1:
+        return LocalEngine(model.to(grid.device), grid.device, spec.dtype)
+    return ParallelEngine(spec, model, grid)
 
 
 class ParallelEngine:
     """Builds this rank's stages (pruned, TP-sharded) and runs one step: schedule, then gradient syncs."""
 
-    def __init__(self, cfg: DictConfig, model: MiniMindForCausalLM, grid: ParallelGrid, dtype: torch.dtype):
+    def __init__(self, spec: EngineSpec, model: MiniMindForCausalLM, grid: ParallelGrid):
         self.grid = grid
-        pp, vpp, m = cfg.parallel.pp, cfg.parallel.vpp, cfg.schedule.n_microbatches
+        dtype = spec.dtype
+        pp, vpp, m = spec.pipeline.pp, spec.pipeline.vpp, spec.pipeline.n_microbatches
         self.n_microbatches = m
-        lowered, n_stages, placement = lowered_schedule(cfg)
-        self.schedule = (lowered, pp, n_stages, m, placement)
+        self.plan = plan_pipeline(spec.pipeline, model.config.num_hidden_layers)
+        lowered, n_stages, placement = self.plan.lowered, self.plan.n_stages, self.plan.placement
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = pp > grid.pp
         ranks = list(range(pp)) if self.emulated else [grid.pp_rank]
         self.lists = {r: lowered[r] for r in ranks}
-        partition = layer_partition(model.config.num_hidden_layers, n_stages, cfg.parallel.layers_per_stage)
+        partition = self.plan.partition
         self.tied = bool(model.config.tie_word_embeddings)
         vocab_start = grid.tp_rank * (model.config.vocab_size // grid.tp)
         token_loss = dense_token_loss if grid.tp == 1 else functools.partial(
@@ -98,9 +79,9 @@ class ParallelEngine:
             self.transport = LocalTransport()
             self.peer_of = functools.partial(comm_peer, n_stages=n_stages, placement=placement, pp=pp)
         else:
-            boundary = (cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size)
+            boundary = (spec.micro_batch_size, spec.seq_len, model.config.hidden_size)
             # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
-            self.transport = P2PTransport(grid.rank, boundary, torch.float32, grid.device, cfg.parallel.timeout_s)
+            self.transport = P2PTransport(grid.rank, boundary, torch.float32, grid.device, spec.timeout_s)
             self.peer_of = lambda action: grid.global_rank_of(comm_peer(action, n_stages, placement, grid.pp),
                                                               grid.dp_rank, grid.tp_rank)
 
@@ -133,7 +114,7 @@ class ParallelEngine:
     @property
     def planned(self) -> SimResult:
         """The simulated step (unit costs) that `write_trace` draws the measured one against."""
-        return simulate(*self.schedule)
+        return self.plan.simulate()
 
     def peak_live(self) -> dict[int, int]:
         """Per pipeline rank: the most micro-batches whose saved state its stages held at once in the last step."""
@@ -169,7 +150,8 @@ class ParallelEngine:
         result = StepResult(loss_sum / max(tokens, 1), aux_sum / (self.n_microbatches * grid.dp), tokens)
         if records is None:
             return result
-        return TracedStepResult(result.loss, result.aux_loss, result.tokens, self._gather(records, origin))
+        result.trace = self._gather(records, origin)
+        return result
 
     def _gather(self, records: dict[int, list[Record]], origin: float) -> Trace | None:
         """Every rank's records, keyed by global rank and relative to the common origin, on global rank 0."""

@@ -21,12 +21,13 @@ from omegaconf import DictConfig  # noqa: E402
 
 from minimind.model import MiniMindForCausalLM  # noqa: E402
 from parallel.pipeline.actions import Kind, Schedule  # noqa: E402
-from parallel.pipeline.partition import layer_partition, stage_to_rank  # noqa: E402
-from parallel.pipeline.schedules import load_schedule, lower  # noqa: E402
-from parallel.pipeline.simulate import plan_text, simulate, verify  # noqa: E402
+from parallel.pipeline.partition import stage_to_rank  # noqa: E402
+from parallel.pipeline.plan import plan_pipeline  # noqa: E402
+from parallel.pipeline.simulate import plan_text  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
 from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
+from training.specs import pipeline_spec  # noqa: E402
 
 BYTES_PER_FLOAT = 4  # fp32 activations (bf16 autocast saves some tensors in half: this is the upper bound)
 MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-batch, stage) of layers(stage) "
@@ -115,15 +116,12 @@ def main(argv: list[str]) -> int:
     p, m = cfg.parallel, cfg.schedule.n_microbatches
     pp, vpp = p.pp, p.vpp
     n_stages = pp * vpp
-    layers = list(p.layers_per_stage) if p.layers_per_stage is not None else None
     try:
-        partition = layer_partition(cfg.model.num_hidden_layers, n_stages, layers)
-        compute, placement = load_schedule(cfg.schedule, pp, m, vpp)
-        lowered = lower(compute, pp, n_stages, placement)
-        verify(lowered, pp, n_stages, m, placement)
+        plan = plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers)
     except ValueError as error:
         fail(str(error))
-    sim = simulate(lowered, pp, n_stages, m, placement)
+    partition, placement, lowered = list(plan.partition), plan.placement, plan.lowered
+    sim = plan.simulate()
 
     print(f"plan: model={cfg.model.name} ({cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}), "
           f"pp={pp} vpp={vpp} tp={p.tp} dp={p.dp or 'auto'}, schedule={cfg.schedule.name}, {m} micro-batches of "

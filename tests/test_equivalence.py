@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from parallel.engine import lowered_schedule
+from parallel.pipeline.plan import plan_pipeline
+from training.specs import pipeline_spec
 from parallel.pipeline.tables import dump_builtin
 from tests.equivalence import assert_equivalent, baseline, compose_run_config, layout_worker
 from tests.spawn import run_workers
@@ -76,7 +77,7 @@ def test_layout_equals_single_process(workspace, name, model_args, layout, world
     assert_equivalent(results, reference)
     cfg = compose_run_config([*STEPS, *model_args, *layout], workspace["root"] / "cache")
     pp = cfg.parallel.pp
-    if pp > 1 and lowered_schedule(cfg)[2] == "v":
+    if pp > 1 and plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers).placement == "v":
         # The first and last stage share rank 0: the tie is one Parameter, so no rank holds a second copy.
         assert not any(key == "lm_head.weight" for r in results for _, key, _ in r["tied"])
     elif pp > 1:

@@ -3,13 +3,13 @@
 Most tests run every pipeline rank in this process (the emulation transport); the live-memory test spawns.
 """
 
+import dataclasses
 import gc
 import random
 import weakref
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.engine import ParallelEngine
@@ -20,11 +20,10 @@ from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec, lower
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import EmulationError
+from parallel.spec import EngineSpec, PipelineSpec
+from parallel.step import LocalEngine, MicroBatch, dense_token_loss
 from tests.spawn import run_workers
 from tests.test_schedules import random_feasible
-from training.data import MicroBatch
-from training.engine import LocalEngine
-from training.loss import dense_token_loss
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 CPU = torch.device("cpu")
@@ -51,12 +50,10 @@ def batches(m: int, seed: int = 1) -> list[MicroBatch]:
     return [MicroBatch(ids, ids.clone()) for ids in torch.randint(0, 128, (m, 2, 16), generator=gen)]
 
 
-def layout_cfg(schedule: str, pp: int, m: int, vpp: int = 1):
-    """The parts of a run config ParallelEngine reads, emulating every pipeline rank here."""
-    return OmegaConf.create({"schedule": {"name": schedule, "n_microbatches": m},
-                             "parallel": {"pp": pp, "vpp": vpp, "layers_per_stage": None, "timeout_s": 30,
-                                          "emulate": True},
-                             "train": {"micro_batch_size": 2, "seq_len": 16}})
+def layout_cfg(schedule: str, pp: int, m: int, vpp: int = 1) -> EngineSpec:
+    """The engine spec of a tiny pipeline, emulating every pipeline rank here."""
+    return EngineSpec(PipelineSpec(pp=pp, vpp=vpp, schedule=schedule, n_microbatches=m),
+                      micro_batch_size=2, seq_len=16, timeout_s=30, emulate=True)
 
 
 def dense_grads(model: MiniMindForCausalLM, mbs: list[MicroBatch]) -> dict[str, torch.Tensor]:
@@ -120,18 +117,17 @@ def test_random_feasible_schedules_give_single_process_gradients(monkeypatch):
         placement, vpp = rng.choice([("loop", 1), ("loop", 2), ("v", 2)])
         compute = random_feasible(rng, pp, m, vpp, placement, split=trial % 2 == 1)
         monkeypatch.setitem(SCHEDULES, "random", ScheduleSpec(lambda *_, c=compute: c, placement))
-        engine = ParallelEngine(layout_cfg("random", pp, m, vpp), tiny(layers=6), ParallelGrid.single(CPU),
-                                torch.float32)
+        engine = ParallelEngine(layout_cfg("random", pp, m, vpp), tiny(layers=6), ParallelGrid.single(CPU))
         engine.step(mbs[:m])
         want = reference if m == 4 else dense_grads(tiny(layers=6), mbs[:m])
         assert_grads_match(engine, want)
 
 
 def test_v_placement_ties_embedding_and_head_into_one_parameter(monkeypatch):
-    engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU))
     assert engine.first is not engine.head  # looped: two copies, summed every step
     monkeypatch.setitem(SCHEDULES, "v", ScheduleSpec(lambda pp, m, vpp: _v_gpipe(pp, m), "v"))
-    engine = ParallelEngine(layout_cfg("v", 2, 2, vpp=2), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine = ParallelEngine(layout_cfg("v", 2, 2, vpp=2), tiny(), ParallelGrid.single(CPU))
     assert engine.first is engine.head
     assert engine.stages[0].module.model.embed_tokens.weight is engine.stages[3].module.lm_head.weight
     assert "lm_head.weight" not in engine.named_parameters()  # one Parameter, named once
@@ -155,7 +151,7 @@ def test_a_receive_blocks_only_its_consumer():
              Action(Kind.RECV_B, 1, 0), Action(B, 0, 0), Action(B, 1, 0)]
     rank1 = [Action(R, 0, 1), Action(F, 0, 1), Action(R, 1, 1), Action(F, 1, 1), Action(B, 0, 1),
              Action(Kind.SEND_B, 0, 1), Action(B, 1, 1), Action(Kind.SEND_B, 1, 1)]
-    engine = ParallelEngine(layout_cfg("gpipe", 2, 2), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine = ParallelEngine(layout_cfg("gpipe", 2, 2), tiny(), ParallelGrid.single(CPU))
     engine.lists = {0: rank0, 1: rank1}
     engine.step(batches(2))
     assert_grads_match(engine, dense_grads(tiny(), batches(2)))
@@ -165,7 +161,7 @@ def test_a_receive_blocks_only_its_consumer():
 
 
 def test_emulation_names_the_ranks_of_a_deadlock():
-    engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU))
     # Rank 1 runs F1 before B0, but rank 0 makes F1 only after B0's gradient came back: a cycle.
     compute = [[Action(F, 0, 0), Action(B, 0, 0), Action(F, 1, 0), Action(B, 1, 0)],
                [Action(F, 0, 1), Action(F, 1, 1), Action(B, 0, 1), Action(B, 1, 1)]]
@@ -176,7 +172,7 @@ def test_emulation_names_the_ranks_of_a_deadlock():
 
 
 def test_emulation_catches_messages_swapped_on_a_channel():
-    engine = ParallelEngine(layout_cfg("gpipe", 2, 2), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine = ParallelEngine(layout_cfg("gpipe", 2, 2), tiny(), ParallelGrid.single(CPU))
     rank1 = engine.lists[1]
     rank1.remove(Action(Kind.RECV_F, 1, 1))
     rank1.insert(rank1.index(Action(Kind.RECV_F, 0, 1)), Action(Kind.RECV_F, 1, 1))
@@ -186,7 +182,7 @@ def test_emulation_catches_messages_swapped_on_a_channel():
 
 
 def test_trace_records_every_action_of_every_rank():
-    engine = ParallelEngine(layout_cfg("1f1b", 2, 3), tiny(), ParallelGrid.single(CPU), torch.float32)
+    engine = ParallelEngine(layout_cfg("1f1b", 2, 3), tiny(), ParallelGrid.single(CPU))
     trace = engine.step(batches(3), trace=True).trace
     assert sorted(trace) == [0, 1]
     for rank, records in trace.items():
@@ -203,8 +199,8 @@ def peaks_worker(rank: int, world_size: int, schedules: list[str], m: int) -> di
     peaks = {}
     for name in schedules:
         cfg = layout_cfg(name, world_size, m)
-        cfg.parallel.emulate = False
-        engine = ParallelEngine(cfg, tiny(layers=world_size), grid, torch.float32)
+        cfg = dataclasses.replace(cfg, emulate=False)
+        engine = ParallelEngine(cfg, tiny(layers=world_size), grid)
         engine.step(batches(m))
         peaks[name] = engine.peak_live()[grid.pp_rank]
     return peaks

@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from omegaconf import OmegaConf
 
 from parallel.pipeline.actions import Action, Kind
 from parallel.pipeline.schedules import SCHEDULES, load_schedule, lower
+from parallel.spec import PipelineSpec
 from parallel.pipeline.simulate import ScheduleError, verify
 from parallel.pipeline.tables import TableError, TableMeta, dump_builtin, dump_table, load_table, main
 
@@ -68,16 +68,15 @@ def test_hand_written_tables_without_metadata(tmp_path):
 
 
 def test_load_schedule_handles_names_and_tables(tmp_path):
-    compute, placement = load_schedule(OmegaConf.create({"name": "zbv", "n_microbatches": 4}), 2, 4, 2)
+    compute, placement = load_schedule(PipelineSpec(pp=2, vpp=2, schedule="zbv", n_microbatches=4))
     assert placement == "v" and compute == SCHEDULES["zbv"].generate(2, 4, 2)
     path = dump_builtin("zb-h1", 4, 8, tmp_path / "zb.csv")
-    cfg = OmegaConf.create({"name": "table", "n_microbatches": 8, "path": str(path)})
-    assert load_schedule(cfg, 4, 8, 1) == (SCHEDULES["zb-h1"].generate(4, 8, 1), "loop")
-    assert load_schedule({"name": "table", "path": str(path)}, 4, 8, 1)[1] == "loop"  # a plain dict works too
+    spec = PipelineSpec(pp=4, schedule="table", n_microbatches=8, table_path=str(path))
+    assert load_schedule(spec) == (SCHEDULES["zb-h1"].generate(4, 8, 1), "loop")
     with pytest.raises(ValueError, match=r"schedule=table needs schedule.path="):
-        load_schedule(OmegaConf.create({"name": "table", "path": None}), 4, 8, 1)
+        load_schedule(PipelineSpec(pp=4, schedule="table", n_microbatches=8))
     with pytest.raises(ValueError, match=r"schedule.name=nope is not a known schedule; use one of 1f1b, "):
-        load_schedule(OmegaConf.create({"name": "nope"}), 4, 8, 1)
+        load_schedule(PipelineSpec(pp=4, schedule="nope", n_microbatches=8))
 
 
 def test_cli_dumps_any_builtin(tmp_path, capsys):
@@ -130,9 +129,8 @@ def test_config_mismatch_names_the_config_key(tmp_path):
         load_table(path, pp=4, n_microbatches=4)
     with pytest.raises(TableError, match=r"holds 1 stage\(s\) per rank but parallel.vpp=2; set parallel.vpp=1"):
         load_table(path, pp=4, n_microbatches=8, vpp=2)
-    cfg = OmegaConf.create({"name": "table", "path": str(path)})
     with pytest.raises(ValueError, match=r"schedule.n_microbatches=16"):
-        load_schedule(cfg, 4, 16, 1)
+        load_schedule(PipelineSpec(pp=4, schedule="table", n_microbatches=16, table_path=str(path)))
 
 
 # --- Broken tables: each refused before launch, naming rank, slot and action. -----------------------------

@@ -1,5 +1,6 @@
 """Tracing a step: every rank times its actions, rank 0 writes one Chrome trace and a measured-vs-planned PNG."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,8 +17,8 @@ def trace_worker(rank: int, world_size: int, schedule: str, run_dir: str) -> flo
     """One traced step of a pp=world_size layout; rank 0 writes the files and returns the measured bubble."""
     grid = ParallelGrid.build(None, 1, world_size, backend="gloo", timeout_s=60)
     cfg = layout_cfg(schedule, world_size, 4)
-    cfg.parallel.emulate = False
-    engine = ParallelEngine(cfg, tiny(), grid, torch.float32)
+    cfg = dataclasses.replace(cfg, emulate=False)
+    engine = ParallelEngine(cfg, tiny(), grid)
     result = engine.step(batches(4), trace=True)
     if grid.rank != 0:
         assert result.trace is None
@@ -46,8 +47,7 @@ def test_traced_pp2_step_writes_chrome_trace_and_timeline(tmp_path):
 
 
 def test_emulated_trace_has_every_pipeline_rank(tmp_path):
-    engine = ParallelEngine(layout_cfg("zb-h1", 2, 4), tiny(), ParallelGrid.single(torch.device("cpu")),
-                            torch.float32)
+    engine = ParallelEngine(layout_cfg("zb-h1", 2, 4), tiny(), ParallelGrid.single(torch.device("cpu")))
     trace = engine.step(batches(4), trace=True).trace
     bubble = write_trace(tmp_path, 1, trace, engine.planned)
     check_trace(tmp_path / "trace_step1.json", 2, {"F", "I", "W"})

@@ -274,9 +274,10 @@ def validate_layout(cfg: DictConfig) -> None:
         layer_partition(cfg.model.num_hidden_layers, p.pp * p.vpp,
                         list(p.layers_per_stage) if p.layers_per_stage is not None else None)
         if p.pp > 1:
-            from parallel.engine import lowered_schedule
+            from parallel.pipeline.plan import plan_pipeline
+            from training.specs import pipeline_spec
 
-            lowered_schedule(cfg)
+            plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -24,10 +24,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from parallel.step import IGNORE_INDEX, MicroBatch
+
 # MiniMind's special tokens, in id order: 0 = pad/unk, 1 = bos, 2 = eos.
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
-IGNORE_INDEX = -100  # labels with this value do not enter the loss (torch cross-entropy default)
 
 # Defaults of the `data` config group; `_get` falls back to these when a key is missing or null.
 DATA_DEFAULTS: dict[str, Any] = {
@@ -42,22 +43,6 @@ DATA_DEFAULTS: dict[str, Any] = {
 }
 # Bump when `synthetic_corpus` changes its output, so cached tokenizers are rebuilt.
 CORPUS_VERSION = 1
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch: token ids and (unshifted) labels of the same shape."""
-
-    input_ids: torch.Tensor  # [B, S] long
-    labels: torch.Tensor  # [B, S] long, -100 = ignored, NOT shifted (the model shifts)
-
-    def num_label_tokens(self) -> int:
-        """Number of labels that enter the shifted loss (position 0 is never a target)."""
-        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
-
-    def to(self, device: torch.device | str) -> MicroBatch:
-        """This micro-batch on `device`."""
-        return MicroBatch(self.input_ids.to(device), self.labels.to(device))
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,11 +9,12 @@ import torch
 from omegaconf import DictConfig
 
 from minimind import MiniMindForCausalLM
-from parallel.engine import build_parallel_engine
+from parallel.engine import build_engine
 from parallel.grid import ParallelGrid
 from training.config import model_config
 from training.data import build_data
 from training.metrics import MetricsLogger
+from training.specs import engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 log = logging.getLogger("sluice")
@@ -30,13 +31,6 @@ def build_model(cfg: DictConfig) -> MiniMindForCausalLM:
     return model
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype: `auto` is bf16 on CUDA and fp32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
 class Trainer:
     """One rank's training loop; every layout differs only in the engine it builds."""
 
@@ -44,8 +38,7 @@ class Trainer:
         self.cfg = cfg
         self.grid = grid
         self.run_dir = Path(run_dir)
-        dtype = resolve_dtype(cfg.train.dtype, grid.device)
-        self.engine = build_parallel_engine(cfg, build_model(cfg), grid, dtype)
+        self.engine = build_engine(engine_spec(cfg, grid.device), build_model(cfg), grid)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
@@ -62,8 +55,8 @@ class Trainer:
                 lr = lr_at(step, steps, cfg.optim)
                 set_lr(self.optimizer, lr)
                 start = time.perf_counter()
-                traced = step + 1 == cfg.train.trace_step and hasattr(self.engine, "planned")
-                result = self.engine.step(micro_batches, trace=True) if traced else self.engine.step(micro_batches)
+                traced = step + 1 == cfg.train.trace_step
+                result = self.engine.step(micro_batches, trace=traced)
                 grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
                                            cfg.train.grad_clip, self.grid.mp_group)
                 self.optimizer.step()
@@ -76,7 +69,7 @@ class Trainer:
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
                 record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time}
-                if traced and self.grid.rank == 0:
+                if result.trace is not None:
                     from parallel.engine import write_trace
 
                     record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace, self.engine.planned)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.data import MicroBatch
+from parallel.step import MicroBatch
 
 from .actions import Action, Kind
 from .stage import Stage

@@ -150,27 +150,20 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 }
 
 
-def load_schedule(cfg_schedule, pp: int, n_microbatches: int, vpp: int) -> tuple[Schedule, str]:
-    """Compute lists and placement for the `schedule` config section: a registered name, or `table` + `path`."""
-    name = _get(cfg_schedule, "name")
-    if name == "table":
+def load_schedule(spec: "PipelineSpec") -> tuple[Schedule, str]:
+    """Compute lists and placement of a pipeline spec: a registered schedule, or a table file."""
+    if spec.schedule == "table":
         from .tables import load_table  # tables builds on this module
 
-        path = _get(cfg_schedule, "path")
-        if not path or path == "???":
+        if not spec.table_path or spec.table_path == "???":
             raise ValueError("schedule=table needs schedule.path=<a .csv or .json schedule table>")
-        compute, meta = load_table(path, pp=pp, n_microbatches=n_microbatches, vpp=vpp)
+        compute, meta = load_table(spec.table_path, pp=spec.pp, n_microbatches=spec.n_microbatches, vpp=spec.vpp)
         return compute, meta.placement
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule.name={name} is not a known schedule; use one of "
+    if spec.schedule not in SCHEDULES:
+        raise ValueError(f"schedule.name={spec.schedule} is not a known schedule; use one of "
                          f"{', '.join(sorted(SCHEDULES))}, or table with schedule.path=<file>")
-    spec = SCHEDULES[name]
-    return spec.generate(pp, n_microbatches, vpp), spec.placement
-
-
-def _get(section, key: str):
-    """A key of a config section given as a DictConfig, a dataclass or a plain dict."""
-    return section.get(key) if isinstance(section, Mapping) or hasattr(section, "get") else getattr(section, key, None)
+    registered = SCHEDULES[spec.schedule]
+    return registered.generate(spec.pp, spec.n_microbatches, spec.vpp), registered.placement
 
 
 # --- Who talks to whom. ---------------------------------------------------------------------------------

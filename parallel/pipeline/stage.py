@@ -7,8 +7,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from training.engine import autocast
-from training.loss import TokenLoss, shifted_loss_sum
+from parallel.step import TokenLoss, autocast, shifted_loss_sum
 
 from .weight_grad import SplitLinears, WeightGradStore
 

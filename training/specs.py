@@ -1,0 +1,32 @@
+"""From the run config to the typed specs the parallel layer takes: the only place that reads both."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from parallel.spec import EngineSpec, PipelineSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def pipeline_spec(cfg: DictConfig) -> PipelineSpec:
+    """The pipeline the config asks for."""
+    p, s = cfg.parallel, cfg.schedule
+    layers = tuple(p.layers_per_stage) if p.layers_per_stage is not None else None
+    return PipelineSpec(pp=p.pp, vpp=p.vpp, schedule=s.name, n_microbatches=s.n_microbatches,
+                        table_path=s.get("path"), layers_per_stage=layers)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: `auto` is bf16 on CUDA and fp32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
+    """Everything the step engine of this run needs, resolved for the compute device."""
+    return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
+                      seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device),
+                      timeout_s=float(cfg.parallel.timeout_s), emulate=bool(cfg.parallel.emulate))
