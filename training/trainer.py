@@ -43,10 +43,12 @@ class Trainer:
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
 
-    def fit(self, on_step: Callable[[int], None] | None = None) -> list[float]:
+    def fit(self, on_step: Callable[[int], None] | None = None,
+            on_grads: Callable[[int], None] | None = None) -> list[float]:
         """Train for train.steps optimizer steps; return the per-step losses (the same on every rank).
 
-        `on_step(step)` runs after each optimizer step (tests use it to inspect weights between steps)."""
+        `on_grads(step)` runs once the step's gradients are final and synchronised, before clipping;
+        `on_step(step)` runs after each optimizer step (tests use both to inspect gradients and weights)."""
         cfg, steps = self.cfg, self.cfg.train.steps
         metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0)
         losses: list[float] = []
@@ -57,6 +59,8 @@ class Trainer:
                 start = time.perf_counter()
                 traced = step + 1 == cfg.train.trace_step
                 result = self.engine.step(micro_batches, trace=traced)
+                if on_grads is not None:
+                    on_grads(step + 1)
                 grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
                                            cfg.train.grad_clip, self.grid.mp_group)
                 self.optimizer.step()
