@@ -1,89 +1,125 @@
 """ParallelEngine: this rank's share of a DP x TP x PP layout behind the trainer's `step(micro_batches)`.
 
-With `parallel.emulate=true` one process holds every pipeline rank of its (dp, tp) coordinate: the same
-stages, the same lowered lists and the same runtime loop, over in-process channels instead of P2P.
+Construction is three named steps: plan the pipeline (`plan_pipeline`), build this rank's stages
+(`build_stages`), choose the loss and the transport; then `GradientSync` owns the step's gradient sums.
+With `emulate` one process holds every pipeline rank of its (dp, tp) coordinate: the same stages, lists
+and runtime loop, over in-process channels instead of P2P.
 """
 
+from __future__ import annotations
+
 import functools
-import json
 import time
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minimind import MiniMindForCausalLM
 from parallel.collectives import all_reduce_
+from parallel.grad_sync import Bucket, GradientSync, split_buckets
 from parallel.grid import ParallelGrid
-from parallel.pipeline.actions import Kind
-from parallel.pipeline.partition import rank_stages
-from parallel.pipeline.plan import plan_pipeline
-from parallel.pipeline.prune import prune_to_stage
+from parallel.pipeline.actions import Action, Kind
+from parallel.pipeline.build import StagesByRank, build_stages
+from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
 from parallel.pipeline.schedules import comm_peer
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
-from parallel.pipeline.transport import LocalTransport, P2PTransport
+from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
 from parallel.spec import EngineSpec
-from parallel.step import Engine, LocalEngine, MicroBatch, StepResult, dense_token_loss
-from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from parallel.step import Engine, LocalEngine, MicroBatch, StepResult, TokenLoss, dense_token_loss
+from parallel.tensor import vocab_parallel_cross_entropy
 
 Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
 
 
-def build_engine(spec: EngineSpec, model: MiniMindForCausalLM, grid: ParallelGrid) -> Engine:
+def build_engine(spec: EngineSpec, model: nn.Module, grid: ParallelGrid) -> Engine:
     """The step engine for this layout: the whole model locally when nothing is split, else this rank's share."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
         return LocalEngine(model.to(grid.device), grid.device, spec.dtype)
     return ParallelEngine(spec, model, grid)
 
 
+def choose_token_loss(grid: ParallelGrid, vocab_size: int) -> TokenLoss:
+    """Dense cross-entropy, or the vocab-parallel one over TP-sharded logits."""
+    if grid.tp == 1:
+        return dense_token_loss
+    return functools.partial(vocab_parallel_cross_entropy, group=grid.tp_group,
+                             vocab_start=grid.tp_rank * (vocab_size // grid.tp))
+
+
+def choose_transport(spec: EngineSpec, plan: PipelinePlan, grid: ParallelGrid,
+                     hidden_size: int) -> tuple[Transport | LocalTransport, Callable[[Action], int]]:
+    """The transport and the peer-rank function: in-process channels under emulation, else P2P."""
+    # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
+    boundary = Boundary((spec.micro_batch_size, spec.seq_len, hidden_size), torch.float32)
+    n_stages, placement, pp = plan.n_stages, plan.placement, plan.spec.pp
+    if spec.emulate:
+        return LocalTransport(boundary), functools.partial(comm_peer, n_stages=n_stages, placement=placement, pp=pp)
+    transport = P2PTransport(grid.rank, boundary, grid.device, spec.timeout_s)
+    return transport, lambda action: grid.global_rank_of(comm_peer(action, n_stages, placement, pp),
+                                                         grid.dp_rank, grid.tp_rank)
+
+
+def final_backward_actions(lists: dict[int, list[Action]]) -> dict[int, Action]:
+    """Per stage: the compute after which its gradients are final (its last B, or its last W under I/W)."""
+    final: dict[int, Action] = {}
+    for actions in lists.values():
+        for action in actions:
+            if action.kind in (Kind.B, Kind.W):
+                final[action.stage] = action
+    return final
+
+
 class ParallelEngine:
     """Builds this rank's stages (pruned, TP-sharded) and runs one step: schedule, then gradient syncs."""
 
-    def __init__(self, spec: EngineSpec, model: MiniMindForCausalLM, grid: ParallelGrid):
-        self.grid = grid
-        dtype = spec.dtype
-        pp, vpp, m = spec.pipeline.pp, spec.pipeline.vpp, spec.pipeline.n_microbatches
-        self.n_microbatches = m
+    def __init__(self, spec: EngineSpec, model: nn.Module, grid: ParallelGrid):
+        self.spec, self.grid = spec, grid
         self.plan = plan_pipeline(spec.pipeline, model.config.num_hidden_layers)
-        lowered, n_stages, placement = self.plan.lowered, self.plan.n_stages, self.plan.placement
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
-        self.emulated = pp > grid.pp
-        ranks = list(range(pp)) if self.emulated else [grid.pp_rank]
-        self.lists = {r: lowered[r] for r in ranks}
-        partition = self.plan.partition
+        self.emulated = spec.emulate
+        ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
+        self.lists = {r: list(self.plan.lowered[r]) for r in ranks}
+        token_loss = choose_token_loss(grid, model.config.vocab_size)
+        self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, spec.dtype, token_loss)
+        self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
+        self.transport, self.peer_of = choose_transport(spec, self.plan, grid, model.config.hidden_size)
         self.tied = bool(model.config.tie_word_embeddings)
-        vocab_start = grid.tp_rank * (model.config.vocab_size // grid.tp)
-        token_loss = dense_token_loss if grid.tp == 1 else functools.partial(
-            vocab_parallel_cross_entropy, group=grid.tp_group, vocab_start=vocab_start)
-        self.stages_of: dict[int, dict[int, Stage]] = {}  # pipeline rank -> its stages
-        for r in ranks:
-            modules = {s: prune_to_stage(model, partition[s], s == 0, s == n_stages - 1)
-                       for s in rank_stages(r, pp, vpp, placement)}
-            for module in modules.values():
-                apply_tensor_parallel(module, grid)
-                module.to(grid.device)
-            if self.tied and n_stages > 1 and {0, n_stages - 1} <= modules.keys():
-                # V placement: the first and last stage share a rank, so the tie is one Parameter again.
-                modules[n_stages - 1].lm_head.weight = modules[0].model.embed_tokens.weight
-            split = {a.stage for a in lowered[r] if a.kind is Kind.I}
-            self.stages_of[r] = {s: Stage(module, s, n_stages, grid.device, dtype, token_loss, s in split)
-                                 for s, module in modules.items()}
-        self.stages = {s: stage for stages in self.stages_of.values() for s, stage in stages.items()}
         self.first = self.stages[0].module.model.embed_tokens.weight if 0 in self.stages else None
-        last = self.stages.get(n_stages - 1)
+        last = self.stages.get(self.plan.n_stages - 1)
         self.head = last.module.lm_head.weight if last is not None else None
-        if self.emulated:
-            self.transport = LocalTransport()
-            self.peer_of = functools.partial(comm_peer, n_stages=n_stages, placement=placement, pp=pp)
-        else:
-            boundary = (spec.micro_batch_size, spec.seq_len, model.config.hidden_size)
-            # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
-            self.transport = P2PTransport(grid.rank, boundary, torch.float32, grid.device, spec.timeout_s)
-            self.peer_of = lambda action: grid.global_rank_of(comm_peer(action, n_stages, placement, grid.pp),
-                                                              grid.dp_rank, grid.tp_rank)
+        self.sync = self._gradient_sync()
+
+    def _gradient_sync(self) -> GradientSync:
+        """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP."""
+        grid, bucket_bytes = self.grid, int(self.spec.bucket_mb * 2**20)
+        copies = self.tied and self.first is not self.head
+        local_tie = (self.first, self.head) if copies and self.emulated else None
+        tied_here = {id(p) for p in (self.first, self.head) if copies and p is not None}
+        owner = self._param_owners()
+        buckets: dict[int, list[Bucket]] = {}
+        for s in sorted(self.stages, key=lambda s: self._final_position(s)):
+            params = [p for p in reversed(list(self.stages[s].module.parameters()))
+                      if owner[id(p)] == s and id(p) not in tied_here]
+            buckets[s] = split_buckets(params, bucket_bytes, (grid.dp_group,)) if grid.dp > 1 else []
+            tied = [p for p in (self.first, self.head) if p is not None and owner.get(id(p)) == s
+                    and id(p) in tied_here and not self.emulated]
+            buckets[s] += [Bucket(tied, (grid.embed_group, grid.dp_group))] if tied else []
+        return GradientSync(buckets, final_backward_actions(self.lists), local_tie, grid.dp_group)
+
+    def _final_position(self, stage: int) -> int:
+        """Where in its rank's list the stage's gradients become final."""
+        final = final_backward_actions(self.lists)[stage]
+        return next(r.index(final) for r in self.lists.values() if final in r)
+
+    def _param_owners(self) -> dict[int, int]:
+        """id(param) -> the stage whose final backward finishes it (a Parameter shared by two stages: the later)."""
+        owner: dict[int, int] = {}
+        for s in sorted(self.stages, key=self._final_position):
+            owner.update((id(p), s) for p in self.stages[s].module.parameters())
+        return owner
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Every parameter this rank holds under its dense name, each Parameter once."""
@@ -113,7 +149,7 @@ class ParallelEngine:
 
     @property
     def planned(self) -> SimResult:
-        """The simulated step (unit costs) that `write_trace` draws the measured one against."""
+        """The simulated step (unit costs) that a trace is drawn against."""
         return self.plan.simulate()
 
     def peak_live(self) -> dict[int, int]:
@@ -125,33 +161,38 @@ class ParallelEngine:
 
         With `trace`, every rank also times each of its actions and global rank 0 receives them all."""
         grid = self.grid
-        tokens = torch.tensor([sum(mb.num_label_tokens() for mb in micro_batches)], dtype=torch.float64)
-        tokens = int(all_reduce_(tokens.to(grid.device), grid.dp_group).item())
-        plan = StepPlan(loss_scale=1.0 / max(tokens, 1), aux_scale=1.0 / (self.n_microbatches * grid.dp))
+        tokens = all_reduce_(torch.stack([mb.label_tokens() for mb in micro_batches]).sum().to(grid.device),
+                             grid.dp_group)  # stays a device tensor: the loss scale needs no host sync
+        aux_scale = 1.0 / (len(micro_batches) * grid.dp)
+        plan = StepPlan(loss_scale=1.0 / tokens.clamp(min=1).double(), aux_scale=aux_scale, hooks=self.sync)
         for stage in self.stages.values():
             stage.reset()
-        records: dict[int, list[Record]] | None = None
-        if trace:
-            if grid.world_size > 1:
-                dist.barrier()  # a common time origin for every rank's records
-            records, origin = {}, time.perf_counter()
+        self.sync.start_step()
+        records, origin = self._trace_start(trace)
         if self.emulated:
             execute_emulated(self.lists, self.stages_of, self.transport, self.peer_of, micro_batches, plan, records)
         else:
             r = grid.pp_rank
             execute(self.lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan,
                     None if records is None else records.setdefault(r, []))
-        self._sync_gradients()
+        self.sync.finish()
         sums = torch.stack([sum(s.loss_sum for s in self.stages.values()),
-                            sum(s.aux_sum for s in self.stages.values())]).to(grid.device)
+                            sum(s.aux_sum for s in self.stages.values())])
         all_reduce_(sums, grid.pp_group)  # the loss lives on the last stage, aux on every stage
         all_reduce_(sums, grid.dp_group)
-        loss_sum, aux_sum = sums.tolist()
-        result = StepResult(loss_sum / max(tokens, 1), aux_sum / (self.n_microbatches * grid.dp), tokens)
-        if records is None:
-            return result
-        result.trace = self._gather(records, origin)
+        loss_sum, aux_sum, count = torch.cat([sums, tokens.double().view(1)]).tolist()  # the step's one read
+        result = StepResult(loss_sum / max(count, 1), aux_sum * aux_scale, int(count))
+        if records is not None:
+            result.trace = self._gather(records, origin)
         return result
+
+    def _trace_start(self, trace: bool) -> tuple[dict[int, list[Record]] | None, float]:
+        """Empty records and a common time origin for every rank, when tracing."""
+        if not trace:
+            return None, 0.0
+        if self.grid.world_size > 1:
+            dist.barrier()
+        return {}, time.perf_counter()
 
     def _gather(self, records: dict[int, list[Record]], origin: float) -> Trace | None:
         """Every rank's records, keyed by global rank and relative to the common origin, on global rank 0."""
@@ -164,27 +205,12 @@ class ParallelEngine:
         dist.gather_object(mine, gathered, dst=0)
         return {rank: recs for part in gathered for rank, recs in part.items()} if grid.rank == 0 else None
 
-    def _sync_gradients(self) -> None:
-        """Sum the tied embedding's two copies (first and last stage), then sum every gradient over DP."""
-        grid = self.grid
-        if self.tied and self.first is not self.head:
-            if self.emulated:  # both copies are here: the embedding group's all-reduce, in place
-                total = self.first.grad + self.head.grad
-                self.first.grad.copy_(total)
-                self.head.grad.copy_(total)
-            elif grid.pp > 1:
-                tied = self.first if self.first is not None else self.head
-                if tied is not None:
-                    all_reduce_(tied.grad, grid.embed_group)
-        if grid.dp > 1:
-            for param in self.parameters():
-                if param.grad is not None:
-                    all_reduce_(param.grad, grid.dp_group)
 
+def write_trace(run_dir, step: int, trace: Trace, planned: SimResult) -> float:
+    """On global rank 0: `trace_step{N}.json` (Chrome trace) and `trace_step{N}.png`; the measured bubble."""
+    import json
+    from pathlib import Path
 
-def write_trace(run_dir: str | Path, step: int, trace: Trace, planned: SimResult) -> float:
-    """On global rank 0: write `trace_step{N}.json` (Chrome trace, one track per rank) and `trace_step{N}.png`
-    (measured against planned); return the measured bubble fraction for metrics.jsonl."""
     from parallel.pipeline.timeline import chrome_trace, draw_measured_vs_planned, measured_bubble
 
     path = Path(run_dir) / f"trace_step{step}.json"

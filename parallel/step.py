@@ -23,9 +23,13 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, S] long
     labels: torch.Tensor  # [B, S] long, -100 = ignored, NOT shifted (the model shifts)
 
+    def label_tokens(self) -> torch.Tensor:
+        """Number of labels that enter the shifted loss (position 0 is never a target), as a tensor."""
+        return (self.labels[:, 1:] != IGNORE_INDEX).sum()
+
     def num_label_tokens(self) -> int:
-        """Number of labels that enter the shifted loss (position 0 is never a target)."""
-        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+        """`label_tokens` as a Python int (a host sync: not for the per-micro-batch hot path)."""
+        return int(self.label_tokens())
 
 
 @dataclass

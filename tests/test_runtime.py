@@ -186,7 +186,7 @@ def test_trace_records_every_action_of_every_rank():
     trace = engine.step(batches(3), trace=True).trace
     assert sorted(trace) == [0, 1]
     for rank, records in trace.items():
-        assert [a for a, _, _ in records] == [str(a) for a in engine.lists[rank]]
+        assert [a for a, _, _ in records] == engine.lists[rank]
         assert all(0 <= start <= end for _, start, end in records)
 
 

@@ -22,6 +22,7 @@ transport (one process per rank); `execute_emulated` switches to another rank (a
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,15 +33,24 @@ from .stage import Stage
 from .transport import SENDS, EmulationError, LocalTransport, Message, Pending, Transport
 
 ACTIVATION, GRADIENT = "activation", "gradient"
-Record = tuple[str, float, float]  # (action, start, end) in time.perf_counter seconds
+Record = tuple[Action, float, float]  # (action, start, end) in time.perf_counter seconds
+
+
+class ComputeHooks(Protocol):
+    """Called around every compute action (the engine uses it to start gradient reductions early)."""
+
+    def before(self, action: Action) -> None: ...
+
+    def after(self, action: Action) -> None: ...
 
 
 @dataclass
 class StepPlan:
-    """Per-step constants every stage needs: the global loss and aux-loss scales."""
+    """Per-step constants every stage needs: the global loss and aux-loss scales, and the compute hooks."""
 
-    loss_scale: float  # 1 / label tokens in the global batch
+    loss_scale: torch.Tensor | float  # 1 / label tokens in the global batch (a device tensor: no host sync)
     aux_scale: float  # 1 / micro-batches in the global batch
+    hooks: ComputeHooks | None = None
 
 
 @dataclass
@@ -80,12 +90,17 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
                 yield Blocked(slot, action, received)  # resumed once it is ready
             sending[:] = [p for p in sending if not p.ready()]  # release what the wire is done with
             start = time.perf_counter()
+            if plan.hooks is not None:
+                plan.hooks.before(action)
             _compute(action, stages, _take_input(action, inbox), micro_batches, plan, inbox, outbox)
+            if plan.hooks is not None:
+                plan.hooks.after(action)
         _record(records, group, start)
     for pending in sending:
         if not pending.ready():
             yield Blocked(len(actions), pending.message.action, pending)
-    assert not inbox and not outbox, f"unconsumed boundary tensors: {sorted(inbox) + sorted(outbox)}"
+    if inbox or outbox:
+        raise RuntimeError(f"unconsumed boundary tensors (a broken schedule): {sorted(inbox) + sorted(outbox)}")
 
 
 def _post(group: list[Action], transport: Transport, peer_of: Callable[[Action], int], inbox: dict, outbox: dict,
@@ -109,7 +124,7 @@ def _take_input(action: Action, inbox: dict) -> torch.Tensor | None:
 def _record(records: list[Record] | None, group: list[Action], start: float) -> None:
     if records is not None:
         end = time.perf_counter()
-        records.extend((str(a), start, end) for a in group)
+        records.extend((a, start, end) for a in group)
 
 
 def _key(comm: Action) -> tuple[str, int, int]:
@@ -181,4 +196,5 @@ def execute_emulated(lists: dict[int, list[Action]], stages: dict[int, dict[int,
             waits = [f"rank {r}, slot {b.slot}, {b.action} waits for {b.pending.message.action} from rank "
                      f"{b.pending.message.peer}" for r, b in blocked.items() if r in runs]
             raise EmulationError("deadlock: " + "; ".join(waits))
-    assert not hub.unconsumed(), f"messages never received: {hub.unconsumed()}"
+    if hub.unconsumed():
+        raise EmulationError(f"messages never received: {hub.unconsumed()}")

@@ -39,14 +39,16 @@ class Stage:
         self.weight_grads = WeightGradStore() if split_backward else None
         self.saved: dict[int, Saved] = {}
         self.peak_live = 0  # most micro-batches holding saved state at once during the step
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
-        self.aux_sum = torch.zeros((), dtype=torch.float64)
+        # Sums stay on the compute device and are read once per step: no host sync per micro-batch.
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
 
     def reset(self) -> None:
         """Forget the previous step's sums and peak; nothing may still be saved."""
-        assert not self.saved, f"stage {self.index}: micro-batches {sorted(self.saved)} never ran backward"
         pending = self.weight_grads.pending if self.weight_grads is not None else {}
-        assert not pending, f"stage {self.index}: micro-batches {sorted(pending)} never ran W"
+        if self.saved or pending:
+            raise RuntimeError(f"stage {self.index}: micro-batches {sorted(self.saved)} never ran backward and "
+                               f"{sorted(pending)} never ran W in the last step (a broken schedule)")
         self.loss_sum.zero_()
         self.aux_sum.zero_()
         self.peak_live = 0
@@ -56,7 +58,7 @@ class Stage:
         return len(self.saved) + (len(self.weight_grads.pending) if self.weight_grads is not None else 0)
 
     def forward(self, microbatch: int, inputs: torch.Tensor, labels: torch.Tensor | None,
-                loss_scale: float, aux_scale: float) -> torch.Tensor | None:
+                loss_scale: torch.Tensor | float, aux_scale: float) -> torch.Tensor | None:
         """Run this chunk on one micro-batch; return the boundary activation (None on the last stage)."""
         leaf = None
         split = SplitLinears(self.weight_grads) if self.weight_grads is not None else nullcontext()
@@ -69,10 +71,10 @@ class Stage:
                 hidden, aux = self.module.model(inputs_embeds=leaf)
             if self.is_last:
                 loss_sum = shifted_loss_sum(self.module.lm_head(hidden), labels, self.token_loss)
-        self.aux_sum += aux.detach().double().cpu()
+        self.aux_sum += aux.detach().double()
         scalars = [aux * aux_scale] if aux.requires_grad else []
         if self.is_last:
-            self.loss_sum += loss_sum.detach().double().cpu()
+            self.loss_sum += loss_sum.detach().double()
             scalars.insert(0, loss_sum * loss_scale)
             self._save(microbatch, leaf, scalars, [torch.ones_like(s) for s in scalars])
             return None
@@ -90,7 +92,8 @@ class Stage:
 
     def backward_input(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """I: the backward without the linear layers' weight gradients, which wait for W; return the input grad."""
-        assert self.weight_grads is not None, f"stage {self.index} was not built for split backward (I/W)"
+        if self.weight_grads is None:
+            raise RuntimeError(f"stage {self.index} was not built for split backward (I/W)")
         with self.weight_grads.defer(microbatch):
             return self._backward(microbatch, grad_output)
 

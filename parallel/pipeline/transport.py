@@ -52,6 +52,30 @@ class TransportTimeout(RuntimeError):
     """A boundary transfer did not complete in time; the message names peer, direction and micro-batch."""
 
 
+class BoundaryMismatch(RuntimeError):
+    """A boundary tensor whose shape or dtype differs from the one both stages agreed on from the config."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The stage-boundary tensor every transfer carries: [micro_batch_size, seq_len, hidden], one dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def check(self, msg: Message) -> None:
+        """Refuse to send a tensor the receiver would misread (garbage) or wait on forever (a hang)."""
+        tensor = msg.tensor
+        if tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype:
+            return
+        what = "activation" if msg.action.kind is Kind.SEND_F else "gradient"
+        peer = counterpart(msg.action).stage
+        raise BoundaryMismatch(
+            f"stage {msg.action.stage} sends stage {peer} a {what} of shape {tuple(tensor.shape)} {tensor.dtype} "
+            f"for micro-batch {msg.action.microbatch}, but the boundary is {self.shape} {self.dtype} "
+            "(micro_batch_size, seq_len, hidden_size): a stage module changed the hidden-state shape or dtype")
+
+
 DIRECTION = {Kind.SEND_F: "sending activation to", Kind.RECV_F: "receiving activation from",
              Kind.SEND_B: "sending gradient to", Kind.RECV_B: "receiving gradient from"}
 
@@ -87,11 +111,9 @@ class P2PPending:
 class P2PTransport:
     """torch.distributed point-to-point transport; shapes and dtype are known from the config (no handshake)."""
 
-    def __init__(self, rank: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 timeout_s: float):
+    def __init__(self, rank: int, boundary: Boundary, device: torch.device, timeout_s: float):
         self.rank = rank
-        self.shape = shape
-        self.dtype = dtype
+        self.boundary = boundary
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
 
@@ -99,10 +121,11 @@ class P2PTransport:
         ops, tensors = [], []
         for msg in messages:
             if msg.action.kind in SENDS:
+                self.boundary.check(msg)
                 tensor = msg.tensor.contiguous()
                 ops.append(dist.P2POp(dist.isend, tensor, msg.peer))
             else:
-                tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                tensor = torch.empty(self.boundary.shape, dtype=self.boundary.dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, tensor, msg.peer))
             tensors.append(tensor)
         works = dist.batch_isend_irecv(ops)
@@ -157,8 +180,9 @@ class _Channel:
 class LocalTransport:
     """All pipeline ranks of one process share these channels; `endpoint(rank)` is one rank's Transport."""
 
-    def __init__(self) -> None:
+    def __init__(self, boundary: Boundary | None = None) -> None:
         self.channels: dict[tuple[int, int], _Channel] = {}
+        self.boundary = boundary  # checked on every send, as the P2P transport does
 
     def endpoint(self, rank: int) -> "LocalEndpoint":
         return LocalEndpoint(self, rank)
@@ -182,6 +206,8 @@ class LocalEndpoint:
         posted = []
         for msg in messages:
             if msg.action.kind in SENDS:
+                if self.hub.boundary is not None:
+                    self.hub.boundary.check(msg)
                 # A copy, as a wire would make: the receiver owns its buffer and the sender may free its own.
                 channel = self.hub.channel(self.rank, msg.peer)
                 channel.sends.append((msg.action, msg.tensor.detach().clone()))

@@ -1,0 +1,154 @@
+"""Gradient synchronisation of one step: the tied-embedding sum and the data-parallel sum, in flat buckets
+started as soon as their gradients are final and waited for only before the optimizer step.
+
+Hand-written rather than DistributedDataParallel: DDP owns the forward and assumes one backward per step,
+while a pipeline stage runs many micro-batch backwards (and I/W halves) in an order only the schedule knows.
+Here the runtime tells us when a stage's last backward runs; within it, post-accumulate hooks start each
+bucket the moment its last gradient lands, so the reduction overlaps the rest of that backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.collectives import group_size
+from parallel.pipeline.actions import Action, Kind
+
+Group = dist.ProcessGroup | None
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced together as one flat tensor over `groups`, in order."""
+
+    params: list[nn.Parameter]
+    groups: tuple[Group, ...]
+    pending: set[int] = field(default_factory=set)  # ids of params whose gradient is not final yet
+    flat: torch.Tensor | None = None
+    work: dist.Work | None = None
+
+    def flatten(self) -> torch.Tensor:
+        """Every gradient in one tensor; a parameter without one contributes zeros, so ranks stay in step."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def unflatten(self) -> None:
+        """Write the reduced values back into each parameter's gradient."""
+        offset = 0
+        for p in self.params:
+            part = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = part
+            else:
+                p.grad.copy_(part)
+        self.flat = self.work = None
+
+
+def split_buckets(params: list[nn.Parameter], bucket_bytes: int, groups: tuple[Group, ...]) -> list[Bucket]:
+    """Consecutive parameters (in the order their gradients become final) packed up to `bucket_bytes`."""
+    buckets: list[Bucket] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1].params[0].dtype != p.dtype:
+            buckets.append(Bucket([], groups))
+            size = 0
+        buckets[-1].params.append(p)
+        size += nbytes
+    return buckets
+
+
+class GradientSync:
+    """Buckets per stage; `before`/`after` are the runtime's compute hooks, `finish` completes the step.
+
+    Buckets launch strictly in one fixed order (stages by when their gradients become final, then bucket
+    order): collectives match by order on a group, and a replica whose expert got no tokens in the last
+    micro-batch must not launch its buckets in a different order than its peers."""
+
+    def __init__(self, buckets: dict[int, list[Bucket]], final_actions: dict[int, Action],
+                 local_tie: tuple[nn.Parameter, nn.Parameter] | None = None, dp_group: Group = None):
+        self.buckets = buckets  # stage -> its buckets; dict order = launch order of the stages
+        self.order = [b for stage_buckets in buckets.values() for b in stage_buckets]
+        self.final_actions = final_actions  # stage -> the compute after which its gradients are final
+        self.local_tie = local_tie  # emulation: both tied copies live here; summed in `finish`, then over DP
+        self.dp_group = dp_group
+        self.launched = 0  # buckets of `order` launched this step
+        self.ready: set[int] = set()  # ids of buckets whose gradients are final this step
+        self.armed: dict[int, Bucket] = {}  # id(param) -> its bucket, during its stage's final backward
+        for bucket in self.order:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.first_launch_s: float | None = None  # perf_counter times of the last step, for tests and traces
+        self.last_backward_end_s: float | None = None
+
+    def start_step(self) -> None:
+        """Forget the previous step's launches and timings."""
+        self.launched, self.ready, self.armed = 0, set(), {}
+        self.first_launch_s = self.last_backward_end_s = None
+
+    def before(self, action: Action) -> None:
+        """Arm the stage's hooks right before its final full backward (an I/W stage launches after its W)."""
+        if action.kind is Kind.B and self.final_actions.get(action.stage) == action:
+            for bucket in self.buckets.get(action.stage, []):
+                bucket.pending = {id(p) for p in bucket.params}
+                self.armed.update((id(p), bucket) for p in bucket.params)
+
+    def after(self, action: Action) -> None:
+        """After a stage's final backward compute every gradient of it is final: launch what is left."""
+        if action.kind in (Kind.B, Kind.I, Kind.W):
+            self.last_backward_end_s = time.perf_counter()
+        if self.final_actions.get(action.stage) == action:
+            self.ready.update(id(b) for b in self.buckets.get(action.stage, []))
+            self._launch_ready()
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        bucket = self.armed.pop(id(param), None)
+        if bucket is not None:
+            bucket.pending.discard(id(param))
+            if not bucket.pending:
+                self.ready.add(id(bucket))
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in the fixed order, every bucket up to the first one that is not ready."""
+        while self.launched < len(self.order) and id(self.order[self.launched]) in self.ready:
+            self._launch(self.order[self.launched])
+            self.launched += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's first reduction without waiting (a chain's later groups follow in `finish`)."""
+        if self.first_launch_s is None:
+            self.first_launch_s = time.perf_counter()
+        bucket.flat = bucket.flatten()
+        group = bucket.groups[0]
+        bucket.work = dist.all_reduce(bucket.flat, group=group, async_op=True) if group_size(group) > 1 else None
+
+    def finish(self) -> None:
+        """Launch anything not yet started, wait for every reduction in order, write the sums back."""
+        self.ready.update(id(b) for b in self.order)
+        self._launch_ready()
+        for bucket in self.order:
+            if bucket.work is not None:
+                bucket.work.wait()
+            for group in bucket.groups[1:]:  # a chain (embedding group, then DP) runs its later sums in order
+                if group_size(group) > 1:
+                    dist.all_reduce(bucket.flat, group=group)
+            bucket.unflatten()
+        if self.local_tie is not None:
+            self._sum_local_tie()
+
+    def _sum_local_tie(self) -> None:
+        """Emulation: the embedding group's sum in place, then one DP sum shared by both copies (bitwise equal)."""
+        first, head = self.local_tie
+        first.grad = first.grad + head.grad
+        total = Bucket([first], (self.dp_group,))
+        self._launch(total)
+        if total.work is not None:
+            total.work.wait()
+        total.unflatten()
+        head.grad = first.grad.clone()

@@ -1,0 +1,45 @@
+"""Building this rank's stages from a plan: prune the dense model per stage, apply TP, re-tie, wrap in Stage."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.grid import ParallelGrid
+from parallel.step import TokenLoss
+from parallel.tensor import apply_tensor_parallel
+
+from .actions import Kind
+from .partition import rank_stages
+from .plan import PipelinePlan
+from .prune import prune_to_stage
+from .stage import Stage
+
+StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
+
+
+def build_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, ranks: list[int],
+                 dtype: torch.dtype, token_loss: TokenLoss) -> StagesByRank:
+    """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
+    return {r: _rank_stages(plan, model, grid, r, dtype, token_loss) for r in ranks}
+
+
+def _rank_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, rank: int, dtype: torch.dtype,
+                 token_loss: TokenLoss) -> dict[int, Stage]:
+    """One pipeline rank's chunks: pruned copies of the dense model, TP-sharded, on the compute device."""
+    spec, last = plan.spec, plan.n_stages - 1
+    modules = {s: prune_to_stage(model, plan.partition[s], s == 0, s == last)
+               for s in rank_stages(rank, spec.pp, spec.vpp, plan.placement)}
+    for module in modules.values():
+        apply_tensor_parallel(module, grid)
+        module.to(grid.device)
+    tie_within_rank(modules, last)
+    split = {a.stage for a in plan.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
+    return {s: Stage(module, s, plan.n_stages, grid.device, dtype, token_loss, s in split)
+            for s, module in modules.items()}
+
+
+def tie_within_rank(modules: dict[int, nn.Module], last: int) -> None:
+    """V placement puts the first and last stage on one rank: their tied weights become one Parameter again."""
+    if last > 0 and {0, last} <= modules.keys() and modules[0].config.tie_word_embeddings:
+        modules[last].lm_head.weight = modules[0].model.embed_tokens.weight
