@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallel.spec import resolve_dp
+
 ProcessGroup = dist.ProcessGroup if dist.is_available() else object
 
 
@@ -20,18 +22,6 @@ def resolve_backend(backend: str) -> tuple[str, torch.device]:
     if backend == "gloo":
         return backend, torch.device("cpu")
     raise ValueError(f"parallel.backend={backend!r} is not one of 'auto', 'nccl', 'gloo'")
-
-
-def check_sizes(world_size: int, dp: int | None, tp: int, pp: int) -> int:
-    """Return dp (defaulting to world_size // (tp*pp)); raise ValueError unless dp*tp*pp == world_size."""
-    for name, size in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"parallel.{name}={size!r} must be a positive integer")
-    dp = world_size // (tp * pp) if dp is None else dp
-    if dp * tp * pp != world_size:
-        raise ValueError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not equal "
-                         f"world_size={world_size}; choose sizes whose product is {world_size}")
-    return dp
 
 
 @dataclass
@@ -70,7 +60,7 @@ class ParallelGrid:
             backend = dist.get_backend() if backend == "auto" else backend
         else:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
-        dp = check_sizes(world_size, dp, tp, pp)  # before any rendezvous: a bad layout never starts
+        dp = resolve_dp(world_size, dp, tp, pp)  # before any rendezvous: a bad layout never starts
         backend, device = resolve_backend(backend)
         if not dist.is_initialized():
             if world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -105,21 +95,3 @@ class ParallelGrid:
     def global_rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         """Global rank at grid coordinates (pp, dp, tp): tp + TP * (dp + DP * pp)."""
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def pp_prev_rank(self) -> int:
-        """Global rank of the previous pp stage in this (dp, tp) column; wraps around for looped placements."""
-        return self.global_rank_of((self.pp_rank - 1) % self.pp, self.dp_rank, self.tp_rank)
-
-    @property
-    def pp_next_rank(self) -> int:
-        """Global rank of the next pp stage in this (dp, tp) column; wraps around for looped placements."""
-        return self.global_rank_of((self.pp_rank + 1) % self.pp, self.dp_rank, self.tp_rank)

@@ -7,6 +7,22 @@ from dataclasses import dataclass
 import torch
 
 
+def resolve_dp(world_size: int, dp: int | None, tp: int, pp: int) -> int:
+    """The data-parallel size of a world (`dp` or world // (tp*pp)); ValueError naming the keys to change.
+
+    The one home of the world-size rule: the grid, the pre-launch check and the launcher all call it.
+    `pp` is the pipeline ranks that are separate processes (1 under emulation)."""
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(f"world size {world_size} is not a multiple of parallel.tp*pp = {tp}*{pp}; "
+                             f"launch a multiple of {tp * pp} processes or change parallel.tp/pp")
+        return world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ValueError(f"world size {world_size} != parallel.dp*tp*pp = {dp}*{tp}*{pp}; "
+                         f"launch {dp * tp * pp} processes or change the parallel sizes")
+    return dp
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """What the user asked of the pipeline: ranks, chunks per rank, schedule and micro-batches per step."""

@@ -197,7 +197,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     plan = {f"{prefix}{k}": v for k, v in base_plan.items()}
     if base is model:
         return plan
-    # Logits stay vocab-sharded: the loss is vocab_parallel_cross_entropy and generation calls gather_logits.
+    # Logits stay vocab-sharded: the loss is vocab_parallel_cross_entropy, which never gathers them.
     head_plan = getattr(type(model), "_tp_plan", None) or {}
     return {**plan, **{k: "colwise" if v == "colwise_gather_output" else v for k, v in head_plan.items()}}
 
@@ -294,8 +294,3 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     else:
         loss = _VocabParallelCE.apply(flat_logits, flat_targets, group, vocab_start, ignore_index)
     return loss.view(targets.shape)
-
-
-def gather_logits(logits_shard: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
-    """Full-vocab logits from vocab shards (generation and eval; not differentiable)."""
-    return all_gather_cat(logits_shard, grid.tp_group, dim=-1)

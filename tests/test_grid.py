@@ -22,8 +22,7 @@ def _grid_worker(rank: int, world_size: int, pp: int, dp: int, tp: int) -> dict:
             dist.all_reduce(value, group=g)
             sums[name] = value.item()
     return {"coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank), "sizes": (grid.pp, grid.dp, grid.tp),
-            "rank": grid.rank, "members": members, "sums": sums, "first": grid.is_first_stage,
-            "last": grid.is_last_stage, "prev": grid.pp_prev_rank, "next": grid.pp_next_rank,
+            "rank": grid.rank, "members": members, "sums": sums,
             "mesh_shape": tuple(grid.mesh.shape), "backend": grid.backend}
 
 
@@ -48,16 +47,14 @@ def test_grid_world8_pp2_dp2_tp2():
         for name, ranks in expected.items():
             assert sorted(r["members"][name]) == ranks, (rank, name)
             assert r["sums"][name] == sum(ranks), (rank, name)
-        assert (r["first"], r["last"]) == (p == 0, p == pp - 1)
-        assert r["prev"] == rank_of((p - 1) % pp, d, t) and r["next"] == rank_of((p + 1) % pp, d, t)
     assert len({r["coords"] for r in results}) == 8
 
 
 def test_world_size_mismatch_fails_before_rendezvous(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
-    with pytest.raises(ValueError, match=r"dp\*tp\*pp = 2\*2\*1 = 4 does not equal world_size=8"):
+    with pytest.raises(ValueError, match=r"world size 8 != parallel.dp\*tp\*pp = 2\*2\*1; launch 4 processes"):
         ParallelGrid.build(dp=2, tp=2, pp=1, backend="gloo")
-    with pytest.raises(ValueError, match=r"dp\*tp\*pp = 2\*3\*1 = 6 does not equal world_size=8"):
+    with pytest.raises(ValueError, match=r"world size 8 is not a multiple of parallel.tp\*pp = 3\*1"):
         ParallelGrid.build(dp=None, tp=3, pp=1, backend="gloo")
     assert not dist.is_initialized()
 
@@ -65,7 +62,6 @@ def test_world_size_mismatch_fails_before_rendezvous(monkeypatch):
 def test_single_grid_has_no_groups():
     grid = ParallelGrid.single("cpu")
     assert (grid.pp, grid.dp, grid.tp, grid.world_size, grid.rank) == (1, 1, 1, 1, 0)
-    assert grid.is_first_stage and grid.is_last_stage and grid.pp_next_rank == grid.pp_prev_rank == 0
     assert all(g is None for g in (grid.tp_group, grid.dp_group, grid.pp_group, grid.mp_group, grid.embed_group))
     assert grid.mesh is None and grid.global_rank_of(0, 0, 0) == 0
 

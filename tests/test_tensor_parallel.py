@@ -6,9 +6,10 @@ import torch.nn.functional as F
 
 from minimind.config import MiniMindConfig
 from minimind.model import MiniMindForCausalLM
+from parallel.collectives import all_gather_cat
 from parallel.grid import ParallelGrid
 from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_tensor_parallel,
-                             check_tp_divisibility, gather_logits, vocab_parallel_cross_entropy)
+                             check_tp_divisibility, vocab_parallel_cross_entropy)
 from spawn import run_workers
 
 TP = 2
@@ -58,7 +59,7 @@ def _tp_worker(rank: int, world_size: int, use_moe: bool) -> dict:
     loss.backward()
     ids, _ = batch()
     with torch.no_grad():
-        full_logits = gather_logits(model(input_ids=ids).logits, grid)
+        full_logits = all_gather_cat(model(input_ids=ids).logits, grid.tp_group, dim=-1)
     return {
         "loss": loss.detach(),
         "grads": {n: p.grad for n, p in model.named_parameters()},

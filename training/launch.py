@@ -56,11 +56,12 @@ def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
 
     cfg = OmegaConf.create(cfg_dict)
     p = cfg.parallel
-    if not under_torchrun():
-        grid = ParallelGrid.single()
-    else:
-        grid = ParallelGrid.build(p.dp, p.tp, 1 if p.emulate else p.pp, backend=p.backend, timeout_s=p.timeout_s)
-    try:
+    try:  # the grid too: a failure after the rendezvous must still destroy the process group
+        if not under_torchrun():
+            grid = ParallelGrid.single()
+        else:
+            grid = ParallelGrid.build(p.dp, p.tp, 1 if p.emulate else p.pp, backend=p.backend,
+                                      timeout_s=p.timeout_s)
         run_dir = agree_on_run_dir(run_dir, grid)
         configure_worker_logging(Path(run_dir), grid.rank)
         losses = Trainer(cfg, grid, Path(run_dir)).fit()

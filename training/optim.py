@@ -6,18 +6,29 @@ from collections.abc import Iterable
 import torch
 from omegaconf import DictConfig
 
-from parallel.collectives import all_reduce_
+from parallel.collectives import group_size
+from parallel.grad_norm import global_grad_norm, scale_grads_
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm scales are not decayed)."""
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig, dp_group=None,
+                    zero: int = 0) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (norm scales are not decayed); `zero=1` shards its state
+    over the data-parallel group."""
     decay, no_decay = [], []
     for param in params:
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=False keeps the update order identical whatever the parameter grouping of a layout.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
+    options = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
+    if zero and group_size(dp_group) > 1:
+        # ZeRO-1 with torch's own ZeroRedundancyOptimizer: each DP rank keeps the AdamW state of whole parameters
+        # (greedy by size) and broadcasts them after its step. Gradients stay fully summed on every rank, so the
+        # global norm and clipping are exact, and AdamW is element-wise, so the numbers equal zero=0.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=dp_group, **options)
+    return torch.optim.AdamW(groups, **options)
 
 
 def lr_at(step: int, total_steps: int, cfg: DictConfig) -> float:
@@ -37,19 +48,10 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_grad_norm(all_params: list[torch.nn.Parameter], norm_params: list[torch.nn.Parameter],
-                   max_norm: float, group=None) -> float:
+                   max_norm: float, group, device: torch.device) -> float:
     """Global L2 grad norm over `norm_params` (each unique parameter counted by exactly one rank),
     summed over `group`; all of `all_params` are scaled when it exceeds max_norm (0 = no clipping)."""
-    grads = [p.grad for p in norm_params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    sum_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        sum_sq += grad.detach().double().pow(2).sum()
-    all_reduce_(sum_sq, group)
-    norm = float(sum_sq.sqrt())
+    norm = float(global_grad_norm(norm_params, group, device))  # the step's one read of the norm
     if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for param in all_params:
-            if param.grad is not None:
-                param.grad.mul_(scale)
+        scale_grads_(all_params, max_norm / (norm + 1e-6))
     return norm

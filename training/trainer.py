@@ -39,7 +39,8 @@ class Trainer:
         self.grid = grid
         self.run_dir = Path(run_dir)
         self.engine = build_engine(engine_spec(cfg, grid.device), build_model(cfg), grid)
-        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim)
+        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group,
+                                         zero=cfg.parallel.get("zero", 0) or 0)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
 
@@ -62,7 +63,7 @@ class Trainer:
                 if on_grads is not None:
                     on_grads(step + 1)
                 grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
-                                           cfg.train.grad_clip, self.grid.mp_group)
+                                           cfg.train.grad_clip, self.grid.mp_group, self.grid.device)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 step_time = time.perf_counter() - start

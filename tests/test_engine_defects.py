@@ -1,0 +1,113 @@
+"""Defects found in review, each pinned by a test that fails on the code before its fix."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minimind.model import MoEFeedForward
+from parallel.engine import ParallelEngine
+from parallel.grad_norm import global_grad_norm
+from parallel.grid import ParallelGrid
+from parallel.pipeline.transport import BoundaryMismatch
+from parallel.step import LocalEngine, MicroBatch
+from tests.conftest import ROOT
+from tests.spawn import run_workers
+from tests.test_runtime import CPU, batches, layout_cfg, tiny
+
+
+def _untouched_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE forward that skips experts without tokens (as many MoE codes do): they get no gradient at all."""
+    tokens = x.reshape(-1, x.shape[-1])
+    scores = torch.softmax(self.gate(tokens), dim=-1, dtype=torch.float32)
+    weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+    out = torch.zeros_like(tokens)
+    for expert_id, expert in enumerate(self.experts):
+        token_idx, slot = torch.where(chosen == expert_id)
+        if token_idx.numel():
+            out = out.index_add(0, token_idx, expert(tokens[token_idx]) * weights[token_idx, slot, None])
+    return out.view(x.shape), tokens.new_zeros(())
+
+
+def _moe_dp_worker(rank: int, world_size: int) -> dict:
+    """dp2, pp1: replica 1 feeds one repeated token, so top-1 routing sends every position to one expert and
+    the other experts get no gradient there, while replica 0 (random tokens) gives every expert one."""
+    MoEFeedForward.forward = _untouched_experts
+    grid = ParallelGrid.build(None, 1, 1, backend="gloo", timeout_s=60)
+    spec = dataclasses.replace(layout_cfg("1f1b", 1, 2), emulate=False)
+    engine = ParallelEngine(spec, tiny(moe=True), grid)
+    engine.step(replica_batches(rank))
+    return {name: p.grad for name, p in engine.named_parameters().items()}
+
+
+def replica_batches(dp_rank: int) -> list[MicroBatch]:
+    if dp_rank == 0:
+        return batches(2)
+    same = torch.full((2, 2, 16), 5)
+    return [MicroBatch(ids, ids.clone()) for ids in same]
+
+
+def test_dp_sum_zero_fills_gradients_a_replica_never_made(monkeypatch):
+    results = run_workers(_moe_dp_worker, 2, timeout=180)
+    absent = [n for n, g in results[1].items() if g is None]
+    model = tiny(moe=True)
+    single = tiny(moe=True)
+    monkeypatch.setattr(MoEFeedForward, "forward", _untouched_experts)
+    LocalEngine(single, CPU, torch.float32).step(replica_batches(1))
+    assert any(p.grad is None for p in single.parameters())  # the premise: replica 1 alone leaves some out
+    LocalEngine(model, CPU, torch.float32).step(replica_batches(0) + replica_batches(1))
+    for name, param in model.named_parameters():
+        for rank in (0, 1):
+            torch.testing.assert_close(results[rank][name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert not absent  # every rank ends the step with every gradient, summed
+
+
+def test_a_boundary_of_the_wrong_shape_is_refused_naming_both_stages():
+    engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU))
+    base = engine.stages[0].module.model
+    forward = base.forward
+    base.forward = lambda *a, **k: (lambda out: (out[0][:, :-1], out[1]))(forward(*a, **k))  # drops a position
+    with pytest.raises(BoundaryMismatch, match=r"stage 0 sends stage 1 a activation of shape \(2, 15, 32\) "
+                                               r"torch.float32 for micro-batch 0, but the boundary is \(2, 16, 32\)"):
+        engine.step(batches(2))
+
+
+def test_grad_norm_accumulates_on_the_compute_device_without_gradients():
+    params = [torch.nn.Parameter(torch.zeros(3, device="meta"))]
+    assert global_grad_norm(params, None, torch.device("meta")).device.type == "meta"
+
+
+def test_runtime_invariants_hold_under_python_dash_O():
+    code = ("import torch; from tests.test_runtime import tiny, batches, CPU; "
+            "from parallel.pipeline.stage import Stage; from parallel.step import dense_token_loss\n"
+            "s = Stage(tiny(), 0, 1, CPU, torch.float32, dense_token_loss); b = batches(1)[0]\n"
+            "s.forward(0, b.input_ids, b.labels, 1.0, 1.0)\n"
+            "try:\n    s.reset()\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "refused: stage 0: micro-batches [0] never ran backward" in out.stdout, out.stderr
+
+
+def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from training import launch
+    from tests.spawn import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def build(*args, **kwargs):
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        raise RuntimeError("mesh failed")
+
+    monkeypatch.setattr(ParallelGrid, "build", build)
+    cfg = OmegaConf.create({"parallel": {"dp": None, "tp": 1, "pp": 1, "emulate": False, "backend": "gloo",
+                                         "timeout_s": 10}})
+    with pytest.raises(RuntimeError, match="mesh failed"):
+        launch.run_worker(OmegaConf.to_container(cfg), "unused")
+    assert not dist.is_initialized()
