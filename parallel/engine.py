@@ -21,6 +21,7 @@ from parallel.grad_sync import Bucket, GradientSync, split_buckets
 from parallel.grid import ParallelGrid
 from parallel.pipeline.actions import Action, Kind
 from parallel.pipeline.build import StagesByRank, build_stages
+from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
 from parallel.pipeline.schedules import comm_peer
@@ -185,6 +186,31 @@ class ParallelEngine:
         if records is not None:
             result.trace = self._gather(records, origin)
         return result
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """Forward-only loss over the micro-batches through the same stages, transport and runtime."""
+        grid, lists = self.grid, forward_only(self.plan, len(micro_batches))
+        tokens = all_reduce_(torch.stack([mb.label_tokens() for mb in micro_batches]).sum().to(grid.device),
+                             grid.dp_group)
+        for stage in self.stages.values():
+            stage.reset()
+            stage.module.eval()
+        try:
+            plan = StepPlan(loss_scale=1.0, aux_scale=0.0)
+            if self.emulated:
+                execute_emulated({r: lists[r] for r in self.lists}, self.stages_of, self.transport, self.peer_of,
+                                 micro_batches, plan)
+            else:
+                r = grid.pp_rank
+                execute(lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan)
+        finally:
+            for stage in self.stages.values():
+                stage.module.train()
+        loss_sum = all_reduce_(all_reduce_(sum(s.loss_sum for s in self.stages.values()), grid.pp_group),
+                               grid.dp_group)
+        loss_sum, count = torch.stack([loss_sum, tokens.double()]).tolist()
+        return StepResult(loss_sum / max(count, 1), 0.0, int(count))
 
     def _trace_start(self, trace: bool) -> tuple[dict[int, list[Record]] | None, float]:
         """Empty records and a common time origin for every rank, when tracing."""

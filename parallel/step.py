@@ -47,6 +47,8 @@ class Engine(Protocol):
 
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult: ...
 
+    def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult: ...
+
     def named_parameters(self) -> dict[str, nn.Parameter]: ...
 
     def parameters(self) -> list[nn.Parameter]: ...
@@ -88,6 +90,22 @@ class LocalEngine:
 
     def norm_parameters(self) -> list[nn.Parameter]:
         return self.parameters()
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """Forward-only token-weighted mean loss over the micro-batches (model in eval mode)."""
+        self.model.eval()
+        try:
+            sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, label tokens
+            for mb in micro_batches:
+                with autocast(self.device, self.dtype):
+                    logits = self.model(input_ids=mb.input_ids.to(self.device)).logits
+                labels = mb.labels.to(self.device)
+                sums += torch.stack([shifted_loss_sum(logits, labels).double(), mb.label_tokens().double()])
+        finally:
+            self.model.train()
+        loss_sum, tokens = sums.tolist()
+        return StepResult(loss_sum / max(tokens, 1), 0.0, int(tokens))
 
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult:
         """Accumulate gradients over the micro-batches; `trace` has nothing to time in one process."""

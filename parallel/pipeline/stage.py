@@ -59,7 +59,9 @@ class Stage:
 
     def forward(self, microbatch: int, inputs: torch.Tensor, labels: torch.Tensor | None,
                 loss_scale: torch.Tensor | float, aux_scale: float) -> torch.Tensor | None:
-        """Run this chunk on one micro-batch; return the boundary activation (None on the last stage)."""
+        """Run this chunk on one micro-batch; return the boundary activation (None on the last stage).
+
+        With gradients off (evaluation) nothing is saved and only the loss sum is kept."""
         leaf = None
         split = SplitLinears(self.weight_grads) if self.weight_grads is not None else nullcontext()
         with autocast(self.device, self.dtype), split:
@@ -71,6 +73,10 @@ class Stage:
                 hidden, aux = self.module.model(inputs_embeds=leaf)
             if self.is_last:
                 loss_sum = shifted_loss_sum(self.module.lm_head(hidden), labels, self.token_loss)
+        if not torch.is_grad_enabled():
+            if self.is_last:
+                self.loss_sum += loss_sum.double()
+            return None if self.is_last else hidden
         self.aux_sum += aux.detach().double()
         scalars = [aux * aux_scale] if aux.requires_grad else []
         if self.is_last:
