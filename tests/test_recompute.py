@@ -13,7 +13,9 @@ from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.stage import Stage
 from parallel.recompute import MODES, apply_recompute, saved_activation_bytes_per_layer
 from parallel.spec import EngineSpec, PipelineSpec
-from parallel.step import MicroBatch, dense_token_loss
+from parallel.step import MicroBatch, dense_token_loss, shifted_loss_sum
+from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from tests.spawn import run_workers
 
 CPU = torch.device("cpu")
 
@@ -171,6 +173,22 @@ def test_input_then_weight_backward_with_recomputation_equals_full_backward_with
                      {n: p.grad for n, p in full.named_parameters()}, 1e-6)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_bf16_autocast_recomputes_the_same_numbers(mode):
+    plain, patched = tiny(moe=True), apply_recompute(tiny(moe=True), mode)
+    losses = []
+    for model in (plain, patched):
+        stage = Stage(model, 0, 1, CPU, torch.bfloat16, dense_token_loss, split_backward=True)
+        for mb, batch in enumerate(batches(2)):
+            stage.forward(mb, batch.input_ids, batch.labels, 0.01, 0.5)
+            stage.backward_input(mb, None)
+            stage.backward_weight(mb)
+        losses.append(stage.loss_sum.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert_close_rel({n: p.grad for n, p in patched.named_parameters()},
+                     {n: p.grad for n, p in plain.named_parameters()}, 1e-6)
+
+
 @pytest.mark.parametrize("schedule", sorted(set(SCHEDULES) - {"1f1b"}))
 def test_every_schedule_runs_with_recomputation(schedule):
     mbs = batches(4)
@@ -233,10 +251,12 @@ def test_saved_activations_per_stage_at_seq_256_full_halves_selective_lowers():
         assert full <= 0.5 and selective < 1.0, (s, peaks)
 
 
-def measured_layer_bytes(cfg: MiniMindConfig, mode: str, dtype: torch.dtype, seq: int = 48) -> int:
+def measured_layer_bytes(cfg: MiniMindConfig, mode: str, dtype: torch.dtype, seq: int = 48,
+                         grid: ParallelGrid | None = None) -> int:
     """Saved bytes of one decoder layer's forward (training mode), parameters and their casts excluded."""
     torch.manual_seed(0)
-    model = apply_recompute(MiniMindForCausalLM(cfg), mode)
+    model = MiniMindForCausalLM(cfg)
+    model = apply_recompute(apply_tensor_parallel(model, grid) if grid is not None else model, mode)
     layer, base = model.model.layers["0"], model.model
     weight_shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
     meter = SavedBytes(list(model.parameters()))
@@ -259,3 +279,33 @@ def test_the_memory_model_is_what_the_hooks_count(moe, dtype):
         predicted = saved_activation_bytes_per_layer(cfg, 2, 48, dtype.itemsize, mode)
         assert measured_layer_bytes(cfg, mode, dtype) == predicted, (mode, dtype)
     assert saved_activation_bytes_per_layer(cfg, 2, 48, 2, "selective", tp=2) < predicted
+
+
+def _tp_worker(rank: int, world_size: int) -> dict:
+    grid = ParallelGrid.build(dp=1, tp=world_size, pp=1, backend="gloo", timeout_s=60)
+    out: dict = {}
+    ids = batches(1)[0].input_ids
+    for moe in (False, True):
+        for mode in MODES:
+            model = apply_recompute(apply_tensor_parallel(tiny(moe=moe), grid), mode)
+            result = model(input_ids=ids)
+            width = result.logits.shape[-1]
+            loss = shifted_loss_sum(result.logits, ids, lambda x, t: vocab_parallel_cross_entropy(
+                x, t, grid.tp_group, grid.tp_rank * width)) + result.aux_loss
+            loss.backward()
+            out[moe, mode] = {"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+            cfg = config(layers=1, moe=moe)
+            out[moe, mode]["bytes"] = (measured_layer_bytes(cfg, mode, torch.float32, grid=grid),
+                                       saved_activation_bytes_per_layer(cfg, 2, 48, 4, mode, tp=world_size))
+    return out
+
+
+def test_recomputation_of_tp2_shards_gives_the_numbers_of_none_and_its_memory_model():
+    for result in run_workers(_tp_worker, 2, timeout=180):
+        for moe in (False, True):
+            expected = result[moe, "none"]
+            for mode in MODES:
+                got = result[moe, mode]
+                assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6), (moe, mode)
+                assert_close_rel(got["grads"], expected["grads"], 1e-6)
+                assert got["bytes"][0] == got["bytes"][1], (moe, mode)
