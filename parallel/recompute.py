@@ -1,10 +1,13 @@
 """Activation recomputation, a pass over a built (pruned, TP-sharded) stage module, and its memory model.
 
 `full` recomputes each decoder layer's forward in its backward, keeping only the layer's input. `selective`
-(Megatron style) recomputes only the cheap, memory-heavy parts: the attention core (q/k norms, RoPE and the
-SDPA kernel, between the projections) and the SwiGLU activation; every linear layer's input stays saved, so no
-matmul of the forward runs twice. The pass patches instance `forward`s from outside, so the model file stays
+(Megatron style) recomputes only cheap, memory-heavy parts: the attention core (the q/k norms and the SDPA
+kernel; RoPE between them saves nothing) and the SwiGLU activation silu(gate); every linear layer's input stays
+saved, so no linear layer runs twice. The pass patches instance `forward`s from outside, so the model file stays
 single-device code and every parameter keeps its dense name (`model.layers.3.mlp.up_proj.weight`).
+
+Under the I/W split the recomputation runs inside I under the forward's `SplitLinears`, so the recomputed
+linears still defer their weight gradients to W (whose held inputs recomputation does not shrink).
 """
 
 import types
