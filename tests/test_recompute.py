@@ -11,7 +11,8 @@ from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.stage import Stage
-from parallel.recompute import MODES, apply_recompute, saved_activation_bytes_per_layer
+from parallel.recompute import (MODES, apply_recompute, deferred_weight_grad_bytes_per_layer,
+                                saved_activation_bytes_per_layer)
 from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import MicroBatch, dense_token_loss, shifted_loss_sum
 from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -279,6 +280,24 @@ def test_the_memory_model_is_what_the_hooks_count(moe, dtype):
         predicted = saved_activation_bytes_per_layer(cfg, 2, 48, dtype.itemsize, mode)
         assert measured_layer_bytes(cfg, mode, dtype) == predicted, (mode, dtype)
     assert saved_activation_bytes_per_layer(cfg, 2, 48, 2, "selective", tp=2) < predicted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_memory_model_of_what_waits_for_w_is_what_i_deferred(moe, dtype):
+    cfg = config(layers=1, moe=moe)
+    model = apply_recompute(MiniMindForCausalLM(cfg), "full")
+    layer = {id(p) for p in model.model.layers["0"].parameters()}
+    stage = Stage(model, 0, 1, CPU, dtype, dense_token_loss, split_backward=True)
+    ids = batches(1, seq=48)[0].input_ids
+    stage.forward(0, ids, ids, 0.01, 0.5)
+    stage.backward_input(0, None)
+    held = {}
+    for work in stage.weight_grads.pending[0]:
+        if id(work.weight) in layer:
+            for t in (work.inputs, work.grad_output):
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert sum(held.values()) == deferred_weight_grad_bytes_per_layer(cfg, 2, 48, dtype.itemsize)
 
 
 def _tp_worker(rank: int, world_size: int) -> dict:
