@@ -50,8 +50,9 @@ class SavedBytes:
     """Saved-tensor hooks that count the bytes autograd holds for backward (each storage once, parameters not
     at all) and keep the peak: a tensor stops counting when autograd frees the node that saved it."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], skip=lambda tensor: False):
         self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.skip = skip  # tensors that are not activations either (under autocast: the weights' casts)
         self.live: dict[int, list[int]] = {}  # storage -> [references, bytes]
         self.current = self.peak = 0
 
@@ -60,7 +61,7 @@ class SavedBytes:
 
     def _pack(self, tensor: torch.Tensor) -> "_Held":
         key = tensor.untyped_storage().data_ptr()
-        if key in self.params:
+        if key in self.params or self.skip(tensor):
             return _Held(tensor, None)
         entry = self.live.setdefault(key, [0, tensor.untyped_storage().nbytes()])
         if entry[0] == 0:
@@ -78,6 +79,8 @@ class SavedBytes:
 
 
 class _Held:
+    """A saved tensor that tells its meter when autograd lets go of it."""
+
     def __init__(self, tensor: torch.Tensor, release):
         self.tensor, self.release = tensor, release
 
@@ -260,13 +263,11 @@ def measured_layer_bytes(cfg: MiniMindConfig, mode: str, dtype: torch.dtype, seq
     model = apply_recompute(apply_tensor_parallel(model, grid) if grid is not None else model, mode)
     layer, base = model.model.layers["0"], model.model
     weight_shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
-    meter = SavedBytes(list(model.parameters()))
+    meter = SavedBytes(list(model.parameters()),
+                       skip=lambda t: t.dtype != torch.float32 and tuple(t.shape) in weight_shapes)
     x = torch.randn(2, seq, cfg.hidden_size, requires_grad=True)
     positions = torch.arange(seq)[None]
     cos, sin = base.rope_cos[positions], base.rope_sin[positions]
-    pack = meter._pack
-    # Under autocast the weights' casts are saved too: parameters, not activations.
-    meter._pack = lambda t: None if t.dtype != torch.float32 and tuple(t.shape) in weight_shapes else pack(t)
     with meter.hooks(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         out, aux = layer(x, cos, sin)
     return meter.current - 2 * cos.untyped_storage().nbytes()  # RoPE tables: one pair per stage, not per layer
