@@ -110,21 +110,19 @@ def _feedforward_recomputing_activation(ff: FeedForward, x: torch.Tensor) -> tor
 
 
 def _same_function_modes() -> tuple[AbstractContextManager, AbstractContextManager]:
-    """checkpoint's context_fn, called at forward time: recompute under the function modes active now.
-
-    torch.utils.checkpoint restores autocast, RNG and the device context but no other function mode, and the
-    recomputation runs inside backward, where the stage's `SplitLinears` is not active: without it the
-    recomputed linears would save other tensors than the forward's `_SplitLinear`s (checkpoint refuses that)
-    and I could not defer their weight gradients. torch has no public accessor for the mode stack; checkpoint
-    itself reads it with the same private helper.
-    """
+    """checkpoint's context_fn, called at forward time: recompute under the function modes active now."""
+    # torch.utils.checkpoint restores autocast, RNG and the device context but no other function mode, and the
+    # recomputation runs inside backward (maybe on autograd's device thread), where the stage's `SplitLinears`
+    # is not active: the recomputed linears would then save other tensors than the forward's `_SplitLinear`s,
+    # which checkpoint refuses. torch has no public accessor for the mode stack; checkpoint itself reads it
+    # with the same private helper.
     modes = [m for m in _get_current_function_mode_stack() if not isinstance(m, DeviceContext)]
     return nullcontext(), _Reentered(modes)
 
 
 class _Reentered:
-    """Enters `modes` (outermost first), skipping those already active on this thread; reusable, since a
-    retained graph may recompute the same region twice."""
+    """Enters `modes` (outermost first), skipping those already active on this thread."""
+    # A class, not a generator: a retained graph may recompute the same region twice with this one context.
 
     def __init__(self, modes: Sequence[TorchFunctionMode]):
         self.modes = modes
@@ -144,13 +142,12 @@ class _Reentered:
 
 def saved_activation_bytes_per_layer(config, micro_batch_size: int, seq_len: int, dtype_bytes: int, mode: str,
                                      tp: int = 1) -> int:
-    """Bytes one decoder layer keeps for backward per micro-batch on one TP rank (no sequence parallelism).
-
-    Counted as the saved-tensor hooks see them (each storage once, parameters and their casts not at all) for
-    this model's layer, causal attention without a mask (a fused SDPA kernel: output plus fp32 log-sum-exp)
-    and dropout 0. Norms and the residual stream are fp32; under autocast (`dtype_bytes` < 4) each linear
-    saves its own cast of its input. MoE layers assume balanced routing. `config` is a MiniMindConfig.
-    """
+    """Bytes one decoder layer of `config` (a MiniMindConfig) saves for backward per micro-batch on a TP rank."""
+    # As saved-tensor hooks count them (each storage once, parameters and their casts not at all), for causal
+    # attention without a mask (a fused SDPA kernel: output plus fp32 log-sum-exp), dropout 0 and no sequence
+    # parallelism. Norms and the residual stream are fp32; under autocast (`dtype_bytes` < 4) each linear
+    # saves its own cast of its input. Exact for dense layers; MoE totals are exact too, since every token is
+    # routed to exactly top-k experts (the tests check both against the hooks).
     if mode not in MODES:
         raise ValueError(f"train.recompute={mode!r} is not a recompute mode: use one of {'|'.join(MODES)}")
     tokens, f, a, h = micro_batch_size * seq_len, 4, dtype_bytes, config.hidden_size
@@ -185,8 +182,8 @@ def _moe_bytes(config, tokens: int, a: int, tp: int, selective: bool) -> int:
 
 def deferred_weight_grad_bytes_per_layer(config, micro_batch_size: int, seq_len: int, dtype_bytes: int,
                                          tp: int = 1) -> int:
-    """Bytes one decoder layer holds per micro-batch between I and W: each linear's input and output gradient
-    in the compute dtype (the same under every recompute mode). Same conventions as the saved bytes."""
+    """Bytes one decoder layer holds per micro-batch between I and W (the same under every recompute mode)."""
+    # Each linear's input (one cast per linear under autocast) and output gradient, in the compute dtype.
     tokens, a, h = micro_batch_size * seq_len, dtype_bytes, config.hidden_size
     casts = 1 if a < 4 else 0
     heads, kv_heads = config.num_attention_heads // tp, max(config.num_key_value_heads // tp, 1)
