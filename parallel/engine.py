@@ -28,6 +28,7 @@ from parallel.pipeline.schedules import comm_peer
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
+from parallel.recompute import apply_recompute
 from parallel.spec import EngineSpec
 from parallel.step import Engine, LocalEngine, MicroBatch, StepResult, TokenLoss, dense_token_loss
 from parallel.tensor import vocab_parallel_cross_entropy
@@ -38,7 +39,7 @@ Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, s
 def build_engine(spec: EngineSpec, model: nn.Module, grid: ParallelGrid) -> Engine:
     """The step engine for this layout: the whole model locally when nothing is split, else this rank's share."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
-        return LocalEngine(model.to(grid.device), grid.device, spec.dtype)
+        return LocalEngine(apply_recompute(model, spec.recompute).to(grid.device), grid.device, spec.dtype)
     return ParallelEngine(spec, model, grid)
 
 
@@ -84,7 +85,8 @@ class ParallelEngine:
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
         self.lists = {r: list(self.plan.lowered[r]) for r in ranks}
         token_loss = choose_token_loss(grid, model.config.vocab_size)
-        self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, spec.dtype, token_loss)
+        self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, spec.dtype, token_loss,
+                                                      spec.recompute)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.plan, grid, model.config.hidden_size)
         self.tied = bool(model.config.tie_word_embeddings)

@@ -49,6 +49,7 @@ class EngineSpec:
     dtype: torch.dtype = torch.float32
     timeout_s: float = 300.0
     emulate: bool = False  # one process plays every pipeline rank of its (dp, tp) coordinate
+    recompute: str = "none"  # activation recomputation of the decoder layers: none | full | selective
     bucket_mb: float = 25.0  # data-parallel gradient buckets (MiB), reduced as soon as they are final
 
     @property

@@ -329,3 +329,17 @@ def test_recomputation_of_tp2_shards_gives_the_numbers_of_none_and_its_memory_mo
                 assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6), (moe, mode)
                 assert_close_rel(got["grads"], expected["grads"], 1e-6)
                 assert got["bytes"][0] == got["bytes"][1], (moe, mode)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_engine_spec_recompute_reaches_every_stage(mode):
+    import dataclasses
+
+    from tests.test_runtime import CPU, batches, layout_cfg, tiny
+
+    plain = ParallelEngine(layout_cfg("zb-h1", 2, 4), tiny(moe=True), ParallelGrid.single(CPU)).step(batches(4))
+    spec = dataclasses.replace(layout_cfg("zb-h1", 2, 4), recompute=mode)
+    engine = ParallelEngine(spec, tiny(moe=True), ParallelGrid.single(CPU))
+    assert engine.step(batches(4)).loss == plain.loss
+    with pytest.raises(RuntimeError, match="already has a patched forward"):
+        apply_recompute(engine.stages[0].module, mode)  # the engine applied it once

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from parallel.grid import ParallelGrid
+from parallel.recompute import apply_recompute
 from parallel.step import TokenLoss
 from parallel.tensor import apply_tensor_parallel
 
@@ -19,19 +20,20 @@ StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage inde
 
 
 def build_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, ranks: list[int],
-                 dtype: torch.dtype, token_loss: TokenLoss) -> StagesByRank:
+                 dtype: torch.dtype, token_loss: TokenLoss, recompute: str = "none") -> StagesByRank:
     """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
-    return {r: _rank_stages(plan, model, grid, r, dtype, token_loss) for r in ranks}
+    return {r: _rank_stages(plan, model, grid, r, dtype, token_loss, recompute) for r in ranks}
 
 
 def _rank_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, rank: int, dtype: torch.dtype,
-                 token_loss: TokenLoss) -> dict[int, Stage]:
+                 token_loss: TokenLoss, recompute: str) -> dict[int, Stage]:
     """One pipeline rank's chunks: pruned copies of the dense model, TP-sharded, on the compute device."""
     spec, last = plan.spec, plan.n_stages - 1
     modules = {s: prune_to_stage(model, plan.partition[s], s == 0, s == last)
                for s in rank_stages(rank, spec.pp, spec.vpp, plan.placement)}
     for module in modules.values():
         apply_tensor_parallel(module, grid)
+        apply_recompute(module, recompute)
         module.to(grid.device)
     tie_within_rank(modules, last)
     split = {a.stage for a in plan.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
