@@ -1,0 +1,90 @@
+"""The shape of the code: dependencies point down only, no import circle, no oversized file or function."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["minimind", "parallel", "checkpoint", "training"]  # bottom to top; train.py and scripts/ sit above
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every package module of the project."""
+    found = {}
+    for layer in LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """Project modules imported anywhere in the file (lazy imports included), relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(path, name, known) for name, path in known.items()}
+
+
+def test_dependencies_point_down_only():
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = [(a, b) for a, deps in graph().items() for b in deps
+              if rank[b.split(".")[0]] > rank[a.split(".")[0]]]
+    assert not upward, upward
+
+
+def test_no_import_circle_between_files():
+    deps = graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(deps.get(node, ())):
+            if nxt.rpartition(".")[0] == node or node.rpartition(".")[0] == nxt:
+                continue  # a package and its own modules
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(deps):
+        if start not in state:
+            cycle = visit(start, [])
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_omegaconf_stays_out_of_the_model_and_parallel_layers():
+    offenders = [str(p.relative_to(ROOT)) for layer in ("minimind", "parallel") for p in (ROOT / layer).rglob("*.py")
+                 if "omegaconf" in p.read_text()]
+    assert not offenders, offenders
+
+
+def test_no_file_over_400_lines_and_no_long_function_in_parallel():
+    sources = [p for p in ROOT.rglob("*.py") if not {".venv", "tests", ".git"} & set(p.relative_to(ROOT).parts)]
+    long_files = [f"{p.relative_to(ROOT)} ({n})" for p in sources if (n := len(p.read_text().splitlines())) > 400]
+    assert not long_files, long_files
+    long_functions = []
+    for path in (ROOT / "parallel").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50:
+                long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not long_functions, long_functions
