@@ -19,8 +19,9 @@ from torch import nn
 from parallel.collectives import all_reduce_
 from parallel.grad_sync import Bucket, GradientSync, split_buckets
 from parallel.grid import ParallelGrid
+from parallel.materialize import WeightSource
 from parallel.pipeline.actions import Action, Kind
-from parallel.pipeline.build import StagesByRank, build_stages
+from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
 from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
@@ -36,11 +37,15 @@ from parallel.tensor import vocab_parallel_cross_entropy
 Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
 
 
-def build_engine(spec: EngineSpec, model: nn.Module, grid: ParallelGrid) -> Engine:
-    """The step engine for this layout: the whole model locally when nothing is split, else this rank's share."""
+def build_engine(spec: EngineSpec, model: nn.Module, grid: ParallelGrid,
+                 weights: WeightSource | None = None) -> Engine:
+    """The step engine for this layout: the whole model locally when nothing is split, else this rank's share.
+
+    `model` may be built on the meta device; then only this rank's parameters are materialised, from `weights`."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
-        return LocalEngine(apply_recompute(model, spec.recompute).to(grid.device), grid.device, spec.dtype)
-    return ParallelEngine(spec, model, grid)
+        place_(apply_recompute(model, spec.recompute), weights, grid)
+        return LocalEngine(model, grid.device, spec.dtype)
+    return ParallelEngine(spec, model, grid, weights)
 
 
 def choose_token_loss(grid: ParallelGrid, vocab_size: int) -> TokenLoss:
@@ -77,16 +82,15 @@ def final_backward_actions(lists: dict[int, list[Action]]) -> dict[int, Action]:
 class ParallelEngine:
     """Builds this rank's stages (pruned, TP-sharded) and runs one step: schedule, then gradient syncs."""
 
-    def __init__(self, spec: EngineSpec, model: nn.Module, grid: ParallelGrid):
+    def __init__(self, spec: EngineSpec, model: nn.Module, grid: ParallelGrid, weights: WeightSource | None = None):
         self.spec, self.grid = spec, grid
         self.plan = plan_pipeline(spec.pipeline, model.config.num_hidden_layers)
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
         self.lists = {r: list(self.plan.lowered[r]) for r in ranks}
-        token_loss = choose_token_loss(grid, model.config.vocab_size)
-        self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, spec.dtype, token_loss,
-                                                      spec.recompute)
+        how = StageBuild(spec.dtype, choose_token_loss(grid, model.config.vocab_size), spec.recompute, weights)
+        self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.plan, grid, model.config.hidden_size)
         self.tied = bool(model.config.tie_word_embeddings)

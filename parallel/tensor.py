@@ -208,30 +208,53 @@ def _all_reduce_grad(grad: torch.Tensor, group) -> torch.Tensor:
 
 
 def apply_tensor_parallel(model: nn.Module, grid: ParallelGrid) -> nn.Module:
+    """Shard the plan's modules, then hook the replicated parameters' gradient sums (both steps below)."""
+    shard_modules(model, grid)
+    sync_replicated_grads(model, grid)
+    return model
+
+
+def shard_modules(model: nn.Module, grid: ParallelGrid) -> nn.Module:
     """Replace the plan's Linear/Embedding modules in place by TP versions holding this rank's slice.
 
     Parameter names stay dense; modules absent from a pruned model are skipped; a Parameter shared by
-    several modules (tied embedding and lm_head) stays one shared sharded Parameter.
+    several modules (tied embedding and lm_head) stays one shared sharded Parameter. Works on meta modules.
     """
     check_tp_divisibility(model.config, grid.tp)
     if grid.tp == 1:
         return model
-    rules = [(_pattern(key), style) for key, style in tp_plan(model).items()]
     shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> its dim-0 shard, reused by a tie partner
     # The list keeps every dense module (and weight) alive through the loop, so no id() is recycled.
-    for name, module in list(model.named_modules()):
-        style = next((s for pattern, s in rules if pattern.fullmatch(name)), None)
-        if style is None:
-            continue
+    for name, module, style in _planned_modules(model):
+        if style != "replicated_with_grad_allreduce":
+            new = _parallel_module(module, style, grid, shards)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def sync_replicated_grads(model: nn.Module, grid: ParallelGrid) -> None:
+    """Replicated parameters that see only part of the sharded activations sum their gradient over TP.
+
+    A leaf hook, not a trainer step: the gradient is exact as soon as backward returns. Registered after the
+    weights are materialised, since a meta tensor's hooks do not survive getting storage."""
+    if grid.tp == 1:
+        return
+    for _, module, style in _planned_modules(model):
         if style == "replicated_with_grad_allreduce":
-            # A leaf hook, not a trainer step: the gradient is exact as soon as backward returns.
             for param in module.parameters(recurse=False):
                 param.register_hook(partial(_all_reduce_grad, group=grid.tp_group))
-            continue
-        new = _parallel_module(module, style, grid, shards)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
-    return model
+
+
+def _planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, style) of every module the TP plan names."""
+    rules = [(_pattern(key), style) for key, style in tp_plan(model).items()]
+    found = []
+    for name, module in list(model.named_modules()):
+        style = next((s for pattern, s in rules if pattern.fullmatch(name)), None)
+        if style is not None:
+            found.append((name, module, style))
+    return found
 
 
 def _parallel_module(module: nn.Module, style: str, grid: ParallelGrid, shards: dict) -> nn.Module:

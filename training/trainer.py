@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from minimind import MiniMindForCausalLM
 from parallel.engine import build_engine
 from parallel.grid import ParallelGrid
+from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.data import build_data
 from training.metrics import MetricsLogger
@@ -20,15 +21,18 @@ from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 log = logging.getLogger("sluice")
 
 
-def build_model(cfg: DictConfig) -> MiniMindForCausalLM:
-    """The dense model, initialised from train.seed: identical on every rank of every layout."""
-    torch.manual_seed(cfg.train.seed)
-    model = MiniMindForCausalLM(model_config(cfg))
-    if cfg.checkpoint.load_dense:
-        from checkpoint.dense import load_dense_into
+def build_model(cfg: DictConfig) -> tuple[MiniMindForCausalLM, WeightSource]:
+    """The dense model on the meta device and where its weights come from: the dense checkpoint, or an
+    initialisation seeded per parameter name by train.seed (the same weights in every layout)."""
+    config = model_config(cfg)
+    with torch.device("meta"):
+        model = MiniMindForCausalLM(config)
+    if not cfg.checkpoint.load_dense:
+        return model, seeded_init(config, cfg.train.seed)
+    from checkpoint.dense_source import dense_source
 
-        load_dense_into(model, cfg.checkpoint.load_dense)
-    return model
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return model, dense_source(cfg.checkpoint.load_dense, expected)
 
 
 class Trainer:
@@ -38,7 +42,8 @@ class Trainer:
         self.cfg = cfg
         self.grid = grid
         self.run_dir = Path(run_dir)
-        self.engine = build_engine(engine_spec(cfg, grid.device), build_model(cfg), grid)
+        model, weights = build_model(cfg)
+        self.engine = build_engine(engine_spec(cfg, grid.device), model, grid, weights)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group,
                                          zero=cfg.parallel.get("zero", 0) or 0)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)

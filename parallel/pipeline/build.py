@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from parallel.grid import ParallelGrid
+from parallel.materialize import WeightSource, is_meta, materialize_
 from parallel.recompute import apply_recompute
 from parallel.step import TokenLoss
-from parallel.tensor import apply_tensor_parallel
+from parallel.tensor import shard_modules, sync_replicated_grads
 
 from .actions import Kind
 from .partition import rank_stages
@@ -19,26 +22,47 @@ from .stage import Stage
 StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
 
 
+@dataclass(frozen=True)
+class StageBuild:
+    """How each stage module is made: compute dtype, loss, recompute mode, and where weights come from."""
+
+    dtype: torch.dtype
+    token_loss: TokenLoss
+    recompute: str = "none"
+    weights: WeightSource | None = None  # required when the model is on the meta device
+
+
 def build_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, ranks: list[int],
-                 dtype: torch.dtype, token_loss: TokenLoss, recompute: str = "none") -> StagesByRank:
+                 how: StageBuild) -> StagesByRank:
     """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
-    return {r: _rank_stages(plan, model, grid, r, dtype, token_loss, recompute) for r in ranks}
+    return {r: _rank_stages(plan, model, grid, r, how) for r in ranks}
 
 
-def _rank_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, rank: int, dtype: torch.dtype,
-                 token_loss: TokenLoss, recompute: str) -> dict[int, Stage]:
+def _rank_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, rank: int,
+                 how: StageBuild) -> dict[int, Stage]:
     """One pipeline rank's chunks: pruned copies of the dense model, TP-sharded, on the compute device."""
     spec, last = plan.spec, plan.n_stages - 1
     modules = {s: prune_to_stage(model, plan.partition[s], s == 0, s == last)
                for s in rank_stages(rank, spec.pp, spec.vpp, plan.placement)}
     for module in modules.values():
-        apply_tensor_parallel(module, grid)
-        apply_recompute(module, recompute)
-        module.to(grid.device)
+        shard_modules(module, grid)
+        apply_recompute(module, how.recompute)
+        place_(module, how.weights, grid)
+        sync_replicated_grads(module, grid)
     tie_within_rank(modules, last)
     split = {a.stage for a in plan.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
-    return {s: Stage(module, s, plan.n_stages, grid.device, dtype, token_loss, s in split)
+    return {s: Stage(module, s, plan.n_stages, grid.device, how.dtype, how.token_loss, s in split)
             for s, module in modules.items()}
+
+
+def place_(module: nn.Module, weights: WeightSource | None, grid: ParallelGrid) -> None:
+    """A meta module is materialised on the device from `weights`; a built one is moved there."""
+    if is_meta(module):
+        if weights is None:
+            raise ValueError("a model built on the meta device needs a weight source (seeded init or checkpoint)")
+        materialize_(module, weights, grid.tp_rank, grid.tp, grid.device)
+    else:
+        module.to(grid.device)
 
 
 def tie_within_rank(modules: dict[int, nn.Module], last: int) -> None:

@@ -1,0 +1,71 @@
+"""Materialising stages built on the meta device: only this rank's parameters ever get memory.
+
+A stage is pruned and TP-sharded while its parameters are still meta tensors; then each parameter is filled
+from a `WeightSource`, which yields the *dense* tensor of one global name at a time (a seeded initialiser or a
+lazily read checkpoint), sliced here to this rank's TP block. So no rank holds the whole model, and a given
+seed gives the same dense weights in every layout.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+WeightSource = Callable[[str, tuple[int, ...]], torch.Tensor]  # (dense name, dense shape) -> dense tensor
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def seeded_init(config, seed: int) -> WeightSource:
+    """MiniMind's initialisation (normal(0, initializer_range), norms at one), each tensor from its own
+    generator seeded by (seed, global name): identical whatever subset of the model a rank builds."""
+    std = config.initializer_range
+
+    def init(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name == TIED_HEAD and config.tie_word_embeddings:
+            name = EMBEDDING  # the last stage's copy of the tied embedding starts equal to the first's
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    return init
+
+
+def dense_shape(param: nn.Parameter, tp: int) -> tuple[int, ...]:
+    """The shape of the dense tensor a (possibly TP-sharded) parameter is a block of."""
+    shape = list(param.shape)
+    if getattr(param, "tensor_parallel", False):
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int, device: torch.device) -> None:
+    """Give the meta `module` storage on `device`, each parameter (once) filled from `source`, TP-sliced.
+
+    Each Parameter keeps its identity (a tie stays one object) and its attributes (the TP marks): the
+    storage is swapped in, not a new Parameter made, as `Module.to_empty` would."""
+    for name, param in module.named_parameters():  # a Parameter shared by two modules is listed once
+        if param._backward_hooks:
+            raise RuntimeError(f"{name}: gradient hooks on a meta tensor do not survive materialising; "
+                               "register them afterwards")
+        dense = source(name, dense_shape(param, tp))
+        if getattr(param, "tensor_parallel", False):
+            dense = dense.chunk(tp, dim=param.partition_dim)[tp_rank]
+        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype).contiguous(), param.requires_grad)
+        torch.utils.swap_tensors(param, fresh)
+        param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back
+    for owner in module.modules():
+        for key, buffer in owner._buffers.items():
+            if buffer is not None and buffer.is_meta:  # non-persistent tables, recomputed below
+                owner._buffers[key] = torch.empty_like(buffer, device=device)
+    base = getattr(module, "model", module)
+    if hasattr(base, "reset_rope"):
+        base.reset_rope()  # non-persistent RoPE tables are computed, never stored
+
+
+def is_meta(module: nn.Module) -> bool:
+    """True when the module's parameters have no storage yet."""
+    return any(p.is_meta for p in module.parameters())
