@@ -1,17 +1,17 @@
 """Dense checkpoints read lazily, one global key at a time, as a `WeightSource` for meta-built stages.
 
-Each rank asks only for its own parameters: safetensors reads just those keys (`safe_open`), a `.pth` is
+Each rank asks only for its own parameters: a safetensors file is read key by key at its offsets, a `.pth` is
 memory-mapped (`torch.load(mmap=True)`) so untouched tensors never enter memory.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError, check_keys
 from parallel.materialize import WeightSource
@@ -64,23 +64,48 @@ def _open_folder(folder: Path) -> tuple[list[str], Reader]:
                           "or pytorch_model.bin in that folder")
 
 
+# safetensors dtype names -> torch dtypes (the format's own table).
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """The file's tensor table and where its data starts; one line naming the file when it is not one."""
+    try:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        header.pop("__metadata__", None)
+        if file.stat().st_size < 8 + length + max((v["data_offsets"][1] for v in header.values()), default=0):
+            raise ValueError("the file is shorter than its header says (truncated)")
+        return header, 8 + length
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+        raise CheckpointError(f"checkpoint.load_dense={file} is not a readable safetensors file: "
+                              f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+
+
 def _open_safetensors(files: dict[str | None, Path]) -> tuple[list[str], Reader]:
-    """One file for every key (key None), or a key -> shard file map."""
-    handles = {}
+    """One file for every key (key None), or a key -> shard file map.
 
-    def handle(file: Path):
-        if file not in handles:
-            try:
-                handles[file] = safe_open(str(file), framework="pt")
-            except Exception as error:  # safetensors raises its own types for truncated or foreign files
-                raise CheckpointError(f"checkpoint.load_dense={file} is not a readable safetensors file: "
-                                      f"{str(error).splitlines()[0]}") from None
-        return handles[file]
+    Read by hand with positioned reads rather than `safe_open`: safe_open memory-maps the file, and the pages a
+    rank touches then count in its resident memory on top of the tensor it keeps (twice its share)."""
+    tables = {file: _safetensors_header(file) for file in set(files.values())}
+    owner = {key: file for file, (header, _) in tables.items() for key in header} if None in files else files
 
-    if None in files:
-        keys = list(handle(files[None]).keys())
-        return keys, lambda name: handle(files[None]).get_tensor(name)
-    return list(files), lambda name: handle(files[name]).get_tensor(name)
+    def read(name: str) -> torch.Tensor:
+        file = owner[name]
+        header, start = tables[file]
+        info = header[name]
+        begin, end = info["data_offsets"]
+        data = bytearray(end - begin)
+        with open(file, "rb") as handle:
+            handle.seek(start + begin)
+            handle.readinto(data)
+        return torch.frombuffer(data, dtype=_DTYPES[info["dtype"]]).reshape(info["shape"]) if data else \
+            torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+
+    return list(owner), read
 
 
 def _open_torch(path: Path) -> tuple[list[str], Reader]:
