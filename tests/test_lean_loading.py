@@ -35,7 +35,8 @@ grid = ParallelGrid(pp=4, pp_rank=rank)
 stages = build_stages(plan, model, grid, [rank], StageBuild(torch.float32, dense_token_loss,
                                                             weights=dense_source(path, expected)))
 held = sum(p.numel() * p.element_size() for s in stages[rank].values() for p in s.module.parameters())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM, not ru_maxrss: the latter survives exec and so counts the forking parent's memory.
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024
 print(json.dumps({"growth": peak - before, "held": held}))
 """
 
