@@ -235,25 +235,27 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "debug.fault": None,
 }
 
-# Keys read only under another key's value: setting one elsewhere would be silently ignored.
-SCOPES: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "data.path": ("data.name", ("jsonl",)),
-    "data.tokenizer": ("data.name", ("jsonl",)),
-    "data.num_docs": ("data.name", ("synthetic",)),
-    "data.seed": ("data.name", ("synthetic",)),
-    "data.vocab_size": ("data.name", ("synthetic",)),
-    "schedule.path": ("schedule.name", ("table",)),
-    "model.num_experts": ("model.use_moe", (True,)),
-    "model.num_experts_per_tok": ("model.use_moe", (True,)),
-    "model.moe_intermediate_size": ("model.use_moe", (True,)),
-    "model.norm_topk_prob": ("model.use_moe", (True,)),
-    "model.router_aux_loss_coef": ("model.use_moe", (True,)),
-    "train.max_skipped_steps": ("train.on_nonfinite", ("skip",)),
+# Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where
+# the user surely meant something else (a data path under synthetic data), a warning where it is harmless.
+SCOPES: dict[str, tuple[str, tuple[Any, ...], bool]] = {  # key -> (switch, values that read it, is_error)
+    "data.path": ("data.name", ("jsonl",), True),
+    "data.tokenizer": ("data.name", ("jsonl",), True),
+    "data.num_docs": ("data.name", ("synthetic",), False),
+    "data.seed": ("data.name", ("synthetic",), False),
+    "data.vocab_size": ("data.name", ("synthetic",), False),
+    "schedule.path": ("schedule.name", ("table",), True),
+    "model.num_experts": ("model.use_moe", (True,), True),
+    "model.num_experts_per_tok": ("model.use_moe", (True,), True),
+    "model.moe_intermediate_size": ("model.use_moe", (True,), True),
+    "model.norm_topk_prob": ("model.use_moe", (True,), True),
+    "model.router_aux_loss_coef": ("model.use_moe", (True,), True),
+    "train.max_skipped_steps": ("train.on_nonfinite", ("skip",), True),
 }
 
 
-def check_keys(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first key that breaks its rule, asks for an unbuilt feature or is out of scope."""
+def check_keys(cfg: DictConfig) -> list[str]:
+    """Raise ConfigError for the first key that breaks its rule, asks for an unbuilt feature or is out of scope;
+    return warnings for harmless out-of-scope keys."""
     defaults = schema_defaults()
     for key, check in KEY_RULES.items():
         problem = check(key, OmegaConf.select(cfg, key))
@@ -265,8 +267,13 @@ def check_keys(cfg: DictConfig) -> None:
         if (refused(plain) if refused else plain != defaults[key]):
             raise ConfigError(f"{key}: not implemented yet ({key}={shown(value)}); drop the override "
                               f"(the default is {defaults[key]})")
-    for key, (switch, allowed) in SCOPES.items():
+    warnings = []
+    for key, (switch, allowed, is_error) in SCOPES.items():
         value, state = OmegaConf.select(cfg, key), OmegaConf.select(cfg, switch)
         if state not in allowed and value != defaults[key]:
-            raise ConfigError(f"{key}={shown(value)} is read only when {switch}={'|'.join(map(str, allowed))} "
-                              f"(here {switch}={state}); drop {key} or change {switch}")
+            problem = (f"{key}={shown(value)} is read only when {switch}={'|'.join(map(str, allowed))} "
+                       f"(here {switch}={state})")
+            if is_error:
+                raise ConfigError(f"{problem}; drop {key} or change {switch}")
+            warnings.append(f"{problem}; it is ignored")
+    return warnings

@@ -110,9 +110,9 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings."""
     check_known_keys(cfg)
     check_resolvable(cfg)
-    check_keys(cfg)
+    warnings = check_keys(cfg)
     validate_model(cfg)
-    warnings = validate_train(cfg)
+    warnings += validate_train(cfg)
     validate_parallel(cfg, world_size)
     validate_layout(cfg)
     validate_data(cfg)
