@@ -210,8 +210,6 @@ KEY_RULES: dict[str, Check] = {
 # Keys whose feature is not built yet: a value other than the schema default (or, with a test, one the test
 # refuses) gets "<key>: not implemented yet". The team that builds a feature deletes its entry.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
-    "parallel.zero": None,
-    "parallel.bucket_mb": None,
     "parallel.plan": None,
     "parallel.memory_budget_gb": None,
     "train.global_batch_size": None,
@@ -265,8 +263,9 @@ def check_keys(cfg: DictConfig) -> list[str]:
         value = OmegaConf.select(cfg, key)
         plain = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
         if (refused(plain) if refused else plain != defaults[key]):
+            default = "null" if defaults[key] is None else shown(defaults[key])
             raise ConfigError(f"{key}: not implemented yet ({key}={shown(value)}); drop the override "
-                              f"(the default is {defaults[key]})")
+                              f"(the default is {default})")
     warnings = []
     for key, (switch, allowed, is_error) in SCOPES.items():
         value, state = OmegaConf.select(cfg, key), OmegaConf.select(cfg, switch)
