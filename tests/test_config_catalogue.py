@@ -41,7 +41,8 @@ BAD = [
     (["model.initializer_range=0"], "model.initializer_range=0.0 must be positive"),
     (["model.num_experts=0"], "model.num_experts=0 must be positive"),
     (["model.num_experts=8"], "model.num_experts=8 is read only when model.use_moe=True"),
-    (["model.use_moe=maybe"], "model.use_moe=maybe"),
+    (["model.use_moe=maybe"], "model.use_moe: Value 'maybe' is not a valid bool"),
+    (["~model.use_moe"], "model.use_moe: ModelSchema (DictConfig) does not support deletion"),
     (["model.head_dim=16"], "model.head_dim: unknown config key; did you mean model.hidden_size?"),
     ([*TINY, "model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide"),
     ([*TINY, "model.hidden_size=66"], "model.hidden_size=66 is not divisible by model.num_attention_heads=4"),
@@ -66,6 +67,7 @@ BAD = [
     ([*TINY, "parallel.pp=5"], "5 stages but the model has 4 layers; use at most 4 stages"),
     ([*TINY, "parallel.pp=3", "parallel.layers_per_stage=[1,3,1]"], "sums to 5 but the model has 4 layers"),
     ([*PP2, "parallel.layers_per_stage=[4,0]"], "parallel.layers_per_stage[1] = 0"),
+    ([*PP2, "parallel.layers_per_stage=[1.5,2]"], "parallel.layers_per_stage[0]: Value '1.5' of type 'float'"),
     (["parallel.tensor=2"], "parallel.tensor: unknown config key; did you mean parallel."),
     # schedule
     (["schedule=zigzag"], "schedule=zigzag: no such preset"),
@@ -76,7 +78,7 @@ BAD = [
     ([*PP2, "schedule=table"], "schedule=table needs schedule.path="),
     # train
     (["train.steps=0"], "train.steps=0 must be positive"),
-    (["train.steps=many"], "train.steps=many"),
+    (["train.steps=many"], "train.steps: Value 'many' of type 'str' could not be converted to Integer"),
     (["train.micro_batch_size=-2"], "train.micro_batch_size=-2 must be positive"),
     (["train.seq_len=1"], "train.seq_len=1 must be >= 2"),
     ([*TINY, "train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_position_embeddings"),

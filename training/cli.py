@@ -79,6 +79,10 @@ def explain_compose_error(error: Exception, job: list[str]) -> str:
         if group_dir.is_dir() and f"'{key}/{value}'" in text:
             presets = sorted(p.stem for p in group_dir.glob("*.yaml"))
             return f"{key}={value}: no such preset; use one of {', '.join(presets)}"
+    key = getattr(error.__cause__, "full_key", None)
+    if key:  # OmegaConf names the key it refused (a type mismatch, a deletion): say that first
+        reason = str(error.__cause__).strip().splitlines()[0]
+        return f"{key}: {reason} (`python train.py --cfg job` prints every key and value)"
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(
         ("full_key", "object_type", "reference_type", "Set the environment"))]
     detail = " ".join(lines[:2]) if lines else type(error).__name__
