@@ -89,7 +89,6 @@ BAD = [
     (["train.trace_step=0"], "train.trace_step=0 must be positive"),
     (["train.steps=10", "train.trace_step=11"], "train.trace_step=11 is after the last step (train.steps=10)"),
     (["train.recompute=some"], "train.recompute=some is not supported; use one of none, full, selective"),
-    (["train.recompute=full"], "train.recompute: not implemented yet"),
     (["train.eval_every=-1"], "train.eval_every=-1 must be a finite number >= 0"),
     (["train.eval_every=10"], "train.eval_every: not implemented yet"),
     (["train.eval_batches=0"], "train.eval_batches=0 must be positive"),
@@ -212,7 +211,7 @@ def test_every_schema_key_has_exactly_one_rule():
 def test_good_configs_pass(capsys):
     for args in ([], ["experiment=demo"], [*PP2, "parallel.vpp=2", "schedule=interleaved-1f1b"],
                  ["model=tiny-moe", "model.num_experts=8"], ["logger=wandb"],
-                 ["parallel.zero=1", "parallel.bucket_mb=50"], ["-m", "train.steps=100,200"]):
+                 ["parallel.zero=1", "parallel.bucket_mb=50", "train.recompute=full"], ["-m", "train.steps=100,200"]):
         assert run_preflight(args, capsys) == (0, []), args
 
 

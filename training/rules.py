@@ -213,7 +213,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "parallel.plan": None,
     "parallel.memory_budget_gb": None,
     "train.global_batch_size": None,
-    "train.recompute": None,
     "train.eval_every": None,
     "train.eval_batches": None,
     "train.on_nonfinite": None,
