@@ -1,24 +1,29 @@
-"""Command-line front door: compose and validate every job of the command line before Hydra runs it."""
+"""Command-line front door: compose and validate every job of the command line before Hydra runs any."""
 
 import itertools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
-from training.config import ConfigError, register_schema, validate
+from training.config import CONF_DIR, ConfigError, register_schema, validate
+from training.strict import check_override_keys
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra takes one value; the value is not an override.
 VALUE_FLAGS = {"-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "--cfg", "-c", "-p",
                "--package", "--experimental-rerun", "--shell-completion", "-sc"}
 # Informational flags: Hydra answers them itself, nothing to validate.
 INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc"}
-MAX_PREFLIGHT_JOBS = 256
+MULTIRUN_FLAGS = {"-m", "--multirun"}
+
+__all__ = ["CONF_DIR", "explain_compose_error", "fail", "main", "preflight"]
 
 
 def fail(message: str) -> None:
@@ -42,18 +47,25 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def expand_jobs(overrides: list[str]) -> list[list[str]]:
-    """The override lists of every job in a sweep (one list when nothing sweeps); hydra.* keys dropped."""
-    choices = []
+def config_groups() -> set[str]:
+    """Names of the config groups (`model`, `data`, ...) that overrides may pick a preset of."""
+    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
+
+
+def expand_jobs(overrides: list[str]) -> Iterator[list[str]]:
+    """The override lists of every job of a sweep (one list when nothing sweeps); Hydra's own groups dropped."""
+    choices, keys = [], []
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.get_key_element()
-        if key.lstrip("+~").startswith("hydra"):
-            continue
+        if override.key_or_group.startswith("hydra/"):
+            continue  # launcher, sweeper and logging choices: Hydra's business, not the run config's
+        keys.append(override.key_or_group)
         if override.is_sweep_override():
             choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
         else:
             choices.append([override.input_line])
-    return [list(job) for job in itertools.islice(itertools.product(*choices), MAX_PREFLIGHT_JOBS)]
+    check_override_keys(keys, config_groups())
+    return (list(job) for job in itertools.product(*choices))
 
 
 def explain_compose_error(error: Exception, job: list[str]) -> str:
@@ -67,34 +79,71 @@ def explain_compose_error(error: Exception, job: list[str]) -> str:
         if group_dir.is_dir() and f"'{key}/{value}'" in text:
             presets = sorted(p.stem for p in group_dir.glob("*.yaml"))
             return f"{key}={value}: no such preset; use one of {', '.join(presets)}"
+    key = getattr(error.__cause__, "full_key", None)
+    if key:  # OmegaConf names the key it refused (a type mismatch, a deletion): say that first
+        reason = str(error.__cause__).strip().splitlines()[0]
+        return f"{key}: {reason} (`python train.py --cfg job` prints every key and value)"
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(
         ("full_key", "object_type", "reference_type", "Set the environment"))]
     detail = " ".join(lines[:2]) if lines else type(error).__name__
     return f"{detail} (check the override; `python train.py --cfg job` prints every key and value)"
 
 
+def check_output_dir(hydra_cfg: DictConfig, multirun: bool) -> None:
+    """The run (or sweep) directory can be created and written, judged without creating anything."""
+    key = "sweep.dir" if multirun else "run.dir"
+    try:
+        path = Path(str(OmegaConf.select(hydra_cfg, key, throw_on_resolution_failure=True)))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"hydra.{key}: cannot resolve it ({str(error).splitlines()[0]})") from None
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"hydra.{key}={path}: {existing} is a file, not a directory; choose another hydra.{key}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"hydra.{key}={path}: {existing} is not writable; choose a writable hydra.{key}")
+
+
+def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[str]:
+    """Compose one job, check its output directory and validate it; return its warnings."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose(config_name="config", overrides=job, return_hydra_config=True)
+        except Exception as error:  # Hydra's composition errors: one line, not its traceback
+            fail(explain_compose_error(error, job))
+    with read_write(cfg), open_dict(cfg):
+        check_output_dir(cfg.hydra, multirun)
+        cfg.pop("hydra")
+    return validate(cfg, world_size)
+
+
 def preflight(argv: list[str]) -> None:
-    """Compose and validate each job of this command line; exit 2 with one line on the first problem."""
+    """Compose and validate every job of this command line; exit 2 with one line on the first problem.
+
+    Every job of a sweep is checked before Hydra starts the first one, so a bad value never runs half a sweep."""
     flags, overrides = split_argv(argv)
     if INFO_FLAGS & set(flags):
         return
-    try:
-        jobs = expand_jobs(overrides)
-    except Exception as error:  # Hydra's grammar errors: report the line, not the parser's traceback
-        fail(f"cannot parse overrides {' '.join(overrides)}: {str(error).splitlines()[0]}")
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    for job in jobs:
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            try:
-                cfg = compose(config_name="config", overrides=job)
-            except Exception as error:
-                fail(explain_compose_error(error, job))
+    warnings: dict[str, None] = {}
+    try:
         try:
-            validate(cfg, world_size)
-        except ConfigError as error:
-            fail(str(error))
-    GlobalHydra.instance().clear()
+            jobs = expand_jobs(overrides)
+        except ConfigError:
+            raise
+        except Exception as error:  # Hydra's grammar errors: report the line, not the parser's traceback
+            fail(f"cannot parse overrides {' '.join(overrides)}: {str(error).splitlines()[0]}")
+        for job in jobs:
+            warnings.update(dict.fromkeys(check_job(job, world_size, bool(MULTIRUN_FLAGS & set(flags)))))
+    except ConfigError as error:
+        fail(str(error))
+    finally:
+        GlobalHydra.instance().clear()
+    if os.environ.get("RANK", "0") == "0":
+        for warning in warnings:
+            print(f"sluice: config warning: {warning}", file=sys.stderr)
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from parallel.collectives import broadcast_object
-from training.cli import CONF_DIR
-from training.config import ConfigError, validate
+from training.config import CONF_DIR, ConfigError, validate
+from training.layout import layout_world_size, process_pp
 
 log = logging.getLogger("sluice")
 
@@ -27,12 +27,6 @@ def hydra_main(cfg: DictConfig) -> None:
 def under_torchrun() -> bool:
     """True when a launcher (torchrun, the elastic agent, srun+torchrun) already started this process."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def layout_world_size(cfg: DictConfig) -> int:
-    """Processes a self-launch starts: dp * tp * pp (dp defaults to 1 when nobody chose a world size)."""
-    p = cfg.parallel
-    return (p.dp or 1) * p.tp * (1 if p.emulate else p.pp)  # emulation runs a whole pipeline per process
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
@@ -60,8 +54,7 @@ def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
         if not under_torchrun():
             grid = ParallelGrid.single()
         else:
-            grid = ParallelGrid.build(p.dp, p.tp, 1 if p.emulate else p.pp, backend=p.backend,
-                                      timeout_s=p.timeout_s)
+            grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend, timeout_s=p.timeout_s)
         run_dir = agree_on_run_dir(run_dir, grid)
         configure_worker_logging(Path(run_dir), grid.rank)
         losses = Trainer(cfg, grid, Path(run_dir)).fit()

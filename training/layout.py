@@ -1,0 +1,26 @@
+"""The layout's process count from the config: "pipeline ranks per process" and the world-size rule's caller."""
+
+from omegaconf import DictConfig
+
+from parallel.spec import resolve_dp
+from training.rules import ConfigError
+
+
+def process_pp(cfg: DictConfig) -> int:
+    """Pipeline ranks that are separate processes: 1 under emulation (one process plays the whole pipeline)."""
+    return 1 if cfg.parallel.emulate else cfg.parallel.pp
+
+
+def layout_world_size(cfg: DictConfig, launched: int | None = None) -> int:
+    """Processes the layout needs, dp * tp * process_pp; checked against `launched` when a launcher chose it.
+
+    Without a launcher an unset parallel.dp means 1; under one, `parallel.spec.resolve_dp` (the rule's one
+    home, shared with the grid) derives it and refuses a world it does not fit."""
+    p, pp = cfg.parallel, process_pp(cfg)
+    if launched is None:
+        return (p.dp or 1) * p.tp * pp
+    try:
+        resolve_dp(launched, p.dp, p.tp, pp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return launched

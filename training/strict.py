@@ -1,0 +1,63 @@
+"""Strict keys: every key outside the schema is refused, `+` or not, with the nearest valid key suggested."""
+
+from difflib import SequenceMatcher
+
+from omegaconf import DictConfig
+
+from training.rules import ConfigError
+from training.schema import schema_defaults, schema_sections
+
+
+# Names other trainers (Megatron-LM, HF Trainer, torchtitan) use for a schema key: spelling is no guide there.
+KNOWN_ALIASES = {
+    "activation_checkpointing": "train.recompute", "gradient_checkpointing": "train.recompute",
+    "learning_rate": "optim.lr", "max_steps": "train.steps", "train_iters": "train.steps",
+    "batch_size": "train.micro_batch_size", "seq_length": "train.seq_len", "max_seq_len": "train.seq_len",
+    "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+}
+
+
+def nearest_key(key: str) -> str:
+    """The schema key closest to `key`: a known alias, else within its section, else by full or leaf name."""
+    keys, sections = list(schema_defaults()), schema_sections()
+    if key.rpartition(".")[2] in KNOWN_ALIASES:
+        return KNOWN_ALIASES[key.rpartition(".")[2]]
+    section, _, leaf = key.rpartition(".")
+    if section in sections:
+        pool = [k for k in keys if k.startswith(f"{section}.")]
+        return max(pool, key=lambda k: SequenceMatcher(None, leaf, k.rpartition(".")[2]).ratio())
+
+    def score(candidate: str) -> float:
+        return max(SequenceMatcher(None, key, candidate).ratio(),
+                   SequenceMatcher(None, key.rpartition(".")[2], candidate.rpartition(".")[2]).ratio())
+    return max([*keys, *sections], key=score)
+
+
+def unknown_key(key: str) -> ConfigError:
+    """The one-line refusal of a key outside the schema (never suggesting `+`: no key may be added)."""
+    return ConfigError(f"{key}: unknown config key; did you mean {nearest_key(key)}? "
+                       "(`python train.py --cfg job` prints every key)")
+
+
+def check_override_keys(keys: list[str], groups: set[str]) -> None:
+    """Refuse override keys (already stripped of `+`/`~`) that are neither a schema key nor a config group."""
+    known, sections = set(schema_defaults()), set(schema_sections())
+    for key in keys:
+        if key in known or key in sections or key in groups or key.split(".")[0].split("/")[0] == "hydra":
+            continue
+        raise unknown_key(key)
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Refuse any key of a composed config that the schema does not declare (one added with `+`, say)."""
+    known, sections = set(schema_defaults()), set(schema_sections())
+    for section in cfg.keys():
+        if section == "hydra":
+            continue
+        if section not in sections:
+            raise unknown_key(str(section))
+        node = cfg._get_node(section)
+        if isinstance(node, DictConfig):
+            for leaf in node.keys():
+                if f"{section}.{leaf}" not in known:
+                    raise unknown_key(f"{section}.{leaf}")

@@ -1,0 +1,119 @@
+"""validate(cfg): the whole pre-launch check, pure (reads files, writes none). Per-key rules are in
+`training.rules`; this module holds the rules that relate several keys."""
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from training.layout import layout_world_size
+from training.rules import ConfigError, check_keys
+from training.schema import model_config
+from training.strict import check_known_keys
+
+
+def check_resolvable(cfg: DictConfig) -> None:
+    """Every `${...}` interpolation resolves (else one line naming the key)."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "?"
+        reason = str(error).strip().splitlines()[0]
+        raise ConfigError(f"{key}: cannot resolve its interpolation ({reason}); fix or drop the ${{...}}") from None
+
+
+def validate_model(cfg: DictConfig) -> None:
+    """Model shape rules that would otherwise fail deep inside the first forward."""
+    m = cfg.model
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                          f"{m.num_attention_heads}; pick a head count that divides the hidden size")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
+                          f"{m.num_attention_heads} (grouped-query attention)")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(f"head_dim={m.hidden_size // m.num_attention_heads} is odd; RoPE needs an even head_dim "
+                          "(change model.hidden_size or model.num_attention_heads)")
+    if m.use_moe and m.num_experts_per_tok > m.num_experts:
+        raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds model.num_experts="
+                          f"{m.num_experts}; lower it")
+
+
+def validate_train(cfg: DictConfig) -> list[str]:
+    """Loop and optimizer rules across keys; returns warnings (legal but probably unintended)."""
+    t = cfg.train
+    if t.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
+                          f"{cfg.model.max_position_embeddings}; lower train.seq_len or raise the model's limit")
+    if t.trace_step is not None and t.trace_step > t.steps:
+        raise ConfigError(f"train.trace_step={t.trace_step} is after the last step (train.steps={t.steps}); "
+                          f"pick a step in 1..{t.steps}")
+    if cfg.data.val_path is not None and cfg.data.val_fraction > 0:
+        raise ConfigError("data.val_path and data.val_fraction both choose the validation split; set only one")
+    if cfg.optim.warmup_steps > t.steps:
+        return [f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (train.steps={t.steps}): "
+                "the learning rate never reaches optim.lr"]
+    return []
+
+
+def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Layout sizes against each other, the device and the launcher's world size."""
+    p = cfg.parallel
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp={p.vpp} needs a pipeline; set parallel.pp>=2 or parallel.vpp=1")
+    if p.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("parallel.backend=nccl needs CUDA GPUs and none is visible; use parallel.backend=auto "
+                              "or gloo")
+    if world_size is not None:
+        layout_world_size(cfg, world_size)
+
+
+def validate_layout(cfg: DictConfig) -> None:
+    """TP divisibility, then the pipeline plan (partition, schedule, vpp; lowered and simulated) before launch."""
+    from parallel.pipeline.partition import layer_partition
+    from parallel.pipeline.plan import plan_pipeline
+    from parallel.tensor import check_tp_divisibility
+    from training.specs import pipeline_spec
+
+    p = cfg.parallel
+    try:
+        check_tp_divisibility(model_config(cfg), p.tp)
+        if p.pp > 1:  # the planner is the one home of schedule/vpp/partition rules
+            plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers)
+        else:
+            layer_partition(cfg.model.num_hidden_layers, 1,
+                            list(p.layers_per_stage) if p.layers_per_stage is not None else None)
+    except ValueError as error:
+        raise ConfigError(str(error).strip().splitlines()[0]) from None
+
+
+def validate_data(cfg: DictConfig) -> None:
+    """Data source and files (the data module's own check), and the tokenizer's ids against the model's."""
+    from training.data import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, check_data
+    from training.vocab import tokenizer_vocab_size
+
+    problem = check_data(cfg)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.data.name == "synthetic":
+        vocab = cfg.data.vocab_size  # the BPE trainer's target size: known without training it
+    else:
+        defaults = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+        vocab = tokenizer_vocab_size(cfg.data.tokenizer, defaults)
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size={cfg.model.vocab_size}; "
+                          f"set model.vocab_size>={vocab} or use a smaller tokenizer")
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
+    """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings."""
+    check_known_keys(cfg)
+    check_resolvable(cfg)
+    warnings = check_keys(cfg)
+    validate_model(cfg)
+    warnings += validate_train(cfg)
+    validate_parallel(cfg, world_size)
+    validate_layout(cfg)
+    validate_data(cfg)
+    return warnings
