@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-# Texts longer than this are tokenised in pieces cut before a space: the whole-text Encoding (token strings,
-# offsets, alignments) costs ~100 bytes per byte of input, so a 30 MB line would need several GB.
-LONG_TEXT_CHARS = 1 << 18
+# Texts longer than this are tokenised in pieces cut before a space: a whole-text Encoding (token strings,
+# offsets, alignments) costs ~100 bytes per input byte, and the tokenizer slows down on very long inputs.
+PIECE_CHARS = 1 << 14
+CALL_CHARS = 1 << 20  # characters per tokenizer call: bounds the memory of one call's encodings
 _CUT = re.compile(r" (?=\S)")
 
 
@@ -39,12 +40,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _pieces(text: str) -> list[str]:
-    """`text` cut before spaces into pieces of about LONG_TEXT_CHARS (byte-level BPE never merges across)."""
-    if len(text) <= LONG_TEXT_CHARS:
+    """`text` cut before spaces into pieces of about PIECE_CHARS (byte-level BPE never merges across)."""
+    if len(text) <= PIECE_CHARS:
         return [text]
     pieces, start = [], 0
-    while len(text) - start > LONG_TEXT_CHARS:
-        match = _CUT.search(text, start + LONG_TEXT_CHARS)
+    while len(text) - start > PIECE_CHARS:
+        match = _CUT.search(text, start + PIECE_CHARS)
         if match is None:
             break
         pieces.append(text[start:match.start()])
@@ -54,20 +55,27 @@ def _pieces(text: str) -> list[str]:
 
 
 def _ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[np.ndarray]:
-    """Token ids of each text (no specials added), long texts in pieces."""
-    short = [i for i, t in enumerate(texts) if len(t) <= LONG_TEXT_CHARS]
-    out: list[np.ndarray] = [np.empty(0, np.int64)] * len(texts)
-    if short:
-        encoded = tokenizer([texts[i] for i in short], add_special_tokens=False,
-                            return_attention_mask=False)["input_ids"]
-        for i, ids in zip(short, encoded):
-            out[i] = np.asarray(ids, dtype=np.int64)
-    for i, text in enumerate(texts):
-        if len(text) > LONG_TEXT_CHARS:
-            parts = [np.asarray(tokenizer(p, add_special_tokens=False, return_attention_mask=False)["input_ids"],
-                                dtype=np.int64) for p in _pieces(text)]
-            out[i] = np.concatenate(parts)
-    return out
+    """Token ids of each text (no specials added), long texts in pieces, at most CALL_CHARS per call."""
+    parts: list[list[np.ndarray]] = [[] for _ in texts]
+    batch: list[tuple[int, str]] = []
+    chars = 0
+
+    def flush() -> None:
+        encoded = tokenizer([p for _, p in batch], add_special_tokens=False, return_attention_mask=False)
+        for (owner, _), ids in zip(batch, encoded["input_ids"]):
+            parts[owner].append(np.asarray(ids, dtype=np.int64))
+        batch.clear()
+
+    for owner, text in enumerate(texts):
+        for piece in _pieces(text):
+            batch.append((owner, piece))
+            chars += len(piece)
+            if chars >= CALL_CHARS:
+                flush()
+                chars = 0
+    if batch:
+        flush()
+    return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[np.ndarray]:

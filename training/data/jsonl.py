@@ -80,7 +80,7 @@ def parse_row(line: bytes, chat: bool) -> tuple[Any, str | None]:
     try:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
-        return None, f"not valid JSON ({error.msg} at column {error.colno})"
+        return None, f"line is not JSON ({error.msg} at column {error.colno})"
     problem = _chat_problem(record) if chat else _text_problem(record)
     if problem is not None:
         return None, problem
