@@ -159,3 +159,31 @@ def test_check_data_reports_batch_mismatch(tmp_path, tokenizer_dir):
     assert "gives at most 121 training sequences" in check_data(lines)  # a bound: newlines + 1
     with pytest.raises(DataError, match="fewer than one global batch of 128"):
         build_data(lines, 0, 1)
+
+
+def _build_counting(rank: int, world_size: int, cache: str, marks: str) -> list[int]:
+    """Worker: build_data on a shared fresh cache, leaving a marker file per tokenizer training / cache build."""
+    import training.data.build as build
+    import training.data.tokenizer as tokenizer
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            Path(marks, f"{name}-{rank}").touch()
+            return fn(*args, **kwargs)
+        return wrapper
+
+    tokenizer.train_bpe_tokenizer = counted("train", tokenizer.train_bpe_tokenizer)
+    build.write_cache = counted("cache", build.write_cache)
+    stream, _ = build.build_data(make_cfg(data_section(**SMALL, cache_dir=cache)), rank, world_size)
+    return first_column(next(stream))
+
+
+def test_one_process_trains_and_tokenises_the_others_wait(tmp_path):
+    from tests.spawn import run_workers
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    batches = run_workers(_build_counting, 2, str(tmp_path / "cache"), str(marks), timeout=300)
+    made = sorted(p.name.split("-")[0] for p in marks.iterdir())
+    assert made == ["cache", "train"]  # once each, by whichever rank took the lock first
+    assert batches[0] != batches[1]  # two replicas, two different slices of the same data
