@@ -70,7 +70,7 @@ def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     dtype, lengths = token_dtype(len(tokenizer)), [np.zeros(1, np.int64)]
     bar = tqdm(total=total, desc="tokenizing", unit="B" if progress else "doc", unit_scale=True,
-               disable=total is None, leave=False)
+               disable=True if total is None else None, leave=False)  # None: off when not a terminal
     try:
         with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "mask.bin", "wb") as mask:
             for batch in _batches(rows):
