@@ -4,7 +4,7 @@
 
 Writes a MiniMind-style pretraining JSONL of at least --mb megabytes and a tokenizer, then in fresh processes:
 (1) builds the token cache (as scripts/prepare_data.py does), (2) streams --steps training steps of a
-dp=2 replica from the memory-mapped cache. Prints peak RSS and the anonymous (private) share of each.
+dp=2 replica from the memory-mapped cache. Prints peak RSS, and RSS (total, anonymous, file-backed) after the imports and at the end.
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ from training.data import build_data
 path, tokenizer, cache, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 cfg = make_cfg(data_section(name="jsonl", path=path, tokenizer=tokenizer, format="packed", cache_dir=cache),
                seq_len=256, micro_batch_size=8, n_microbatches=4)
+def rss_mb():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {{k: int(status[k].split()[0]) // 1024 for k in ("VmRSS", "RssAnon", "RssFile")}}
+baseline = rss_mb()  # python + torch + transformers imported, no data yet
 start = time.time()
 stream, _ = build_data(cfg, 0, 2, verbose=False)
 for _ in range(steps):
     next(stream)
-status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print(json.dumps({{"seconds": round(time.time() - start, 1), "samples": len(stream.samples),
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-                  "rss_anon_mb": int(status["RssAnon"].split()[0]) // 1024,
-                  "rss_file_mb": int(status["RssFile"].split()[0]) // 1024}}))
+                  "baseline_mb": baseline, "end_mb": rss_mb()}}))
 """
 
 
