@@ -187,3 +187,12 @@ def test_one_process_trains_and_tokenises_the_others_wait(tmp_path):
     made = sorted(p.name.split("-")[0] for p in marks.iterdir())
     assert made == ["cache", "train"]  # once each, by whichever rank took the lock first
     assert batches[0] != batches[1]  # two replicas, two different slices of the same data
+
+
+def test_check_data_is_pure(tmp_path, tokenizer_dir):
+    """The pre-launch check trains no tokenizer and writes no cache (issue 7: validation has no side effects)."""
+    synthetic = make_cfg(data_section(**SMALL, cache_dir=str(tmp_path / "synthetic")))
+    jsonl = jsonl_cfg(tmp_path, tokenizer_dir, skip_bad_lines=True)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert check_data(synthetic) is None and check_data(jsonl) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and not (tmp_path / "cache").exists()
