@@ -126,9 +126,3 @@ def cached_documents(folder: Path, build: Callable[[], None]) -> Documents:
             if not (folder / "meta.json").exists():
                 build()
     return open_cache(folder)
-
-
-def cache_meta(folder: Path) -> dict[str, Any] | None:
-    """The meta record of a built cache folder, or None (used by the pure pre-launch check)."""
-    path = folder / "meta.json"
-    return json.loads(path.read_text()) if path.is_file() else None

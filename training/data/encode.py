@@ -29,10 +29,6 @@ class Documents:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def lengths(self) -> np.ndarray:
-        """Tokens per document."""
-        return np.diff(self.offsets)
-
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every token id."""

@@ -63,10 +63,6 @@ class StepBatches:
         # A step may straddle an epoch boundary (M <= N, so at most two epochs).
         return torch.cat([self._permutation(int(e))[offsets[epochs == e]] for e in epochs.unique()])
 
-    def sample_indices(self, step: int) -> torch.Tensor:
-        """Indices of this replica's sequences at `step` counted from the start of the stream."""
-        return self.indices_at(step * self.global_batch_size)
-
     def batch_at(self, position: int) -> list[MicroBatch]:
         """This replica's micro-batches of the step starting at global `position` (does not move the stream)."""
         input_ids, labels = self.samples.take(self.indices_at(position))
