@@ -10,8 +10,11 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from training.config import DataSchema
-from training.data import DataSpec, StepBatches, data_spec
+try:  # the schema moves to training/schema.py with the config work (issue 7); either home serves
+    from training.schema import DataSchema
+except ImportError:
+    from training.config import DataSchema
+from training.data import DataSpec, StepBatches, data_spec  # noqa: E402
 
 # Keys the schema gains with the data work of issues 9/11; the schema's own values win once it has them.
 BRIDGE = {"val_path": None, "val_fraction": 0.0, "skip_bad_lines": False, "max_line_bytes": 4 << 20}
