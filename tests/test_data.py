@@ -1,4 +1,4 @@
-"""Tests for training/data.py: corpus, tokenizer, sample formats, the DP step stream, resume, checks."""
+"""Tests for training/data: corpus, tokenizer, sample formats, the DP step stream, resume, checks."""
 
 from __future__ import annotations
 
@@ -13,37 +13,29 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests.data_helpers import SMALL, all_samples, data_section, make_cfg, spec, write_jsonl
 from training.data import (
     IGNORE_INDEX,
     MicroBatch,
     StepBatches,
-    _save_atomically,
+    TensorSamples,
     build_data,
     build_tokenizer,
     check_data,
+    load_tokenizer,
     load_tokenizer_vocab_size,
+    save_atomically,
     synthetic_corpus,
     synthetic_tokenizer_dir,
     train_bpe_tokenizer,
 )
-
-SMALL = {"name": "synthetic", "num_docs": 300, "seed": 0, "vocab_size": 512}
-
-
-def make_cfg(data: dict, seq_len: int = 32, micro_batch_size: int = 2, n_microbatches: int = 2, seed: int = 0):
-    """A minimal run config with the fields build_data reads."""
-    return OmegaConf.create({
-        "data": data,
-        "train": {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "seed": seed},
-        "schedule": {"n_microbatches": n_microbatches},
-    })
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A MiniMind-style tokenizer folder trained on a small synthetic corpus."""
     cache = tmp_path_factory.mktemp("cache")
-    tokenizer = build_tokenizer({**SMALL, "cache_dir": str(cache)})
+    tokenizer = build_tokenizer(spec(**SMALL, cache_dir=str(cache)))
     folder = tmp_path_factory.mktemp("tokenizer")
     tokenizer.save_pretrained(str(folder))
     return folder
@@ -51,12 +43,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tokenizer_dir):
-    return build_tokenizer({"name": "jsonl", "tokenizer": str(tokenizer_dir)})
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
+    return load_tokenizer(tokenizer_dir)
 
 
 # ---------------------------------------------------------------------------------- corpus
@@ -97,7 +84,7 @@ def test_tokenizer_special_ids_and_round_trip(tokenizer):
 
 
 def test_tokenizer_is_cached_not_rebuilt(tmp_path):
-    data = {**SMALL, "cache_dir": str(tmp_path)}
+    data = spec(**SMALL, cache_dir=str(tmp_path))
     first = build_tokenizer(data)
     folder = synthetic_tokenizer_dir(data)
     assert folder.parent == tmp_path and (folder / "tokenizer.json").is_file()
@@ -105,16 +92,16 @@ def test_tokenizer_is_cached_not_rebuilt(tmp_path):
     second = build_tokenizer(data)
     assert (folder / "tokenizer.json").stat().st_mtime_ns == mtime
     assert first.get_vocab() == second.get_vocab()
-    assert os.listdir(tmp_path) == [folder.name]  # no temporary folders left behind
-    other = synthetic_tokenizer_dir({**data, "vocab_size": 600})
+    assert [n for n in os.listdir(tmp_path) if not n.endswith(".lock")] == [folder.name]  # no temporary folders
+    other = synthetic_tokenizer_dir(spec(**{**SMALL, "vocab_size": 600}, cache_dir=str(tmp_path)))
     assert other != folder  # corpus parameters name the folder
 
 
 def test_concurrent_save_keeps_the_winner(tmp_path, tokenizer):
     target = tmp_path / "tok"
-    _save_atomically(tokenizer, target)
+    save_atomically(tokenizer, target)
     mtime = (target / "tokenizer.json").stat().st_mtime_ns
-    _save_atomically(tokenizer, target)  # a late process: its copy is discarded, no error
+    save_atomically(tokenizer, target)  # a late process: its copy is discarded, no error
     assert (target / "tokenizer.json").stat().st_mtime_ns == mtime
     assert os.listdir(tmp_path) == ["tok"]
 
@@ -133,13 +120,13 @@ def test_padded_format_layout(tmp_path, tokenizer_dir, tokenizer):
     path = write_jsonl(tmp_path / "tiny.jsonl", [short, long, "1 plus 2 is 3."])
     seq_len = 16
     cfg = make_cfg(
-        {"name": "jsonl", "path": str(path), "tokenizer": str(tokenizer_dir), "format": "padded",
-         "cache_dir": str(tmp_path / "cache")},
+        data_section(name="jsonl", path=str(path), tokenizer=str(tokenizer_dir), format="padded",
+                     cache_dir=str(tmp_path / "cache")),
         seq_len=seq_len, micro_batch_size=1, n_microbatches=3,
     )
     assert check_data(cfg) is None
     stream, _ = build_data(cfg, dp_rank=0, dp_size=1)
-    ids, labels = stream.input_ids, stream.labels
+    ids, labels = all_samples(stream)
     assert ids.shape == (3, seq_len) and ids.dtype == torch.long
 
     tokens = tokenizer(short, add_special_tokens=False)["input_ids"]
@@ -160,12 +147,12 @@ def test_packed_format_chunks_without_pads(tmp_path, tokenizer_dir, tokenizer):
     path = write_jsonl(tmp_path / "docs.jsonl", texts)
     seq_len = 24
     cfg = make_cfg(
-        {"name": "jsonl", "path": str(path), "tokenizer": str(tokenizer_dir), "format": "packed",
-         "cache_dir": str(tmp_path / "cache")},
+        data_section(name="jsonl", path=str(path), tokenizer=str(tokenizer_dir), format="packed",
+                     cache_dir=str(tmp_path / "cache")),
         seq_len=seq_len,
     )
     stream, _ = build_data(cfg, 0, 1)
-    ids, labels = stream.input_ids, stream.labels
+    ids, labels = all_samples(stream)
     flat = [t for text in texts for t in [1, *tokenizer(text, add_special_tokens=False)["input_ids"], 2]]
     n = len(flat) // seq_len
     assert ids.shape == (n, seq_len)
@@ -174,19 +161,21 @@ def test_packed_format_chunks_without_pads(tmp_path, tokenizer_dir, tokenizer):
 
 
 def test_synthetic_packed_and_padded_via_build_data(tmp_path):
-    data = {**SMALL, "cache_dir": str(tmp_path)}
+    data = data_section(**SMALL, cache_dir=str(tmp_path))
     packed, tok = build_data(make_cfg(data, seq_len=64), 0, 1)
-    assert packed.input_ids.shape[1] == 64 and not (packed.input_ids == 0).any()
-    assert (packed.input_ids == 1).sum() > 0 and (packed.input_ids == 2).sum() > 0
+    packed_ids = all_samples(packed)[0]
+    assert packed_ids.shape[1] == 64 and not (packed_ids == 0).any()
+    assert (packed_ids == 1).sum() > 0 and (packed_ids == 2).sum() > 0
     padded, _ = build_data(make_cfg({**data, "format": "padded"}, seq_len=64), 0, 1)
-    assert padded.input_ids.shape == (SMALL["num_docs"], 64)
-    assert (padded.input_ids[:, 0] == 1).all()
+    padded_ids = all_samples(padded)[0]
+    assert padded_ids.shape == (SMALL["num_docs"], 64)
+    assert (padded_ids[:, 0] == 1).all()
     assert load_tokenizer_vocab_size(make_cfg(data)) == len(tok)
 
 
 def test_build_data_accepts_plain_objects(tmp_path):
     cfg = SimpleNamespace(
-        data=SimpleNamespace(**SMALL, cache_dir=str(tmp_path)),
+        data=SimpleNamespace(**data_section(**SMALL, cache_dir=str(tmp_path))),
         train=SimpleNamespace(seq_len=32, micro_batch_size=2, seed=0),
         schedule=SimpleNamespace(n_microbatches=2),
     )
@@ -209,13 +198,13 @@ def rows(micro_batches: list[MicroBatch]) -> list[int]:
 
 def test_dp_slicing_matches_single_replica():
     ids, labels = numbered_samples(50)
-    single = StepBatches(ids, labels, micro_batch_size=2, n_microbatches=8, seed=7)
-    replicas = [StepBatches(ids, labels, 2, 4, dp_rank=d, dp_size=2, seed=7) for d in range(2)]
+    single = StepBatches(TensorSamples(ids, labels), micro_batch_size=2, n_microbatches=8, seed=7)
+    replicas = [StepBatches(TensorSamples(ids, labels), 2, 4, dp_rank=d, dp_size=2, seed=7) for d in range(2)]
     for _ in range(10):  # 160 sequences: crosses three epoch boundaries
         expected = rows(next(single))
         assert rows(next(replicas[0])) + rows(next(replicas[1])) == expected
     # The global stream is the concatenation of seeded epoch permutations.
-    stream = StepBatches(ids, labels, micro_batch_size=5, n_microbatches=2, seed=7)
+    stream = StepBatches(TensorSamples(ids, labels), micro_batch_size=5, n_microbatches=2, seed=7)
     got = [r for _ in range(10) for r in rows(next(stream))]
     perms = [torch.randperm(50, generator=torch.Generator().manual_seed(7 + e)).tolist() for e in range(2)]
     assert got == perms[0] + perms[1]
@@ -223,7 +212,7 @@ def test_dp_slicing_matches_single_replica():
 
 def test_micro_batches_are_contiguous_slices():
     ids, labels = numbered_samples(40)
-    stream = StepBatches(ids, labels, micro_batch_size=3, n_microbatches=2, dp_rank=1, dp_size=2, seed=0)
+    stream = StepBatches(TensorSamples(ids, labels), micro_batch_size=3, n_microbatches=2, dp_rank=1, dp_size=2, seed=0)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
     micro_batches = stream.batch(1)  # step 1, replica 1: global positions 12 + 6 .. 12 + 12
     assert [rows([mb]) for mb in micro_batches] == [perm[18:21], perm[21:24]]
@@ -232,14 +221,14 @@ def test_micro_batches_are_contiguous_slices():
 
 def test_state_dict_resume():
     ids, labels = numbered_samples(30)
-    stream = StepBatches(ids, labels, 2, 2, seed=1)
+    stream = StepBatches(TensorSamples(ids, labels), 2, 2, seed=1)
     seen = [rows(next(stream)) for _ in range(12)]
-    restarted = StepBatches(ids, labels, 2, 2, seed=1)
-    stream = StepBatches(ids, labels, 2, 2, seed=1)
+    restarted = StepBatches(TensorSamples(ids, labels), 2, 2, seed=1)
+    stream = StepBatches(TensorSamples(ids, labels), 2, 2, seed=1)
     for _ in range(5):
         next(stream)
     state = stream.state_dict()
-    assert state == {"step": 5}
+    assert state == {"samples_consumed": 20, "num_samples": 30, "seed": 1}
     restarted.load_state_dict(state)
     assert [rows(next(restarted)) for _ in range(7)] == seen[5:]
 
@@ -247,7 +236,7 @@ def test_state_dict_resume():
 def test_too_small_data_set_errors():
     ids, labels = numbered_samples(7)
     with pytest.raises(ValueError, match="fewer than one global batch of 8"):
-        StepBatches(ids, labels, micro_batch_size=2, n_microbatches=2, dp_rank=0, dp_size=2)
+        StepBatches(TensorSamples(ids, labels), micro_batch_size=2, n_microbatches=2, dp_rank=0, dp_size=2)
 
 
 def test_num_label_tokens():
@@ -260,9 +249,9 @@ def test_num_label_tokens():
 
 def test_check_data_messages(tmp_path, tokenizer_dir):
     def jsonl(path, tokenizer=str(tokenizer_dir)):
-        return make_cfg({"name": "jsonl", "path": str(path), "tokenizer": tokenizer})
+        return make_cfg(data_section(name="jsonl", path=str(path), tokenizer=tokenizer))
 
-    assert check_data(make_cfg(SMALL)) is None
+    assert check_data(make_cfg(data_section(**SMALL))) is None
 
     missing = check_data(jsonl(tmp_path / "x.jsonl"))
     assert missing.startswith("data.path: file") and "does not exist" in missing and "data.path=" in missing
@@ -275,13 +264,13 @@ def test_check_data_messages(tmp_path, tokenizer_dir):
     no_text.write_text('{"content": "hi"}\n')
     assert 'no "text" key' in check_data(jsonl(no_text))
 
-    good = write_jsonl(tmp_path / "good.jsonl", ["hello"])
+    good = write_jsonl(tmp_path / "good.jsonl", synthetic_corpus(20, seed=0))  # more than one global batch
     assert check_data(jsonl(good)) is None
     message = check_data(jsonl(good, tokenizer=str(tmp_path / "nope")))
     assert message.startswith("data.tokenizer: folder") and "does not exist" in message
     (tmp_path / "empty").mkdir()
     assert "neither tokenizer.json nor tokenizer_config.json" in check_data(jsonl(good, str(tmp_path / "empty")))
-    assert "data.name" in check_data(make_cfg({"name": "parquet"}))
-    assert "data.format" in check_data(make_cfg({"format": "ragged"}))
+    assert "data.name" in check_data(make_cfg(data_section(name="parquet")))
+    assert "data.format" in check_data(make_cfg(data_section(format="ragged")))
     with pytest.raises(ValueError, match="data.path"):
         build_data(jsonl(tmp_path / "x.jsonl"), 0, 1)

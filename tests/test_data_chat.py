@@ -1,0 +1,113 @@
+"""data.format=chat / chat_packed: MiniMind conversations rendered with the chat template, loss only on
+assistant tokens (checked on decoded samples)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.data_helpers import SMALL, all_samples, data_section, make_cfg, spec
+from training.data import IGNORE_INDEX, build_data, build_tokenizer, check_data, load_tokenizer, synthetic_corpus
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "you are a kind robot."},
+     {"role": "user", "content": "what is 17 plus 5?"},
+     {"role": "assistant", "content": "17 plus 5 is 22."},
+     {"role": "user", "content": "and 3 times 4?"},
+     {"role": "assistant", "content": "3 times 4 is 12."}],
+    [{"role": "user", "content": "count from 3."},
+     {"role": "assistant", "content": "counting: 3 4 5 6 7."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(spec(**SMALL, cache_dir=str(tmp_path_factory.mktemp("cache")))).save_pretrained(folder)
+    return folder
+
+
+def chat_file(path: Path, conversations: list, repeat: int = 8) -> Path:
+    rows = [json.dumps({"conversations": c}) for c in conversations] * repeat
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def chat_cfg(tmp_path: Path, path: Path, tokenizer_dir: Path, fmt: str = "chat", seq_len: int = 64):
+    return make_cfg(data_section(name="jsonl", path=str(path), tokenizer=str(tokenizer_dir), format=fmt,
+                                 cache_dir=str(tmp_path / "cache")), seq_len=seq_len)
+
+
+def labelled_text(tokenizer, ids: torch.Tensor, labels: torch.Tensor) -> list[str]:
+    """The decoded runs of consecutive labelled tokens of one sample."""
+    runs, current = [], []
+    for token, label in zip(ids.tolist(), labels.tolist()):
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(tokenizer.decode(current))
+            current = []
+        else:
+            assert label == token
+            current.append(token)
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_embedded_tokenizer_has_chatml(tokenizer_dir):
+    tokenizer = load_tokenizer(tokenizer_dir)
+    rendered = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
+    assert rendered == ("<|im_start|>user\ncount from 3.<|im_end|>\n"
+                        "<|im_start|>assistant\ncounting: 3 4 5 6 7.<|im_end|>\n")
+
+
+def test_padded_chat_labels_only_assistant_tokens(tmp_path, tokenizer_dir):
+    path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
+    cfg = chat_cfg(tmp_path, path, tokenizer_dir, seq_len=96)
+    assert check_data(cfg) is None
+    stream, tokenizer = build_data(cfg, 0, 1)
+    ids, labels = all_samples(stream)
+    assert ids.shape == (16, 96)
+    first = tokenizer.decode(ids[0][ids[0] != tokenizer.pad_token_id])
+    assert first == tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
+    assert labelled_text(tokenizer, ids[0], labels[0]) == ["17 plus 5 is 22.<|im_end|>\n", "3 times 4 is 12.<|im_end|>\n"]
+    assert labelled_text(tokenizer, ids[1], labels[1]) == ["counting: 3 4 5 6 7.<|im_end|>\n"]
+    assert (labels[ids == tokenizer.pad_token_id] == IGNORE_INDEX).all()
+
+
+def test_packed_chat_keeps_the_mask_across_documents(tmp_path, tokenizer_dir):
+    path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
+    stream, tokenizer = build_data(chat_cfg(tmp_path, path, tokenizer_dir, fmt="chat_packed", seq_len=32), 0, 1)
+    ids, labels = all_samples(stream)
+    assert not (ids == tokenizer.pad_token_id).any()
+    flat_ids, flat_labels = ids.flatten(), labels.flatten()
+    runs = labelled_text(tokenizer, flat_ids, flat_labels)
+    replies = [m["content"] + "<|im_end|>\n" for c in CONVERSATIONS for m in c if m["role"] == "assistant"]
+    assert runs[: len(replies)] == replies
+    assert 0 < int((flat_labels != IGNORE_INDEX).sum()) < flat_labels.numel() // 2
+
+
+def test_chat_rows_are_checked(tmp_path, tokenizer_dir):
+    bad = [[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "hi"}]]
+    path = chat_file(tmp_path / "bad.jsonl", CONVERSATIONS + bad, repeat=1)
+    message = check_data(chat_cfg(tmp_path, path, tokenizer_dir))
+    assert message.startswith(f"data.path: {path}:3: no assistant message with content"), message
+    skipped = make_cfg(data_section(name="jsonl", path=str(path), tokenizer=str(tokenizer_dir), format="chat",
+                                    skip_bad_lines=True, cache_dir=str(tmp_path / "c")), seq_len=64,
+                       micro_batch_size=1, n_microbatches=1)
+    assert build_data(skipped, 0, 1)[0].skipped_lines == 2
+    text_file = tmp_path / "text.jsonl"
+    text_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_corpus(30, 0)))
+    assert 'no "conversations" key' in check_data(chat_cfg(tmp_path, text_file, tokenizer_dir))
+    assert "reads MiniMind conversations" in check_data(make_cfg(data_section(**SMALL, format="chat")))
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer_dir):
+    plain = tmp_path / "plain"
+    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
+    assert "has no chat_template" in check_data(chat_cfg(tmp_path, path, plain))

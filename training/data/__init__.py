@@ -1,0 +1,40 @@
+"""Training data: the synthetic corpus or MiniMind JSONL (text or chat), the tokenizer, a memory-mapped token
+cache, packed or padded samples, the held-out split and the DP step stream.
+
+The trainer needs `build_data(cfg, dp_rank, dp_size) -> (StepBatches, tokenizer)` and, for evaluation,
+`build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `check_data(cfg)`.
+The sample order is a property of the *global* batch, never of the layout (see `StepBatches`).
+
+Files, one concept each: spec (typed config, DataError), corpus, tokenizer, jsonl (row reading and checks),
+encode (documents -> ids, chat masks), cache (memory-mapped token cache), samples (packed / padded), split
+(held-out documents), stream (steps, DP sharding, resume position), check (pre-launch), build (entry points).
+"""
+
+from parallel.step import IGNORE_INDEX, MicroBatch
+from training.data.build import build_data, build_splits, build_val_batches, load_tokenizer_vocab_size, source_documents
+from training.data.check import check_data
+from training.data.corpus import synthetic_corpus
+from training.data.encode import Documents, encode_conversations, encode_texts
+from training.data.samples import PackedSamples, PaddedSamples, TensorSamples
+from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry
+from training.data.split import split_documents
+from training.data.stream import StepBatches
+from training.data.tokenizer import (
+    BOS_TOKEN,
+    CHATML_TEMPLATE,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    build_tokenizer,
+    load_tokenizer,
+    save_atomically,
+    synthetic_tokenizer_dir,
+    train_bpe_tokenizer,
+)
+
+__all__ = [
+    "BOS_TOKEN", "CHATML_TEMPLATE", "EOS_TOKEN", "IGNORE_INDEX", "PAD_TOKEN", "DataError", "DataSpec", "Documents",
+    "Geometry", "MicroBatch", "PackedSamples", "PaddedSamples", "StepBatches", "TensorSamples", "build_data",
+    "build_splits", "build_tokenizer", "build_val_batches", "check_data", "data_spec", "encode_conversations",
+    "encode_texts", "geometry", "load_tokenizer", "load_tokenizer_vocab_size", "save_atomically",
+    "source_documents", "split_documents", "synthetic_corpus", "synthetic_tokenizer_dir", "train_bpe_tokenizer",
+]

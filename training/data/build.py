@@ -1,0 +1,137 @@
+"""Entry points for the trainer: the training step stream and the validation batches of one DP replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from parallel.step import MicroBatch
+from training.data.cache import cache_folder, cached_documents, file_identity, write_cache
+from training.data.check import spec_problem
+from training.data.corpus import synthetic_corpus
+from training.data.encode import Documents
+from training.data.jsonl import JsonlRows
+from training.data.samples import Samples, make_samples
+from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, section
+from training.data.split import split_documents
+from training.data.stream import StepBatches
+from training.data.tokenizer import CORPUS_VERSION, build_tokenizer, tokenizer_vocab_size
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The training samples, the held-out samples (None without a split) and the bad lines skipped."""
+
+    train: Samples
+    val: Samples | None
+    skipped_lines: int
+
+
+def _never(line: int, problem: str) -> None:
+    raise AssertionError(f"synthetic document {line}: {problem}")  # the embedded corpus has no bad rows
+
+
+def source_folder(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """The token-cache folder of `key` ("data.path", "data.val_path" or the synthetic corpus)."""
+    if spec.name == "synthetic":
+        identity = {"synthetic": CORPUS_VERSION, "num_docs": spec.num_docs, "seed": spec.seed}
+        return cache_folder(spec.cache_dir, f"synthetic-seed{spec.seed}-docs{spec.num_docs}", identity,
+                            tokenizer, False)
+    path = spec.path if key == "data.path" else spec.val_path
+    identity = {**file_identity(path), "max_line_bytes": spec.max_line_bytes, "skip_bad_lines": spec.skip_bad_lines}
+    return cache_folder(spec.cache_dir, Path(path).stem, identity, tokenizer, spec.chat)
+
+
+def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase, verbose: bool) -> Documents:
+    """The tokenised documents of one source, from its cache (built here by one process if missing)."""
+    folder = source_folder(spec, key, tokenizer)
+    if spec.name == "synthetic":
+        def build() -> None:
+            corpus = synthetic_corpus(spec.num_docs, spec.seed)
+            write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, False,
+                        total=len(corpus) if verbose else None)
+    else:
+        path = spec.path if key == "data.path" else spec.val_path
+
+        def build() -> None:
+            rows = JsonlRows(path, key, spec.chat, spec.max_line_bytes, spec.skip_bad_lines)
+            write_cache(folder, rows, rows.reject, tokenizer, spec.chat, progress=lambda: rows.bytes_read,
+                        total=Path(path).stat().st_size if verbose else None, skipped=lambda: rows.skipped)
+            rows.report()
+    documents = cached_documents(folder, build)
+    if len(documents) == 0:
+        where = "the synthetic corpus" if spec.name == "synthetic" else f"'{path}'"
+        raise DataError(f"{key}: no usable text in {where} ({documents.skipped_lines} bad lines skipped); "
+                        "give a file with usable rows")
+    return documents
+
+
+def build_splits(spec: DataSpec, geo: Geometry, tokenizer: PreTrainedTokenizerBase, verbose: bool) -> Splits:
+    """Training and held-out samples: data.val_path, or data.val_fraction of the training documents."""
+    docs = source_documents(spec, "data.path", tokenizer, verbose)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def samples(documents: Documents, ids: np.ndarray | None) -> Samples:
+        return make_samples(documents, spec.format, geo.seq_len, pad, eos, ids)
+
+    if spec.val_path is not None:
+        val_docs = source_documents(spec, "data.val_path", tokenizer, verbose)
+        return Splits(samples(docs, None), samples(val_docs, None), docs.skipped_lines + val_docs.skipped_lines)
+    train_ids, val_ids = split_documents(len(docs), spec.val_fraction, spec.seed)
+    val = samples(docs, val_ids) if len(val_ids) else None
+    return Splits(samples(docs, train_ids), val, docs.skipped_lines)
+
+
+def _prepare(cfg: Any, verbose: bool) -> tuple[DataSpec, Geometry, PreTrainedTokenizerBase, Splits]:
+    spec, geo = data_spec(section(cfg, "data")), geometry(cfg)
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise DataError(problem)
+    if geo.seq_len < 2:
+        raise DataError(f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens")
+    tokenizer = build_tokenizer(spec)
+    return spec, geo, tokenizer, build_splits(spec, geo, tokenizer, verbose)
+
+
+def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
+               ) -> tuple[StepBatches, PreTrainedTokenizerBase]:
+    """The training step stream of DP replica `dp_rank` of `dp_size`, and the tokenizer, from the run config.
+
+    `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
+    _, geo, tokenizer, splits = _prepare(cfg, verbose)
+    stream = StepBatches(splits.train, geo.micro_batch_size, geo.n_microbatches, dp_rank, dp_size, geo.seed,
+                         skipped_lines=splits.skipped_lines)
+    return stream, tokenizer
+
+
+def build_val_batches(cfg: Any, dp_rank: int, dp_size: int, n_batches: int) -> list[list[MicroBatch]]:
+    """Up to `n_batches` evaluation steps of held-out micro-batches for this DP replica.
+
+    Same contract as training without shuffling: eval step k covers held-out samples [k*G, (k+1)*G) in order,
+    replica d takes [k*G + d*M, k*G + (d+1)*M); so every layout with the same global batch sees the same set."""
+    _, geo, _, splits = _prepare(cfg, verbose=False)
+    if splits.val is None:
+        raise DataError("validation needs a held-out split; set data.val_path=<file> or data.val_fraction>0")
+    replica = geo.n_microbatches * geo.micro_batch_size
+    total = geo.global_batch(dp_size)
+    available = len(splits.val) // total
+    if available == 0:
+        raise DataError(f"the held-out split has {len(splits.val)} sequences, fewer than one global batch of "
+                        f"{total}; raise data.val_fraction or give a larger data.val_path")
+    steps = []
+    for k in range(min(n_batches, available)):
+        start = k * total + dp_rank * replica
+        input_ids, labels = splits.val.take(torch.arange(start, start + replica))
+        b = geo.micro_batch_size
+        steps.append([MicroBatch(input_ids[i:i + b], labels[i:i + b]) for i in range(0, replica, b)])
+    return steps
+
+
+def load_tokenizer_vocab_size(cfg: Any) -> int:
+    """Token ids the tokenizer of `cfg.data` can produce (the model's vocab must cover it); trains nothing."""
+    return tokenizer_vocab_size(data_spec(section(cfg, "data")))

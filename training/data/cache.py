@@ -1,0 +1,128 @@
+"""The token cache: a source tokenised once into memory-mapped files, built by one process, read lazily by all.
+
+Layout of one cache folder: `tokens.bin` (uint16/uint32, every document concatenated), `offsets.bin` (int64,
+documents + 1), `mask.bin` (uint8 assistant-label mask, chat only) and `meta.json`. The key hashes the source
+identity, the tokenizer and the reading rules, so a changed file or tokenizer gets a new folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from training.data.encode import Documents, encode_conversations, encode_texts, token_dtype
+from training.data.tokenizer import fingerprint
+
+CACHE_VERSION = 1
+BATCH_ROWS = 1024
+BATCH_CHARS = 4 << 20  # text per tokenizer call: bounds memory, keeps the tokenizer's threads busy
+Rows = Iterable[tuple[int, Any]]  # (line number, text or conversation)
+
+
+def cache_folder(cache_dir: str | Path, label: str, identity: dict[str, Any],
+                 tokenizer: PreTrainedTokenizerBase, chat: bool) -> Path:
+    """Where the tokens of `identity` (the source and its reading rules) under `tokenizer` are cached."""
+    key = {"version": CACHE_VERSION, "source": identity, "chat": chat, "tokenizer": fingerprint(tokenizer)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "tokens" / f"{label}-{digest}"
+
+
+def file_identity(path: str | Path) -> dict[str, Any]:
+    """A file's identity for the cache key: real path, size and modification time (no content hash)."""
+    stat = os.stat(path)
+    return {"path": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _size(payload: Any) -> int:
+    """Characters of a text or a conversation."""
+    return len(payload) if isinstance(payload, str) else sum(len(str(t.get("content", ""))) for t in payload)
+
+
+def _batches(rows: Rows) -> Iterator[list[tuple[int, Any]]]:
+    """Rows grouped for one tokenizer call each."""
+    batch, chars = [], 0
+    for row in rows:
+        batch.append(row)
+        chars += _size(row[1])
+        if len(batch) >= BATCH_ROWS or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
+                tokenizer: PreTrainedTokenizerBase, chat: bool, progress: Callable[[], int] | None = None,
+                total: int | None = None, skipped: Callable[[], int] = lambda: 0) -> None:
+    """Tokenise `rows` into `folder` batch by batch (memory bounded by one batch), then rename it into place."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    dtype, lengths = token_dtype(len(tokenizer)), [np.zeros(1, np.int64)]
+    bar = tqdm(total=total, desc="tokenizing", unit="B" if progress else "doc", unit_scale=True,
+               disable=True if total is None else None, leave=False)  # None: off when not a terminal
+    try:
+        with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "mask.bin", "wb") as mask:
+            for batch in _batches(rows):
+                payloads = [payload for _, payload in batch]
+                encoded = encode_conversations(tokenizer, payloads) if chat else \
+                    [(ids, None) for ids in encode_texts(tokenizer, payloads)]
+                kept = []
+                for (line, _), (ids, labels) in zip(batch, encoded):
+                    if len(ids) == 0 or (labels is not None and not labels.any()):
+                        reject(line, "no assistant tokens after the chat template" if chat else
+                               "no tokens after tokenisation")
+                        continue
+                    ids.astype(dtype).tofile(tokens)
+                    if labels is not None:
+                        labels.tofile(mask)
+                    kept.append(len(ids))
+                lengths.append(np.asarray(kept, np.int64))
+                bar.update(progress() - bar.n if progress else len(batch))
+        offsets = np.cumsum(np.concatenate(lengths)).astype(np.int64)
+        offsets.tofile(tmp / "offsets.bin")
+        if not chat:
+            (tmp / "mask.bin").unlink()
+        meta = {"n_docs": len(offsets) - 1, "n_tokens": int(offsets[-1]), "dtype": dtype.name, "chat": chat,
+                "skipped_lines": skipped()}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        os.replace(tmp, folder)  # atomic: readers see a whole cache or none
+    except OSError:
+        if not (folder / "meta.json").exists():
+            raise
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def open_cache(folder: Path) -> Documents:
+    """The cached documents of `folder`, memory-mapped read-only (pages are read when a batch touches them)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    dtype, n_tokens = np.dtype(meta["dtype"]), meta["n_tokens"]
+
+    def mapped(name: str, kind: np.dtype, count: int) -> np.ndarray:
+        return np.memmap(folder / name, dtype=kind, mode="r", shape=(count,)) if count else np.empty(0, kind)
+
+    offsets = np.fromfile(folder / "offsets.bin", dtype=np.int64)  # 8 bytes a document: small enough to read
+    mask = mapped("mask.bin", np.dtype(np.uint8), n_tokens) if meta["chat"] else None
+    return Documents(mapped("tokens.bin", dtype, n_tokens), offsets, mask, int(meta["skipped_lines"]))
+
+
+def cached_documents(folder: Path, build: Callable[[], None]) -> Documents:
+    """Open `folder`, building it first under a lock: one process tokenises, the others wait, then all read."""
+    if not (folder / "meta.json").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder.parent / f".{folder.name}.lock")):
+            if not (folder / "meta.json").exists():
+                build()
+    return open_cache(folder)

@@ -1,0 +1,179 @@
+"""The pre-launch data check: one line for a data config, file or tokenizer that cannot work, or for data too
+small for one global batch. Pure: it reads files and never writes one, trains nothing, tokenises nothing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from training.data.corpus import synthetic_corpus
+from training.data.jsonl import bounded_lines, parse_row
+from training.data.spec import FORMATS, NAMES, DataError, DataSpec, Geometry, PACKED_FORMATS, data_spec, geometry, optional_field, section
+from training.data.split import split_documents, val_count
+from training.data.tokenizer import SPECIAL_TOKENS, load_tokenizer
+
+HEAD_LINES = 100  # rows read to catch a wrong file early; the loader checks every row
+SCAN_CHUNK = 1 << 20
+
+
+def _file_problem(key: str, path: str | None, chat: bool) -> str | None:
+    """A missing or empty data file."""
+    hint = f"pass {key}=<a MiniMind {'SFT (conversations)' if chat else 'pretraining'} .jsonl file>"
+    if path is None:
+        return f"{key}: not set; {hint}"
+    if not os.path.isfile(path):
+        return f"{key}: file '{path}' does not exist; {hint}"
+    if os.path.getsize(path) == 0:
+        return f"{key}: file '{path}' is empty; {hint}"
+    return None
+
+
+def spec_problem(spec: DataSpec) -> str | None:
+    """Names, ranges and files of the data section (no file content read beyond its size)."""
+    if spec.name not in NAMES:
+        return f"data.name: unknown data set '{spec.name}'; use data.name=synthetic or data.name=jsonl"
+    if spec.format not in FORMATS:
+        return f"data.format: unknown format '{spec.format}'; use one of {', '.join(FORMATS)}"
+    if not 0.0 <= spec.val_fraction < 1.0:
+        return f"data.val_fraction={spec.val_fraction} must lie in [0, 1)"
+    if spec.max_line_bytes < 1:
+        return f"data.max_line_bytes={spec.max_line_bytes} must be positive"
+    if spec.val_path is not None and spec.val_fraction > 0:
+        return "data.val_path and data.val_fraction are both set; hold out a separate file or a fraction, not both"
+    if spec.name == "synthetic":
+        if spec.chat:
+            return f"data.format={spec.format} reads MiniMind conversations; use data=jsonl data.path=<sft .jsonl>"
+        if spec.num_docs < 1:
+            return "data.num_docs: must be >= 1"
+        if spec.vocab_size < 256 + len(SPECIAL_TOKENS):
+            return f"data.vocab_size: must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + 3 special tokens)"
+    else:
+        problem = _file_problem("data.path", spec.path, spec.chat)
+        if problem is not None:
+            return problem
+    if spec.val_path is not None:
+        problem = _file_problem("data.val_path", spec.val_path, spec.chat)
+        if problem is not None:
+            return problem
+    if spec.name == "jsonl":
+        hint = "pass data.tokenizer=<folder with tokenizer.json>"
+        if spec.tokenizer is None:
+            return f"data.tokenizer: not set; {hint}"
+        if not os.path.isdir(spec.tokenizer):
+            return f"data.tokenizer: folder '{spec.tokenizer}' does not exist; {hint}"
+        if not any(os.path.isfile(os.path.join(spec.tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return f"data.tokenizer: folder '{spec.tokenizer}' has neither tokenizer.json nor tokenizer_config.json; {hint}"
+    return None
+
+
+def _head_problem(spec: DataSpec, key: str, path: str) -> str | None:
+    """The first bad row among the first lines (unless skipped), or a file whose rows are all unusable."""
+    usable, exhausted = 0, True
+    with open(path, "rb") as f:
+        for count, (number, line, size) in enumerate(bounded_lines(f, spec.max_line_bytes)):
+            if count == HEAD_LINES:
+                exhausted = False
+                break
+            if line is None:
+                problem = f"line of {size} bytes is longer than data.max_line_bytes={spec.max_line_bytes}"
+            elif not line.strip():
+                continue
+            else:
+                problem = parse_row(line, spec.chat)[1]
+            if problem is None:
+                usable += 1
+            elif not spec.skip_bad_lines:
+                return f"{key}: {path}:{number}: {problem}; fix or remove the line, or set data.skip_bad_lines=true"
+    if exhausted and usable == 0:
+        return f"{key}: no usable text in '{path}' (every row is blank or bad); give a file with usable rows"
+    return None
+
+
+def _line_upper_bound(path: str) -> int:
+    """At most this many rows: newlines + 1 (read in chunks, nothing kept)."""
+    lines = 1
+    with open(path, "rb") as f:
+        while chunk := f.read(SCAN_CHUNK):
+            lines += chunk.count(b"\n")
+    return lines
+
+
+def _file_bound(spec: DataSpec, path: str, seq_len: int, fraction: float) -> tuple[int, int]:
+    """Upper bounds on (training, held-out) samples of a JSONL file: a token covers at least one byte."""
+    rows = _line_upper_bound(path)
+    held = val_count(rows, fraction)
+    if spec.format not in PACKED_FORMATS:
+        return rows - held, held
+    tokens = os.path.getsize(path) + 2 * rows  # text bytes + bos/eos per row
+    return tokens // seq_len, (tokens // seq_len if held else 0)
+
+
+def _synthetic_bounds(spec: DataSpec, seq_len: int) -> tuple[int, int, int]:
+    """(lower bound on training samples, upper bound on training samples, upper bound on held-out samples).
+
+    Byte-level BPE gives each whitespace-separated word at least one token and each byte at most one."""
+    corpus = synthetic_corpus(spec.num_docs, spec.seed)
+    train_ids, val_ids = split_documents(len(corpus), spec.val_fraction, spec.seed)
+    train_ids = np.arange(len(corpus)) if train_ids is None else train_ids
+    if spec.format not in PACKED_FORMATS:
+        return len(train_ids), len(train_ids), len(val_ids)
+    low = np.array([len(d.split()) + 2 for d in corpus])
+    high = np.array([len(d.encode()) + 2 for d in corpus])
+    return int(low[train_ids].sum()) // seq_len, int(high[train_ids].sum()) // seq_len, int(high[val_ids].sum()) // seq_len
+
+
+def _batch_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
+    """Data too small for one global batch, for training or (when a split is configured) for validation."""
+    batch = geo.global_batch(dp)
+    if spec.name == "synthetic":
+        _, train, val = _synthetic_bounds(spec, geo.seq_len)
+        where = f"data.num_docs={spec.num_docs}"
+    else:
+        train, val = _file_bound(spec, spec.path, geo.seq_len, spec.val_fraction)
+        where = f"data.path '{spec.path}'"
+    if spec.val_path is not None:
+        val = _file_bound(spec, spec.val_path, geo.seq_len, 0.0)[0]
+    shape = (f"one global batch of {batch} = dp {dp} x schedule.n_microbatches {geo.n_microbatches} x "
+             f"train.micro_batch_size {geo.micro_batch_size}")
+    if train < batch:
+        return (f"data: {where} gives at most {train} training sequences of {geo.seq_len} tokens, fewer than "
+                f"{shape}; use more data, a shorter train.seq_len or a smaller batch")
+    if (spec.val_path is not None or spec.val_fraction > 0) and val < batch:
+        return (f"data: the held-out split gives at most {val} sequences of {geo.seq_len} tokens, fewer than "
+                f"{shape}; raise data.val_fraction or give a larger data.val_path")
+    return None
+
+
+def check_data(cfg: Any, dp: int | None = None) -> str | None:
+    """One line for the first problem of the run's data, or None. `dp` defaults to parallel.dp (or 1)."""
+    try:
+        spec, geo = data_spec(section(cfg, "data")), geometry(cfg)
+    except DataError as error:
+        return str(error)
+    problem = spec_problem(spec)
+    if problem is None and geo.seq_len < 2:
+        problem = f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens"
+    if problem is None and spec.name == "jsonl":
+        problem = _tokenizer_problem(spec)
+        for key, path in (("data.path", spec.path), ("data.val_path", spec.val_path)):
+            if problem is None and path is not None:
+                problem = _head_problem(spec, key, path)
+    if problem is None:
+        dp = dp or optional_field(optional_field(cfg, "parallel"), "dp") or 1
+        problem = _batch_problem(spec, geo, int(dp))
+    return problem
+
+
+def _tokenizer_problem(spec: DataSpec) -> str | None:
+    """A tokenizer folder that does not load (one line naming the file), or lacks a chat template for chat."""
+    try:
+        tokenizer = load_tokenizer(Path(spec.tokenizer))
+    except DataError as error:
+        return f"data.tokenizer: {error}"
+    if spec.chat and not tokenizer.chat_template:
+        return (f"data.tokenizer: '{spec.tokenizer}' has no chat_template, which data.format={spec.format} "
+                "needs; use a tokenizer with one (MiniMind's has)")
+    return None

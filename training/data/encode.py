@@ -1,0 +1,130 @@
+"""Documents -> token ids: pretraining text as [bos] + tokens + [eos], chat rendered with the chat template
+and an assistant-only label mask. Token ids are stored per document, independent of seq_len and format."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+# Texts longer than this are tokenised in pieces cut before a space: a whole-text Encoding (token strings,
+# offsets, alignments) costs ~100 bytes per input byte, and the tokenizer slows down on very long inputs.
+PIECE_CHARS = 1 << 14
+CALL_CHARS = 1 << 20  # characters per tokenizer call: bounds the memory of one call's encodings
+_CUT = re.compile(r" (?=\S)")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Tokenised documents, concatenated: doc i is tokens[offsets[i]:offsets[i+1]] (arrays may be memmaps)."""
+
+    tokens: np.ndarray  # [T] unsigned ints
+    offsets: np.ndarray  # [D + 1] int64, offsets[0] == 0
+    mask: np.ndarray | None  # [T] uint8, 1 = a label (assistant token); None = every token is a label
+    skipped_lines: int = 0
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _pieces(text: str) -> list[str]:
+    """`text` cut before spaces into pieces of about PIECE_CHARS (byte-level BPE never merges across)."""
+    if len(text) <= PIECE_CHARS:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        match = _CUT.search(text, start + PIECE_CHARS)
+        if match is None:
+            break
+        pieces.append(text[start:match.start()])
+        start = match.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def _ids(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[np.ndarray]:
+    """Token ids of each text (no specials added), long texts in pieces, at most CALL_CHARS per call."""
+    parts: list[list[np.ndarray]] = [[] for _ in texts]
+    batch: list[tuple[int, str]] = []
+    chars = 0
+
+    def flush() -> None:
+        encoded = tokenizer([p for _, p in batch], add_special_tokens=False, return_attention_mask=False)
+        for (owner, _), ids in zip(batch, encoded["input_ids"]):
+            parts[owner].append(np.asarray(ids, dtype=np.int64))
+        batch.clear()
+
+    for owner, text in enumerate(texts):
+        for piece in _pieces(text):
+            batch.append((owner, piece))
+            chars += len(piece)
+            if chars >= CALL_CHARS:
+                flush()
+                chars = 0
+    if batch:
+        flush()
+    return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[np.ndarray]:
+    """Each pretraining text as [bos] + tokens + [eos]; a text with no tokens gives an empty array."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return [np.concatenate(([bos], ids, [eos])) if len(ids) else ids for ids in _ids(tokenizer, texts)]
+
+
+def _find(ids: np.ndarray, pattern: np.ndarray) -> np.ndarray:
+    """Start positions of `pattern` in `ids`."""
+    if len(ids) < len(pattern) or len(pattern) == 0:
+        return np.empty(0, np.int64)
+    windows = np.lib.stride_tricks.sliding_window_view(ids, len(pattern))
+    return np.flatnonzero((windows == pattern).all(axis=1))
+
+
+def assistant_mask(ids: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """MiniMind's SFT rule: label from after each `start` pattern through the next `end` pattern (inclusive)."""
+    mask = np.zeros(len(ids), np.uint8)
+    starts, ends = _find(ids, start), _find(ids, end)
+    covered = 0
+    for s in starts:
+        if s < covered:
+            continue
+        begin = s + len(start)
+        later = ends[ends >= begin]
+        stop = int(later[0]) + len(end) if len(later) else len(ids)
+        mask[begin:stop] = 1
+        covered = stop
+    return mask
+
+
+def chat_patterns(tokenizer: PreTrainedTokenizerBase) -> tuple[np.ndarray, np.ndarray]:
+    """The token patterns that open an assistant reply and close a message (MiniMind's bos_id / eos_id)."""
+    start = tokenizer(f"{tokenizer.bos_token}assistant\n", add_special_tokens=False)["input_ids"]
+    end = tokenizer(f"{tokenizer.eos_token}\n", add_special_tokens=False)["input_ids"]
+    return np.asarray(start, np.int64), np.asarray(end, np.int64)
+
+
+def encode_conversations(tokenizer: PreTrainedTokenizerBase,
+                         conversations: list[list[dict[str, Any]]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each conversation rendered with the tokenizer's chat template: (ids, assistant-only label mask)."""
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    start, end = chat_patterns(tokenizer)
+    return [(ids, assistant_mask(ids, start, end)) for ids in _ids(tokenizer, texts)]
+
+
+def in_memory(parts: list[np.ndarray], masks: list[np.ndarray] | None, vocab_size: int,
+              skipped_lines: int = 0) -> Documents:
+    """Documents held in memory from per-document arrays."""
+    lengths = np.fromiter((len(p) for p in parts), np.int64, len(parts))
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    dtype = token_dtype(vocab_size)
+    tokens = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype)
+    mask = None if masks is None else (np.concatenate(masks) if masks else np.empty(0, np.uint8))
+    return Documents(tokens, offsets, mask, skipped_lines)
