@@ -24,3 +24,11 @@ def layout_world_size(cfg: DictConfig, launched: int | None = None) -> int:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return launched
+
+
+def resolved_dp(cfg: DictConfig, launched: int | None = None) -> int:
+    """The data-parallel size the run will have (parallel.dp, else what the launched world leaves, else 1)."""
+    p = cfg.parallel
+    if launched is None or p.dp is not None:
+        return p.dp or 1
+    return resolve_dp(launched, None, p.tp, process_pp(cfg))

@@ -4,7 +4,7 @@
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.layout import layout_world_size
+from training.layout import layout_world_size, resolved_dp
 from training.rules import ConfigError, check_keys
 from training.schema import model_config
 from training.strict import check_known_keys
@@ -88,19 +88,17 @@ def validate_layout(cfg: DictConfig) -> None:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
 
 
-def validate_data(cfg: DictConfig) -> None:
+def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
     """Data source and files (the data module's own check), and the tokenizer's ids against the model's."""
-    from training.data import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, check_data
-    from training.vocab import tokenizer_vocab_size
+    from training.data import DataError, check_data, load_tokenizer_vocab_size
 
-    problem = check_data(cfg)
+    problem = check_data(cfg, dp=resolved_dp(cfg, world_size))
     if problem:
         raise ConfigError(problem)
-    if cfg.data.name == "synthetic":
-        vocab = cfg.data.vocab_size  # the BPE trainer's target size: known without training it
-    else:
-        defaults = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-        vocab = tokenizer_vocab_size(cfg.data.tokenizer, defaults)
+    try:
+        vocab = load_tokenizer_vocab_size(cfg)  # synthetic: data.vocab_size, known without training it
+    except DataError as error:
+        raise ConfigError(str(error)) from None
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size={cfg.model.vocab_size}; "
                           f"set model.vocab_size>={vocab} or use a smaller tokenizer")
@@ -115,5 +113,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     warnings += validate_train(cfg)
     validate_parallel(cfg, world_size)
     validate_layout(cfg)
-    validate_data(cfg)
+    validate_data(cfg, world_size)
     return warnings
