@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from parallel.pipeline.actions import Costs
-from parallel.pipeline.schedules import SCHEDULES, lower
+from parallel.pipeline.actions import Action, Costs, Kind
+from parallel.pipeline.lowering import lower
+from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.timeline import (chrome_trace, draw_measured_vs_planned, draw_timeline, intervals,
                                         measured_bubble)
@@ -92,6 +93,11 @@ def test_split_args_takes_out_and_leaves_overrides():
 # --- Timelines and traces. ------------------------------------------------------------------------------
 
 
+def acts(measured: dict) -> dict:
+    """Hand-written measurements, `{rank: [("F0@s0", start, end), ...]}`, with Actions as traces carry them."""
+    return {r: [(Action.parse(a), s, e) for a, s, e in row] for r, row in measured.items()}
+
+
 def sim(name: str, pp: int = 4, m: int = 8):
     spec = SCHEDULES[name]
     vpp = 2 if spec.needs_vpp else 1
@@ -102,7 +108,7 @@ def sim(name: str, pp: int = 4, m: int = 8):
 def test_draw_timeline_from_a_simulation_or_from_intervals(tmp_path):
     for name in ("1f1b", "zbv"):
         assert is_png(draw_timeline(sim(name), tmp_path / f"{name}.png", name))
-    rows = {0: [("F0@s0", 0.0, 1.0), ("B0@s0", 3.0, 5.0)], 1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]}
+    rows = acts({0: [("F0@s0", 0.0, 1.0), ("B0@s0", 3.0, 5.0)], 1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]})
     assert is_png(draw_timeline(rows, tmp_path / "sub" / "rows.png", "hand-made"))  # folders are created
 
 
@@ -116,13 +122,13 @@ def test_draw_measured_vs_planned(tmp_path):
 def test_intervals_of_a_simulation_skip_comm_unless_asked():
     res = sim("1f1b", 2, 2)
     compute = intervals(res)
-    assert [a for a, _, _ in compute[1]] == ["F0@s1", "B0@s1", "F1@s1", "B1@s1"]
-    assert compute[1][1] == ("B0@s1", 2.0, 4.0)
-    assert any(a.startswith("RECV_F") for a, _, _ in intervals(res, comm=True)[1])
+    assert [str(a) for a, _, _ in compute[1]] == ["F0@s1", "B0@s1", "F1@s1", "B1@s1"]
+    assert compute[1][1] == (Action.parse("B0@s1"), 2.0, 4.0)
+    assert any(a.kind is Kind.RECV_F for a, _, _ in intervals(res, comm=True)[1])
 
 
 def test_chrome_trace_has_one_named_track_per_rank_and_microsecond_events():
-    measured = {0: [("F0@s0", 10.0, 10.5), ("SEND_F0@s0", 10.5, 10.5)], 1: [("F0@s1", 10.5, 11.25)]}
+    measured = acts({0: [("F0@s0", 10.0, 10.5), ("SEND_F0@s0", 10.5, 10.5)], 1: [("F0@s1", 10.5, 11.25)]})
     trace = chrome_trace(measured, name="step 7")
     json.dumps(trace)  # serialisable as is
     events = trace["traceEvents"]
@@ -136,8 +142,8 @@ def test_chrome_trace_has_one_named_track_per_rank_and_microsecond_events():
 
 
 def test_measured_bubble_counts_only_compute_as_busy():
-    measured = {0: [("F0@s0", 0.0, 1.0), ("RECV_B0@s0", 1.0, 3.0), ("B0@s0", 3.0, 4.0)],
-                1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]}
+    measured = acts({0: [("F0@s0", 0.0, 1.0), ("RECV_B0@s0", 1.0, 3.0), ("B0@s0", 3.0, 4.0)],
+                     1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]})
     assert measured_bubble(measured) == pytest.approx(1 - 4.0 / (2 * 4.0))
     assert measured_bubble({}) == 0.0
     planned = sim("1f1b")  # a simulated step, replayed as a "measurement", gives the simulator's bubble
