@@ -6,7 +6,7 @@ number of actions. The first fault raises ScheduleError naming rank, slot and ac
 
 from __future__ import annotations
 
-from .actions import B, F, I, SEND_B, SEND_F, W, Action, Key, Lists, input_of, mate_of, needs
+from .actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Key, Lists, input_of, mate_of, needs
 from .partition import stage_to_rank
 
 __all__ = ["ScheduleError", "check"]
@@ -107,6 +107,36 @@ def _check_complete(lowered: Lists, slots: list[dict[Key, int]], owner: list[int
 
 def _check_pairs(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], pp: int) -> None:
     """Every SEND has its RECV on the peer and vice versa, and each channel delivers in posting order."""
+    if not _pairs_hold(lowered, slots, owner, pp):
+        _explain_pairs(lowered, slots, owner, pp)
+
+
+def _pairs_hold(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], pp: int) -> bool:
+    """The pairing rules, in one pass: every SEND's RECV exists, later on its rank than the RECV of the SEND
+    before it on the same channel, and there are as many RECVs as SENDs.
+
+    Why this suffices: without duplicates, SENDs map one-to-one onto their RECVs; as many of both means every
+    RECV has its SEND, and on each channel the pairing is a permutation, in posting order iff it increases."""
+    n_sends = n_recvs = 0
+    for actions in lowered:
+        last = [-1] * pp  # per peer rank: slot (there) of the RECV paired with this rank's latest SEND to it
+        for a in actions:
+            kind = a[0]
+            if kind is RECV_F or kind is RECV_B:
+                n_recvs += 1
+            elif kind is SEND_F or kind is SEND_B:
+                n_sends += 1
+                mate = mate_of(a)
+                q = owner[mate[2]]
+                slot = slots[q].get(mate, -1)
+                if slot <= last[q]:
+                    return False
+                last[q] = slot
+    return n_sends == n_recvs
+
+
+def _explain_pairs(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], pp: int) -> None:
+    """Raise for the first pairing fault: a comm action without its counterpart, then a channel out of order."""
     sent: list[dict[int, list[Action]]] = [{} for _ in range(pp)]  # rank -> peer -> its SENDs there, in order
     received: list[dict[int, list[Action]]] = [{} for _ in range(pp)]  # rank -> peer -> RECVs from it
     for r, actions in enumerate(lowered):

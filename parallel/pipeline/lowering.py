@@ -7,14 +7,32 @@ feasible can deadlock. Time and memory are linear in the number of actions (time
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 from bisect import bisect_left
-from operator import itemgetter
+from collections.abc import Iterator
 
-from .actions import Action, Costs, Key, Lists, Schedule, hand_over, input_of, output_of
+from .actions import Action, Costs, Key, Lists, Schedule, input_of, mate_of, output_of
 from .partition import stage_to_rank
 from .sweep import Sweeps
 
-Gaps = dict[int, list[tuple[tuple, Action]]]  # of one rank: gap index (before compute k) -> (sort key, comm op)
+INF = float("inf")
+_action = functools.partial(tuple.__new__, Action)  # Action from a (kind, mb, stage) tuple, without a Python call
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector. The lowering keeps about 10^6 new tuples (one per action, none
+    of them garbage); the collector would walk all of them each time the heap grows by a quarter, which
+    nearly doubles the lowering's time at pp=64."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def lower(compute: Lists, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> Schedule:
@@ -34,15 +52,18 @@ def lower(compute: Lists, pp: int, n_stages: int, placement: str, costs: Costs |
     if min(costs.f, costs.b, costs.i, costs.w) <= 0:
         raise ValueError("lowering needs positive compute costs (the placement argument relies on it)")
     owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    starts, ends = _timeline(compute, n_stages, owner, costs)
-    gaps = _place_comm(compute, n_stages, owner, starts, ends)
-    return [_merge(actions, gaps[r]) for r, actions in enumerate(compute)]
+    with _collector_paused():
+        starts, ends = _timeline(compute, n_stages, owner, costs)
+        ops = _place_comm(compute, n_stages, owner, starts, ends)
+        return [_merge(actions, ops[r]) for r, actions in enumerate(compute)]
 
 
 def _timeline(compute: Lists, n_stages: int, owner: list[int], costs: Costs) -> tuple[list[list[float]], ...]:
     """Start and end times of each rank's runnable prefix: list order per rank, inputs before use."""
     duration, comm = costs.durations(), costs.comm
-    arrived: dict[Key, float] = {}  # keyed by the RECV that names an input: when it is there
+    # Keyed by the RECV that names an input: when it is there. One dictionary per stage (any stage number
+    # works, a broken schedule's too): small dictionaries stay in the CPU cache, one big one does not.
+    arrived: list[dict[Key, float]] = [{} for _ in range(n_stages)]
     waiting: dict[Key, list[int]] = {}  # an input not there yet -> the ranks blocked on it
     starts: list[list[float]] = [[] for _ in compute]
     ends: list[list[float]] = [[] for _ in compute]
@@ -52,49 +73,58 @@ def _timeline(compute: Lists, n_stages: int, owner: list[int], costs: Costs) -> 
         clock = done[-1] if done else 0.0
         for k in range(len(begun), len(actions)):
             a = actions[k]
-            need = input_of(a, n_stages)
-            t0 = clock
+            need, t0 = input_of(a, n_stages), clock
             if need is not None:
-                if need not in arrived:
+                ready = arrived[need[2] % n_stages].get(need)
+                if ready is None:
                     waiting.setdefault(need, []).append(r)
                     break  # its input is not there yet; another rank must move first
-                t0 = max(clock, arrived[need])
+                if ready > clock:
+                    t0 = ready
             clock = t0 + duration[a[0]]
             begun.append(t0)
             done.append(clock)
             out = output_of(a, n_stages)
-            if out is not None and out not in arrived:
-                arrived[out] = clock + (comm if owner[out[2]] != r else 0.0)
+            if out is not None and out not in arrived[out[2] % n_stages]:
+                arrived[out[2] % n_stages][out] = clock + comm if owner[out[2]] != r else clock
                 for q in waiting.pop(out, ()):
                     sweeps.wake(q)
     return starts, ends
 
 
 def _place_comm(compute: Lists, n_stages: int, owner: list[int], starts: list[list[float]],
-                ends: list[list[float]]) -> list[Gaps]:
-    """Every cross-rank hand-over's SEND and RECV, each in the gap of its rank where it goes (see `lower`)."""
-    gaps: list[Gaps] = [{} for _ in compute]
+                ends: list[list[float]]) -> list[list[tuple]]:
+    """Every cross-rank hand-over's SEND and RECV on its rank, as (gap, sort key..., op), sorted (see `lower`).
+
+    The gap is the index of the compute the op goes before; within a gap ops are ordered by the time t their
+    producer ends, sends before receives, then stage and micro-batch (a fixed order on both ends of a
+    channel), then the order they were found in (a broken schedule's ops that never ran share t = inf)."""
+    ops: list[list[tuple]] = [[] for _ in compute]
     consumers: dict[int, dict[Key, int]] = {}  # per rank, built when first needed: input -> first consumer
+    found = 0
     for r, actions in enumerate(compute):
-        ran = len(ends[r])
+        begun, done = starts[r], ends[r]
         for k, a in enumerate(actions):
             out = output_of(a, n_stages)
             if out is None or owner[out[2]] == r:
                 continue  # nothing leaves the rank
-            send, recv = hand_over(a, n_stages)
-            q = owner[recv.stage]
-            if k < ran:  # the producer ran on the timeline
-                t = ends[r][k]
-                # Ties in t: sends before receives in a batch, then a fixed order on both ends of a channel.
-                gaps[r].setdefault(bisect_left(starts[r], t), []).append(((t, 0, send.stage, send.microbatch), send))
-                gaps[q].setdefault(bisect_left(starts[q], t), []).append(((t, 1, send.stage, send.microbatch), recv))
+            q, (_, mb, s) = owner[out[2]], a
+            send, recv = _action(mate_of(out)), _action(out)
+            found += 1
+            if k < len(done):  # the producer ran on the timeline
+                t = done[k]
+                # The first compute that starts at t or later: almost always the next one (cheap to confirm).
+                gap = k + 1 if k + 1 == len(begun) or begun[k + 1] >= t > begun[k] else bisect_left(begun, t)
+                ops[r].append((gap, t, 0, s, mb, found, send))
+                ops[q].append((bisect_left(starts[q], t), t, 1, s, mb, found, recv))
             else:  # never ran: keep it local to the producer and the consumer, and let the check explain
                 if q not in consumers:
                     consumers[q] = _first_consumers(compute[q], n_stages)
-                gaps[r].setdefault(k + 1, []).append(((float("inf"), 0, 0, 0), send))
-                gap = consumers[q].get(recv, len(compute[q]))
-                gaps[q].setdefault(gap, []).append(((float("inf"), 1, 0, 0), recv))
-    return gaps
+                ops[r].append((k + 1, INF, 0, 0, 0, found, send))
+                ops[q].append((consumers[q].get(recv, len(compute[q])), INF, 1, 0, 0, found, recv))
+    for rank_ops in ops:
+        rank_ops.sort()
+    return ops
 
 
 def _first_consumers(actions: Lists, n_stages: int) -> dict[Key, int]:
@@ -107,13 +137,14 @@ def _first_consumers(actions: Lists, n_stages: int) -> dict[Key, int]:
     return first
 
 
-def _merge(actions: Lists, gaps: Gaps) -> list[Action]:
-    """One rank's compute list with its comm ops in their gaps, each gap's ops in the order of their keys."""
+def _merge(actions: Lists, ops: list[tuple]) -> list[Action]:
+    """One rank's compute list with its sorted comm ops, each before the compute of its gap."""
     out: list[Action] = []
     done = 0
-    for k in sorted(gaps):
-        out += actions[done:k]
-        out += [a for _, a in sorted(gaps[k], key=itemgetter(0))]
-        done = k
+    for op in ops:
+        if op[0] > done:
+            out += actions[done:op[0]]
+            done = op[0]
+        out.append(op[-1])
     out += actions[done:]
     return out

@@ -68,86 +68,97 @@ def _blocked(lowered: Lists, first: list[int], open_ops: list[int], posted: dict
 
 
 class _Replay:
-    """The runtime's model: what `replay` tracks while it visits ranks (see the module docstring)."""
+    """The runtime's model: what `replay` tracks while it visits ranks (see the module docstring).
+
+    Batches are numbered in posting order; per batch: its rank, first and stop slot, when it was posted, the
+    latest time one of its matches had both ends posted, and how many of its ops are not matched yet."""
 
     def __init__(self, lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs):
-        self.lowered, self.n_stages = lowered, n_stages
+        self.lowered, self.pp, self.n_stages = lowered, pp, n_stages
         self.owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
+        # Neighbouring stages on one rank (the V placement, or pp=1) hand over locally: only then look.
+        self.local = any(self.owner[s] == self.owner[s + 1] for s in range(n_stages - 1))
         self.duration, self.comm = costs.durations(), costs.comm
         self.start: Times = [[0.0] * len(actions) for actions in lowered]
         self.end: Times = [[0.0] * len(actions) for actions in lowered]
         self.busy, self.clock, self.pos = [0.0] * pp, [0.0] * pp, [0] * pp
         self.arrived: dict[Key, float] = {}  # keyed by the RECV that names an input: when it is on its rank
         self.blocked: dict[Key, int] = {}  # an input not there yet -> the rank whose next compute needs it
-        self.waiting: dict[Key, tuple[int, int, int]] = {}  # posted op, counterpart not yet -> rank, batch, slot
-        self.open_ops: dict[tuple[int, int], int] = {}  # (rank, first slot) of a batch -> ops not matched yet
-        self.matched: dict[tuple[int, int], float] = {}  # (rank, first slot) of a batch -> latest match so far
+        self.waiting: dict[Key, int] = {}  # a posted op whose counterpart is not posted yet -> its batch
+        self.batches: list[list] = []  # [rank, first, stop, posted, matched, open ops]
         self.sweeps = Sweeps(pp)
 
     def run(self, r: int) -> None:
         """Advance rank r until a compute's input is missing: computes in turn, batches posted without waiting."""
-        actions, clock, n_stages = self.lowered[r], self.clock, self.n_stages
-        k = self.pos[r]
+        actions, n_stages, arrived, duration = self.lowered[r], self.n_stages, self.arrived, self.duration
+        start, end, clock, busy, k = self.start[r], self.end[r], self.clock[r], self.busy[r], self.pos[r]
         while k < len(actions):
             a = actions[k]
             if a[0].is_comm:
-                k = self.post(r, k)
+                k = self.post(r, k, clock)
                 continue
-            t0, need = clock[r], input_of(a, n_stages)
+            t0, need = clock, input_of(a, n_stages)
             if need is not None:
-                if need not in self.arrived:
+                # Each input has one consumer (checked): dropping it keeps the dictionary small, so fast.
+                ready = arrived.pop(need, None)
+                if ready is None:
                     self.blocked[need] = r
                     break
-                t0 = max(t0, self.arrived[need])
-            cost = self.duration[a[0]]
-            self.start[r][k], self.end[r][k] = t0, t0 + cost
-            clock[r] = t0 + cost
-            self.busy[r] += cost
-            out = output_of(a, n_stages)
-            if out is not None and self.owner[out[2]] == r:
-                self.arrived[out] = clock[r]  # local hand-over: no comm, the tensor is simply there
+                if ready > clock:
+                    t0 = ready
+            cost = duration[a[0]]
+            start[k] = t0
+            end[k] = clock = t0 + cost
+            busy += cost
+            if self.local:
+                out = output_of(a, n_stages)
+                if out is not None and self.owner[out[2]] == r:
+                    arrived[out] = clock  # local hand-over: no comm, the tensor is simply there
             k += 1
-        self.pos[r] = k
+        self.clock[r], self.busy[r], self.pos[r] = clock, busy, k
 
-    def post(self, r: int, first: int) -> int:
-        """Post the batch starting at slot `first`; complete every batch whose last op this matches."""
-        actions, now = self.lowered[r], self.clock[r]
-        stop = first
-        while stop < len(actions) and actions[stop][0].is_comm:
+    def post(self, r: int, first: int, now: float) -> int:
+        """Post the batch starting at slot `first` at time `now`; complete every batch this finishes matching."""
+        actions, waiting, batches = self.lowered[r], self.waiting, self.batches
+        stop, n = first + 1, len(actions)
+        while stop < n and actions[stop][0].is_comm:
             stop += 1
-        self.open_ops[r, first], self.matched[r, first] = stop - first, now
+        self.start[r][first:stop] = [now] * (stop - first)
+        mine = [r, first, stop, now, now, stop - first]
+        batches.append(mine)
         for j in range(first, stop):
-            self.start[r][j] = now
-            mate = mate_of(actions[j])
-            if mate not in self.waiting:
-                self.waiting[actions[j]] = (r, first, j)
+            peer = waiting.pop(mate_of(actions[j]), None)
+            if peer is None:
+                waiting[actions[j]] = len(batches) - 1
                 continue
-            q, q_first, _ = self.waiting.pop(mate)
-            both_posted = max(now, self.start[q][q_first])
-            for batch in ((r, first), (q, q_first)):
-                self.matched[batch] = max(self.matched[batch], both_posted)
-                self.open_ops[batch] -= 1
-                if self.open_ops[batch] == 0:
-                    self.complete(*batch)
+            theirs = batches[peer]
+            both_posted = now if now > theirs[3] else theirs[3]  # comparisons, not max(): the hot path
+            for batch in (mine, theirs):
+                if both_posted > batch[4]:
+                    batch[4] = both_posted
+                batch[5] -= 1
+                if not batch[5]:
+                    self.complete(batch)
         return stop
 
-    def complete(self, r: int, first: int) -> None:
+    def complete(self, batch: list) -> None:
         """A batch is done: its ops end, its RECVs' tensors are there, whoever waits for one moves on."""
-        done, actions = self.matched[r, first] + self.comm, self.lowered[r]
-        j = first
-        while j < len(actions) and actions[j][0].is_comm:
-            self.end[r][j] = done
-            if actions[j][0] in (RECV_F, RECV_B):
-                self.arrived[actions[j]] = done
-                if actions[j] in self.blocked:
-                    self.sweeps.wake(self.blocked.pop(actions[j]))
-            j += 1
+        r, first, stop, _, matched, _ = batch
+        actions, done, arrived, blocked = self.lowered[r], matched + self.comm, self.arrived, self.blocked
+        self.end[r][first:stop] = [done] * (stop - first)
+        for a in actions[first:stop]:
+            if a[0] is RECV_F or a[0] is RECV_B:
+                arrived[a] = done
+                if a in blocked:
+                    self.sweeps.wake(blocked.pop(a))
 
     def stuck(self) -> list[str]:
         """Where each rank stopped, if it did not finish, and every op whose counterpart was never posted."""
         lines = [f"rank {r}, slot {k}, {actions[k]} waits for its input {needs(actions[k], self.n_stages)}"
                  for r, (actions, k) in enumerate(zip(self.lowered, self.pos)) if k < len(actions)]
-        return lines + [f"rank {r}, slot {j}, {a} is never matched" for a, (r, _, j) in self.waiting.items()]
+        slots = [{a: k for k, a in enumerate(actions)} for actions in self.lowered] if self.waiting else []
+        return lines + [f"rank {self.batches[b][0]}, slot {slots[self.batches[b][0]][a]}, {a} is never matched"
+                        for a, b in self.waiting.items()]
 
 
 def replay(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs) -> tuple[Times, Times, list[float]]:
