@@ -15,6 +15,7 @@ from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.timeline import (chrome_trace, draw_measured_vs_planned, draw_timeline, intervals,
                                         measured_bubble)
+from parallel.pipeline.trace_files import write_trace
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -148,3 +149,13 @@ def test_measured_bubble_counts_only_compute_as_busy():
     assert measured_bubble({}) == 0.0
     planned = sim("1f1b")  # a simulated step, replayed as a "measurement", gives the simulator's bubble
     assert measured_bubble(intervals(planned, comm=True)) == pytest.approx(planned.bubble_fraction)
+
+
+def test_write_trace_writes_the_chrome_trace_and_the_picture(tmp_path):
+    planned = sim("1f1b", 2, 2)
+    trace = {r: [(a, 0.5 * s, 0.5 * e) for a, s, e in row] for r, row in intervals(planned, comm=True).items()}
+    bubble = write_trace(tmp_path / "run", 3, trace, planned)
+    assert bubble == pytest.approx(planned.bubble_fraction)  # the same step, only slower
+    events = json.loads((tmp_path / "run" / "trace_step3.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1} >= {"F0@s1", "B1@s1", "RECV_F0@s1"}
+    assert is_png(tmp_path / "run" / "trace_step3.png")
