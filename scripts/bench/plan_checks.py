@@ -2,9 +2,10 @@
 
     python scripts/bench/plan_checks.py [--repeat 3] [--sizes 8x64 64x1024]
 
-Prints, per schedule and size, the number of lowered actions and the best of `--repeat` runs of each phase.
+Prints, per schedule and size, the number of lowered actions and the best of `--repeat` runs of each phase,
+as CPU seconds of this process (what the code costs, whatever else the machine runs) and wall seconds.
 `checks` is what a run pays before its first step (plan_pipeline: generate + lower + verify, then the
-simulated step the trace is drawn against); `lower+verify+simulate` times the three public functions alone.
+simulated step the trace is drawn against); `lower+verify+simulate` adds up the three public functions.
 """
 
 from __future__ import annotations
@@ -27,36 +28,32 @@ from parallel.spec import PipelineSpec  # noqa: E402
 CASES = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
 
 
-def best_of(repeat: int, fn) -> tuple[float, object]:
-    """The shortest of `repeat` runs of fn() and its last result."""
-    times, result = [], None
+def best_of(repeat: int, fn) -> tuple[float, float, object]:
+    """The shortest CPU and wall times of `repeat` runs of fn(), and its last result."""
+    cpu, wall, result = [], [], None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        c0, w0 = time.process_time(), time.perf_counter()
         result = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), result
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return min(cpu), min(wall), result
 
 
 def bench(name: str, vpp: int, pp: int, m: int, repeat: int) -> str:
-    """One line of figures for a schedule at one size."""
+    """One line of figures for a schedule at one size: CPU seconds per phase, then totals as cpu/wall."""
     spec = SCHEDULES[name]
     n = pp * vpp
-    t_gen, compute = best_of(repeat, lambda: spec.generate(pp, m, vpp))
-    t_lower, lowered = best_of(repeat, lambda: lower(compute, pp, n, spec.placement))
-    t_verify, _ = best_of(repeat, lambda: verify(lowered, pp, n, m, spec.placement))
-    t_sim, _ = best_of(repeat, lambda: simulate(lowered, pp, n, m, spec.placement))
+    compute = spec.generate(pp, m, vpp)
+    lower_cpu, lower_wall, lowered = best_of(repeat, lambda: lower(compute, pp, n, spec.placement))
+    verify_cpu, verify_wall, _ = best_of(repeat, lambda: verify(lowered, pp, n, m, spec.placement))
+    sim_cpu, sim_wall, _ = best_of(repeat, lambda: simulate(lowered, pp, n, m, spec.placement))
     pipeline = PipelineSpec(pp=pp, vpp=vpp, schedule=name, n_microbatches=m)
-
     layers = iter(range(n, n + repeat))  # a new model depth per run: a new cache key, so the work is timed
-
-    def checks():
-        return plan_pipeline(pipeline, next(layers)).simulate()
-
-    t_checks, _ = best_of(repeat, checks)
-    actions = sum(map(len, lowered))
-    return (f"{name:<17} pp={pp:<3} m={m:<5} actions={actions:<7} generate {t_gen:6.3f}s  lower {t_lower:6.3f}s  "
-            f"verify {t_verify:6.3f}s  simulate {t_sim:6.3f}s  lower+verify+simulate {t_lower + t_verify + t_sim:6.3f}s"
-            f"  checks {t_checks:6.3f}s")
+    checks_cpu, checks_wall, _ = best_of(repeat, lambda: plan_pipeline(pipeline, next(layers)).simulate())
+    total_cpu, total_wall = lower_cpu + verify_cpu + sim_cpu, lower_wall + verify_wall + sim_wall
+    return (f"{name:<17} pp={pp:<3} m={m:<5} actions={sum(map(len, lowered)):<7} cpu: "
+            f"lower {lower_cpu:.3f}s verify {verify_cpu:.3f}s simulate {sim_cpu:.3f}s | lower+verify+simulate "
+            f"{total_cpu:.3f}s cpu / {total_wall:.3f}s wall | checks {checks_cpu:.3f}s cpu / {checks_wall:.3f}s wall")
 
 
 def main(argv: list[str] | None = None) -> None:
