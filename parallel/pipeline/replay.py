@@ -13,7 +13,7 @@ Both take a schedule that passed `checks.check`, visit ranks with `Sweeps` and r
 
 from __future__ import annotations
 
-from .actions import RECV_B, RECV_F, Costs, Key, Lists, counterpart, input_of, mate_of, needs, output_of
+from .actions import MATES, RECV_B, RECV_F, Costs, Key, Lists, counterpart, input_of, needs, output_of
 from .checks import ScheduleError
 from .partition import stage_to_rank
 from .sweep import Sweeps
@@ -39,7 +39,8 @@ def run_strict(lowered: Lists, pp: int, placement: str) -> None:
                 continue
             first[r] = k
             while k < len(actions) and actions[k][0].is_comm:  # post the whole run of comm actions at once
-                q = posted.pop(mate_of(actions[k]), None)
+                kind, offset = MATES[actions[k][0]]
+                q = posted.pop((kind, actions[k][1], actions[k][2] + offset), None)  # the counterpart (mate_of)
                 if q is None:
                     posted[actions[k]] = r
                     open_ops[r] += 1
@@ -126,10 +127,11 @@ class _Replay:
         self.start[r][first:stop] = [now] * (stop - first)
         mine = [r, first, stop, now, now, stop - first]
         batches.append(mine)
-        for j in range(first, stop):
-            peer = waiting.pop(mate_of(actions[j]), None)
+        for a in actions[first:stop]:
+            kind, offset = MATES[a[0]]
+            peer = waiting.pop((kind, a[1], a[2] + offset), None)  # the counterpart, as mate_of(a)
             if peer is None:
-                waiting[actions[j]] = len(batches) - 1
+                waiting[a] = len(batches) - 1
                 continue
             theirs = batches[peer]
             both_posted = now if now > theirs[3] else theirs[3]  # comparisons, not max(): the hot path
