@@ -6,7 +6,7 @@ number of actions. The first fault raises ScheduleError naming rank, slot and ac
 
 from __future__ import annotations
 
-from .actions import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Key, Lists, input_of, mate_of, needs
+from .actions import MATES, B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Key, Lists, input_of, mate_of, needs
 from .partition import stage_to_rank
 
 __all__ = ["ScheduleError", "check"]
@@ -54,7 +54,7 @@ def _check_comm(r: int, k: int, a: Action, seen: dict[Key, int], owner: list[int
         _fail(r, k, a, f"sends the activation before {Action(F, mb, s)} computes it")
     if kind is SEND_B and (B, mb, s) not in seen and (I, mb, s) not in seen:
         _fail(r, k, a, f"sends the gradient before B or I of micro-batch {mb} on stage {s} computes it")
-    other = mate_of(a)[2]
+    other = s + MATES[kind][1]  # the stage of the counterpart (mate_of)
     if not 0 <= other < n_stages:
         _fail(r, k, a, f"stage {s} has no neighbour stage {other} to talk to")
     if owner[other] == r:
@@ -126,7 +126,8 @@ def _pairs_hold(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], p
                 n_recvs += 1
             elif kind is SEND_F or kind is SEND_B:
                 n_sends += 1
-                mate = mate_of(a)
+                mate_kind, offset = MATES[kind]
+                mate = (mate_kind, a[1], a[2] + offset)  # mate_of(a)
                 q = owner[mate[2]]
                 slot = slots[q].get(mate, -1)
                 if slot <= last[q]:
