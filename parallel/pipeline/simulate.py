@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .actions import B, F, W, Action, Costs, Lists, Schedule
+from .actions import B, F, W, Action, Costs, Lists
 from .checks import ScheduleError, check
 from .replay import replay, run_strict
 
