@@ -7,13 +7,11 @@ feasible can deadlock. Time and memory are linear in the number of actions (time
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 from bisect import bisect_left
-from collections.abc import Iterator
 
 from .actions import Action, Costs, Key, Lists, Schedule, input_of, mate_of, output_of
+from .collector import collector_paused
 from .partition import stage_to_rank
 from .sweep import Sweeps
 
@@ -21,20 +19,7 @@ INF = float("inf")
 _action = functools.partial(tuple.__new__, Action)  # Action from a (kind, mb, stage) tuple, without a Python call
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector. The lowering keeps about 10^6 new tuples (one per action, none
-    of them garbage); the collector would walk all of them each time the heap grows by a quarter, which
-    nearly doubles the lowering's time at pp=64."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
+@collector_paused
 def lower(compute: Lists, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> Schedule:
     """Add SEND_*/RECV_* to per-rank compute lists; neighbouring stages on one rank hand over locally.
 
@@ -52,10 +37,9 @@ def lower(compute: Lists, pp: int, n_stages: int, placement: str, costs: Costs |
     if min(costs.f, costs.b, costs.i, costs.w) <= 0:
         raise ValueError("lowering needs positive compute costs (the placement argument relies on it)")
     owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    with _collector_paused():
-        starts, ends = _timeline(compute, n_stages, owner, costs)
-        ops = _place_comm(compute, n_stages, owner, starts, ends)
-        return [_merge(actions, ops[r]) for r, actions in enumerate(compute)]
+    starts, ends = _timeline(compute, n_stages, owner, costs)
+    ops = _place_comm(compute, n_stages, owner, starts, ends)
+    return [_merge(actions, ops[r]) for r, actions in enumerate(compute)]
 
 
 def _timeline(compute: Lists, n_stages: int, owner: list[int], costs: Costs) -> tuple[list[list[float]], ...]:

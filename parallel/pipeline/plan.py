@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from parallel.spec import PipelineSpec
 
 from .actions import Action, Costs, Schedule
+from .collector import collector_paused
 from .lowering import lower
 from .partition import layer_partition
 from .schedules import SCHEDULES, ScheduleSpec
@@ -64,6 +65,7 @@ def plan_pipeline(spec: PipelineSpec, num_layers: int) -> PipelinePlan:
 
 
 @functools.lru_cache(maxsize=16)
+@collector_paused
 def _plan(spec: PipelineSpec, num_layers: int, source: object) -> PipelinePlan:
     """`plan_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
     del source  # part of the cache key only

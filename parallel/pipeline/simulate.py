@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .actions import B, F, W, Action, Costs, Lists
 from .checks import ScheduleError, check
+from .collector import collector_paused
 from .replay import replay, run_strict
 
 __all__ = ["Costs", "ScheduleError", "SimResult", "peak_live", "predict", "simulate", "verify"]
@@ -26,12 +27,14 @@ class SimResult:
     actions: Lists = field(default_factory=list)  # the lowered schedule the times belong to
 
 
+@collector_paused
 def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> None:
     """Raise ScheduleError for the first fault: wrong stage, missing/duplicate work, unmatched P2P, deadlock."""
     check(lowered, pp, n_stages, n_microbatches, placement)
     run_strict(lowered, pp, placement)
 
 
+@collector_paused
 def simulate(
     lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None
 ) -> SimResult:
@@ -40,6 +43,7 @@ def simulate(
     return predict(lowered, pp, n_stages, placement, costs)
 
 
+@collector_paused
 def predict(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> SimResult:
     """`simulate` without the static check, for a schedule that already passed it (a `PipelinePlan`'s)."""
     start, end, busy = replay(lowered, pp, n_stages, placement, costs or Costs())
