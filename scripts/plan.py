@@ -20,10 +20,11 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from minimind.model import MiniMindForCausalLM  # noqa: E402
-from parallel.pipeline.actions import Kind, Schedule  # noqa: E402
+from parallel.pipeline.actions import Lists  # noqa: E402
 from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.plan import plan_pipeline  # noqa: E402
-from parallel.pipeline.simulate import plan_text  # noqa: E402
+from parallel.pipeline.render import plan_text  # noqa: E402
+from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
 from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
@@ -82,22 +83,15 @@ def stage_parameters(cfg: DictConfig, partition: list[range]) -> tuple[list[int]
     return per_stage, sum(p.numel() for p in model.parameters()), tied
 
 
-def activation_bytes(lowered: Schedule, partition: list[range], cfg: DictConfig) -> list[int]:
+def activation_bytes(lowered: Lists, partition: list[range], cfg: DictConfig) -> list[int]:
     """Per rank, the peak of MEMORY_FORMULA over the lowered action list."""
     mc = model_config(cfg)
     ffn = (mc.num_experts_per_tok * (mc.moe_intermediate_size or mc.intermediate_size) if mc.use_moe
            else mc.intermediate_size)
     per_token_layer = BYTES_PER_FLOAT * (6 * mc.hidden_size + 4 * mc.num_key_value_heads * mc.head_dim + 4 * ffn)
     per_layer = cfg.train.micro_batch_size * cfg.train.seq_len * per_token_layer
-    peaks = []
-    for actions in lowered:
-        live = peak = 0
-        for a in actions:  # held from F until B (or W, under the I/W split) frees them
-            if a.kind in (Kind.F, Kind.B, Kind.W):
-                live += len(partition[a.stage]) * (1 if a.kind is Kind.F else -1)
-                peak = max(peak, live)
-        peaks.append(peak * per_layer)
-    return peaks
+    # The simulator's count of live activations, each weighed by its stage's layers.
+    return [peak_live(actions, lambda stage: len(partition[stage])) * per_layer for actions in lowered]
 
 
 def human(n: float) -> str:

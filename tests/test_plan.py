@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from parallel.pipeline.actions import Costs
-from parallel.pipeline.schedules import SCHEDULES, lower
+from parallel.pipeline.actions import Action, Costs, Kind
+from parallel.pipeline.lowering import lower
+from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.timeline import (chrome_trace, draw_measured_vs_planned, draw_timeline, intervals,
                                         measured_bubble)
+from parallel.pipeline.trace_files import write_trace
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -92,6 +94,11 @@ def test_split_args_takes_out_and_leaves_overrides():
 # --- Timelines and traces. ------------------------------------------------------------------------------
 
 
+def acts(measured: dict) -> dict:
+    """Hand-written measurements, `{rank: [("F0@s0", start, end), ...]}`, with Actions as traces carry them."""
+    return {r: [(Action.parse(a), s, e) for a, s, e in row] for r, row in measured.items()}
+
+
 def sim(name: str, pp: int = 4, m: int = 8):
     spec = SCHEDULES[name]
     vpp = 2 if spec.needs_vpp else 1
@@ -102,7 +109,7 @@ def sim(name: str, pp: int = 4, m: int = 8):
 def test_draw_timeline_from_a_simulation_or_from_intervals(tmp_path):
     for name in ("1f1b", "zbv"):
         assert is_png(draw_timeline(sim(name), tmp_path / f"{name}.png", name))
-    rows = {0: [("F0@s0", 0.0, 1.0), ("B0@s0", 3.0, 5.0)], 1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]}
+    rows = acts({0: [("F0@s0", 0.0, 1.0), ("B0@s0", 3.0, 5.0)], 1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]})
     assert is_png(draw_timeline(rows, tmp_path / "sub" / "rows.png", "hand-made"))  # folders are created
 
 
@@ -116,13 +123,13 @@ def test_draw_measured_vs_planned(tmp_path):
 def test_intervals_of_a_simulation_skip_comm_unless_asked():
     res = sim("1f1b", 2, 2)
     compute = intervals(res)
-    assert [a for a, _, _ in compute[1]] == ["F0@s1", "B0@s1", "F1@s1", "B1@s1"]
-    assert compute[1][1] == ("B0@s1", 2.0, 4.0)
-    assert any(a.startswith("RECV_F") for a, _, _ in intervals(res, comm=True)[1])
+    assert [str(a) for a, _, _ in compute[1]] == ["F0@s1", "B0@s1", "F1@s1", "B1@s1"]
+    assert compute[1][1] == (Action.parse("B0@s1"), 2.0, 4.0)
+    assert any(a.kind is Kind.RECV_F for a, _, _ in intervals(res, comm=True)[1])
 
 
 def test_chrome_trace_has_one_named_track_per_rank_and_microsecond_events():
-    measured = {0: [("F0@s0", 10.0, 10.5), ("SEND_F0@s0", 10.5, 10.5)], 1: [("F0@s1", 10.5, 11.25)]}
+    measured = acts({0: [("F0@s0", 10.0, 10.5), ("SEND_F0@s0", 10.5, 10.5)], 1: [("F0@s1", 10.5, 11.25)]})
     trace = chrome_trace(measured, name="step 7")
     json.dumps(trace)  # serialisable as is
     events = trace["traceEvents"]
@@ -136,9 +143,19 @@ def test_chrome_trace_has_one_named_track_per_rank_and_microsecond_events():
 
 
 def test_measured_bubble_counts_only_compute_as_busy():
-    measured = {0: [("F0@s0", 0.0, 1.0), ("RECV_B0@s0", 1.0, 3.0), ("B0@s0", 3.0, 4.0)],
-                1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]}
+    measured = acts({0: [("F0@s0", 0.0, 1.0), ("RECV_B0@s0", 1.0, 3.0), ("B0@s0", 3.0, 4.0)],
+                     1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]})
     assert measured_bubble(measured) == pytest.approx(1 - 4.0 / (2 * 4.0))
     assert measured_bubble({}) == 0.0
     planned = sim("1f1b")  # a simulated step, replayed as a "measurement", gives the simulator's bubble
     assert measured_bubble(intervals(planned, comm=True)) == pytest.approx(planned.bubble_fraction)
+
+
+def test_write_trace_writes_the_chrome_trace_and_the_picture(tmp_path):
+    planned = sim("1f1b", 2, 2)
+    trace = {r: [(a, 0.5 * s, 0.5 * e) for a, s, e in row] for r, row in intervals(planned, comm=True).items()}
+    bubble = write_trace(tmp_path / "run", 3, trace, planned)
+    assert bubble == pytest.approx(planned.bubble_fraction)  # the same step, only slower
+    events = json.loads((tmp_path / "run" / "trace_step3.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1} >= {"F0@s1", "B1@s1", "RECV_F0@s1"}
+    assert is_png(tmp_path / "run" / "trace_step3.png")

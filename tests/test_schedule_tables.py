@@ -5,9 +5,11 @@ import json
 import pytest
 
 from parallel.pipeline.actions import Action, Kind
-from parallel.pipeline.schedules import SCHEDULES, load_schedule, lower
-from parallel.spec import PipelineSpec
+from parallel.pipeline.lowering import lower
+from parallel.pipeline.plan import load_schedule
+from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import ScheduleError, verify
+from parallel.spec import PipelineSpec
 from parallel.pipeline.tables import TableError, TableMeta, dump_builtin, dump_table, load_table, main
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741

@@ -6,9 +6,11 @@ import pytest
 
 from parallel.pipeline.actions import Action, Costs, Kind, Schedule
 from parallel.pipeline.partition import rank_stages, stage_to_rank
-from parallel.pipeline.schedules import (SCHEDULES, comm_peer, gpipe, hand_over, interleaved_1f1b, lower, needs,
-                                        one_f_one_b, zb_h1, zbv)
-from parallel.pipeline.simulate import ScheduleError, plan_text, simulate, verify
+from parallel.pipeline.actions import comm_peer, hand_over, needs
+from parallel.pipeline.lowering import lower
+from parallel.pipeline.render import plan_text
+from parallel.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv
+from parallel.pipeline.simulate import ScheduleError, simulate, verify
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 
@@ -408,7 +410,8 @@ def one_f_one_b_late_w(pp: int, n_microbatches: int, vpp: int = 1) -> list[list[
 
 
 def test_readme_example_schedule(monkeypatch):
-    from parallel.pipeline.schedules import ScheduleSpec, load_schedule
+    from parallel.pipeline.plan import load_schedule
+    from parallel.pipeline.schedules import ScheduleSpec
     from parallel.spec import PipelineSpec
 
     monkeypatch.setitem(SCHEDULES, "1f1b-late-w", ScheduleSpec(one_f_one_b_late_w))

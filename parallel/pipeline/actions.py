@@ -1,14 +1,28 @@
-"""The vocabulary of pipeline schedules: one Action = one kind of work on one micro-batch of one stage."""
+"""The vocabulary of pipeline schedules, and who talks to whom: one Action = one kind of work on one
+micro-batch of one stage; a compute action's output goes to a neighbouring stage through a SEND/RECV pair."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
+
+from .partition import stage_to_rank
 
 
 class Kind(str, Enum):
     """What an action does: compute (F, B, I, W) or move a boundary tensor (SEND_*/RECV_*)."""
+
+    is_comm: bool  # True for SEND_*/RECV_*, which the lowering adds; schedules emit only compute
+
+    def __new__(cls, value: str) -> Kind:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        # A plain attribute, not a property: the plan checks read it about once per action (10^6 at scale).
+        member.is_comm = value.startswith(("SEND", "RECV"))
+        return member
 
     F = "F"  # forward
     B = "B"  # full backward (input grad and weight grad together)
@@ -19,15 +33,16 @@ class Kind(str, Enum):
     SEND_B = "SEND_B"  # send the gradient of this stage's input to the previous stage
     RECV_B = "RECV_B"  # receive the gradient of this stage's output from the next stage
 
-    @property
-    def is_comm(self) -> bool:
-        """True for SEND_*/RECV_*, which the lowering adds; schedules emit only compute."""
-        return self.value.startswith(("SEND", "RECV"))
+
+F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
+SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 
 
-@dataclass(frozen=True)
-class Action:
-    """One unit of work: `kind` on micro-batch `microbatch` of stage `stage` (global stage index)."""
+class Action(NamedTuple):
+    """One unit of work: `kind` on micro-batch `microbatch` of stage `stage` (global stage index).
+
+    A named tuple rather than a dataclass: the plan checks build, hash and compare about 10^6 of them at
+    pp=64, and a tuple does that in C (a plain `(kind, mb, stage)` tuple is the same dictionary key)."""
 
     kind: Kind
     microbatch: int
@@ -52,6 +67,7 @@ class Action:
 _ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@s(\d+))?")
 
 Schedule = list[list[Action]]  # one action list per pipeline rank, executed in order
+Lists = Sequence[Sequence[Action]]  # the same, read-only (a plan's lowered lists are tuples)
 
 
 @dataclass(frozen=True)
@@ -66,4 +82,77 @@ class Costs:
 
     def of(self, kind: Kind) -> float:
         """Duration of one compute action of `kind`."""
-        return {Kind.F: self.f, Kind.B: self.b, Kind.I: self.i, Kind.W: self.w}[kind]
+        return self.durations()[kind]
+
+    def durations(self) -> dict[Kind, float]:
+        """Duration of each compute kind (hot loops look them up here rather than call `of`)."""
+        return {F: self.f, B: self.b, I: self.i, W: self.w}
+
+
+# --- Who talks to whom. ---------------------------------------------------------------------------------
+# The *_of functions answer with plain `(kind, microbatch, stage)` tuples: equal to the Action, the same
+# dictionary key, and cheaper to build in the checks' loops over every action; the rest wrap them.
+
+Key = tuple  # (Kind, microbatch, stage): an Action's fields as a plain tuple
+
+
+def input_of(action: Key, n_stages: int) -> Key | None:
+    """The RECV naming a compute action's input from a neighbouring stage (local or not), if it has one."""
+    kind, mb, s = action
+    if kind is F:
+        return (RECV_F, mb, s) if s > 0 else None
+    if kind is B or kind is I:
+        return (RECV_B, mb, s) if s < n_stages - 1 else None
+    return None
+
+
+def output_of(action: Key, n_stages: int) -> Key | None:
+    """The RECV that takes a compute action's output to the neighbouring stage, if it has one."""
+    kind, mb, s = action
+    if kind is F:
+        return (RECV_F, mb, s + 1) if s < n_stages - 1 else None
+    if kind is B or kind is I:  # I produces the input gradient just as B does
+        return (RECV_B, mb, s - 1) if s > 0 else None
+    return None
+
+
+# The rule of `mate_of`, as data: a comm kind -> the kind at the other end and that end's stage offset.
+# (The replays read it directly: a function call per message is a tenth of their time at pp=64.)
+MATES = {SEND_F: (RECV_F, 1), RECV_F: (SEND_F, -1), SEND_B: (RECV_B, -1), RECV_B: (SEND_B, 1)}
+
+
+def mate_of(action: Key) -> Key:
+    """The comm action on the other end: SEND_F(m, s) <-> RECV_F(m, s+1), SEND_B(m, s) <-> RECV_B(m, s-1)."""
+    kind, mb, s = action
+    mate = MATES.get(kind)
+    if mate is None:
+        raise ValueError(f"{Action._make(action)} is a compute action; only SEND_*/RECV_* have a counterpart")
+    return mate[0], mb, s + mate[1]
+
+
+def needs(action: Action, n_stages: int) -> Action | None:
+    """The RECV that names a compute action's input from a neighbouring stage (local or not), if any."""
+    key = input_of(action, n_stages)
+    return None if key is None else Action._make(key)
+
+
+def hand_over(action: Action, n_stages: int) -> tuple[Action, Action] | None:
+    """The (SEND, RECV) pair carrying a compute action's output to the neighbouring stage, if it has one."""
+    recv = output_of(action, n_stages)
+    if recv is None:
+        return None
+    send = SEND_F if recv[0] is RECV_F else SEND_B
+    return Action(send, action[1], action[2]), Action._make(recv)
+
+
+def counterpart(action: Action) -> Action:
+    """The comm action on the other end of a SEND_*/RECV_* (see `mate_of`)."""
+    return Action._make(mate_of(action))
+
+
+def comm_peer(action: Action, n_stages: int, placement: str, pp: int) -> int:
+    """The pipeline rank a SEND_*/RECV_* action talks to."""
+    stage = mate_of(action)[2]
+    if not 0 <= stage < n_stages:
+        raise ValueError(f"{action} talks to stage {stage}, which does not exist ({n_stages} stages)")
+    return stage_to_rank(stage, pp, placement)

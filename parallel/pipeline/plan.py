@@ -1,26 +1,33 @@
 """Planning a pipeline: the one home of load -> partition -> lower -> verify, used by the engine, the
-pre-launch check and `scripts/plan.py` alike."""
+pre-launch check and `scripts/plan.py` alike, and run once per (schedule, pp, vpp, m, partition)."""
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 from parallel.spec import PipelineSpec
 
-from .actions import Costs, Schedule
+from .actions import Action, Costs, Schedule
+from .collector import collector_paused
+from .lowering import lower
 from .partition import layer_partition
-from .schedules import load_schedule, lower
-from .simulate import SimResult, simulate, verify
+from .schedules import SCHEDULES, ScheduleSpec
+from .simulate import SimResult, predict, verify
+from .tables import load_table
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """A checked pipeline: every rank's lowered action list, the stage placement and each stage's layers."""
+    """A checked pipeline: every rank's lowered action list, the stage placement and each stage's layers.
+
+    Plans are cached and shared, so everything in one is immutable (tuples)."""
 
     spec: PipelineSpec
     placement: str
     partition: tuple[range, ...]
-    lowered: Schedule
+    lowered: tuple[tuple[Action, ...], ...]
 
     @property
     def n_stages(self) -> int:
@@ -28,14 +35,43 @@ class PipelinePlan:
 
     def simulate(self, costs: Costs | None = None) -> SimResult:
         """The predicted step under `costs` (unit costs by default)."""
-        return simulate(self.lowered, self.spec.pp, self.n_stages, self.spec.n_microbatches, self.placement, costs)
+        return predict(self.lowered, self.spec.pp, self.n_stages, self.placement, costs)
+
+
+def load_schedule(spec: PipelineSpec) -> tuple[Schedule, str]:
+    """Compute lists and placement of a pipeline spec: a registered schedule, or a table file."""
+    if spec.schedule == "table":
+        if not spec.table_path or spec.table_path == "???":
+            raise ValueError("schedule=table needs schedule.path=<a .csv or .json schedule table>")
+        compute, meta = load_table(spec.table_path, pp=spec.pp, n_microbatches=spec.n_microbatches, vpp=spec.vpp)
+        return compute, meta.placement
+    if spec.schedule not in SCHEDULES:
+        raise ValueError(f"schedule.name={spec.schedule} is not a known schedule; use one of "
+                         f"{', '.join(sorted(SCHEDULES))}, or table with schedule.path=<file>")
+    registered = SCHEDULES[spec.schedule]
+    return registered.generate(spec.pp, spec.n_microbatches, spec.vpp), registered.placement
 
 
 def plan_pipeline(spec: PipelineSpec, num_layers: int) -> PipelinePlan:
-    """Partition the layers, load the schedule, lower and verify it; raise ValueError naming the fix."""
-    partition = tuple(layer_partition(num_layers, spec.n_stages,
-                                      list(spec.layers_per_stage) if spec.layers_per_stage is not None else None))
+    """Partition the layers, load the schedule, lower and verify it; raise ValueError naming the fix.
+
+    Cached: every caller in a process (validation, each emulated rank, the engine) shares one plan. The key
+    holds what the schedule is made from, so a re-registered schedule or an edited table file is planned anew."""
+    source: ScheduleSpec | tuple[int, int] | None = SCHEDULES.get(spec.schedule)
+    if spec.schedule == "table" and spec.table_path and os.path.isfile(spec.table_path):
+        stat = os.stat(spec.table_path)
+        source = (stat.st_mtime_ns, stat.st_size)
+    return _plan(spec, num_layers, source)
+
+
+@functools.lru_cache(maxsize=16)
+@collector_paused
+def _plan(spec: PipelineSpec, num_layers: int, source: object) -> PipelinePlan:
+    """`plan_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
+    del source  # part of the cache key only
+    layers = list(spec.layers_per_stage) if spec.layers_per_stage is not None else None
+    partition = tuple(layer_partition(num_layers, spec.n_stages, layers))
     compute, placement = load_schedule(spec)
     lowered = lower(compute, spec.pp, spec.n_stages, placement)
     verify(lowered, spec.pp, spec.n_stages, spec.n_microbatches, placement)
-    return PipelinePlan(spec, placement, partition, lowered)
+    return PipelinePlan(spec, placement, partition, tuple(map(tuple, lowered)))

@@ -1,19 +1,18 @@
-"""Schedules as data: generators of per-rank compute actions, their registry, and the lowering that adds P2P.
+"""Schedules as data: generators of per-rank compute actions and their registry.
 
-A generator is `(pp, n_microbatches, vpp) -> Schedule` and emits compute actions only (F/B, or F/I/W).
-`lower` turns that into the list a runtime executes, with SEND_*/RECV_* placed so that, under the
-runtime's batched blocking P2P (a run of consecutive comm actions is one `batch_isend_irecv` that waits for
-all of its ops), no schedule whose compute order is feasible can deadlock.
+A generator is `(pp, n_microbatches, vpp) -> Schedule` and emits compute actions only (F/B, or F/I/W);
+`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `plan.plan_pipeline` loads, lowers and checks.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from .actions import Action, Costs, Kind, Schedule
-from .partition import stage_to_rank
+from .actions import Action, Kind, Schedule
+# Importable from here as before (transport, engine, test_runtime); their homes are actions.py and lowering.py.
+from .actions import comm_peer, counterpart  # noqa: F401
+from .lowering import lower  # noqa: F401
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 
@@ -148,152 +147,3 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-h1": ScheduleSpec(zb_h1),
     "zbv": ScheduleSpec(zbv, placement="v", needs_vpp=True),
 }
-
-
-def load_schedule(spec: "PipelineSpec") -> tuple[Schedule, str]:
-    """Compute lists and placement of a pipeline spec: a registered schedule, or a table file."""
-    if spec.schedule == "table":
-        from .tables import load_table  # tables builds on this module
-
-        if not spec.table_path or spec.table_path == "???":
-            raise ValueError("schedule=table needs schedule.path=<a .csv or .json schedule table>")
-        compute, meta = load_table(spec.table_path, pp=spec.pp, n_microbatches=spec.n_microbatches, vpp=spec.vpp)
-        return compute, meta.placement
-    if spec.schedule not in SCHEDULES:
-        raise ValueError(f"schedule.name={spec.schedule} is not a known schedule; use one of "
-                         f"{', '.join(sorted(SCHEDULES))}, or table with schedule.path=<file>")
-    registered = SCHEDULES[spec.schedule]
-    return registered.generate(spec.pp, spec.n_microbatches, spec.vpp), registered.placement
-
-
-# --- Who talks to whom. ---------------------------------------------------------------------------------
-
-
-def hand_over(action: Action, n_stages: int) -> tuple[Action, Action] | None:
-    """The (SEND, RECV) pair carrying a compute action's output to the neighbouring stage, if it has one."""
-    mb, s = action.microbatch, action.stage
-    if action.kind is F and s < n_stages - 1:
-        return Action(Kind.SEND_F, mb, s), Action(Kind.RECV_F, mb, s + 1)
-    if action.kind in (B, I) and s > 0:  # I produces the input gradient just as B does
-        return Action(Kind.SEND_B, mb, s), Action(Kind.RECV_B, mb, s - 1)
-    return None
-
-
-def needs(action: Action, n_stages: int) -> Action | None:
-    """The RECV that names a compute action's input from a neighbouring stage (local or not), if any."""
-    mb, s = action.microbatch, action.stage
-    if action.kind is F and s > 0:
-        return Action(Kind.RECV_F, mb, s)
-    if action.kind in (B, I) and s < n_stages - 1:
-        return Action(Kind.RECV_B, mb, s)
-    return None
-
-
-def counterpart(action: Action) -> Action:
-    """The comm action on the other end: SEND_F(m, s) <-> RECV_F(m, s+1), SEND_B(m, s) <-> RECV_B(m, s-1)."""
-    mb, s = action.microbatch, action.stage
-    mates = {
-        Kind.SEND_F: (Kind.RECV_F, s + 1),
-        Kind.RECV_F: (Kind.SEND_F, s - 1),
-        Kind.SEND_B: (Kind.RECV_B, s - 1),
-        Kind.RECV_B: (Kind.SEND_B, s + 1),
-    }
-    if action.kind not in mates:
-        raise ValueError(f"{action} is a compute action; only SEND_*/RECV_* have a counterpart")
-    kind, stage = mates[action.kind]
-    return Action(kind, mb, stage)
-
-
-def comm_peer(action: Action, n_stages: int, placement: str, pp: int) -> int:
-    """The pipeline rank a SEND_*/RECV_* action talks to."""
-    stage = counterpart(action).stage
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"{action} talks to stage {stage}, which does not exist ({n_stages} stages)")
-    return stage_to_rank(stage, pp, placement)
-
-
-# --- Lowering. ------------------------------------------------------------------------------------------
-
-
-def lower(compute: Schedule, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> Schedule:
-    """Add SEND_*/RECV_* to per-rank compute lists; neighbouring stages on one rank hand over locally.
-
-    Order: run the compute lists on a timeline (`costs`, default F=1 B=2 I=1 W=1) where every action starts
-    as soon as its rank is free and its input exists. A cross-rank hand-over gets the time t its producer
-    ends, and both its SEND and its RECV go, on their own rank, right after the last compute that started
-    before t. So the SEND directly follows its producer, the RECV precedes its consumer, and whatever comes
-    before an op on its rank depends only on hand-overs with a smaller t: by induction on t, both ends of
-    every pair get posted while the other waits, and no feasible schedule can deadlock.
-    In 1F1B this yields the classic pairing: `F(i) SEND_F(i) RECV_B(j) B(j) SEND_B(j) RECV_F(i+1)`.
-    Compute lists that cannot run to the end (a broken schedule) get RECV-just-before / SEND-just-after
-    for the part that never ran, so `simulate.verify` can name the fault instead of this function.
-    """
-    costs = costs or Costs()
-    if min(costs.f, costs.b, costs.i, costs.w) <= 0:
-        raise ValueError("lowering needs positive compute costs (the placement argument relies on it)")
-    owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    starts, ends = _timeline(compute, n_stages, owner, costs)
-
-    gaps: list[dict[int, list]] = [{} for _ in range(pp)]  # rank -> gap index (before compute k) -> ops
-
-    def put(rank: int, gap: int, key: tuple, action: Action) -> None:
-        gaps[rank].setdefault(gap, []).append((key, action))
-
-    for r, actions in enumerate(compute):
-        for k, a in enumerate(actions):
-            pair = hand_over(a, n_stages)
-            if pair is None or owner[pair[1].stage] == r:
-                continue  # nothing leaves the rank
-            send, recv = pair
-            q = owner[recv.stage]
-            if k < len(ends[r]):  # the producer ran on the timeline
-                t = ends[r][k]
-                # Ties in t: sends before receives in a batch, then a fixed order on both ends of a channel.
-                put(r, bisect_left(starts[r], t), (t, 0, send.stage, send.microbatch), send)
-                put(q, bisect_left(starts[q], t), (t, 1, send.stage, send.microbatch), recv)
-            else:  # never ran: keep it local to the producer and the consumer, and let verify explain
-                put(r, k + 1, (float("inf"), 0, 0, 0), send)
-                put(q, _first_consumer(compute[q], recv, n_stages), (float("inf"), 1, 0, 0), recv)
-
-    lowered: Schedule = []
-    for r, actions in enumerate(compute):
-        out: list[Action] = []
-        for k in range(len(actions) + 1):
-            out += [a for _, a in sorted(gaps[r].get(k, []), key=lambda e: e[0])]
-            if k < len(actions):
-                out.append(actions[k])
-        lowered.append(out)
-    return lowered
-
-
-def _timeline(
-    compute: Schedule, n_stages: int, owner: list[int], costs: Costs
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Start and end times of each rank's runnable prefix: list order per rank, inputs before use."""
-    arrived: dict[Action, float] = {}  # keyed by the RECV that names the input; when it is there
-    starts: list[list[float]] = [[] for _ in compute]
-    ends: list[list[float]] = [[] for _ in compute]
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in enumerate(compute):
-            while len(starts[r]) < len(actions):
-                a = actions[len(starts[r])]
-                need = needs(a, n_stages)
-                if need is not None and need not in arrived:
-                    break  # its input is not there yet; another rank must move first
-                t0 = max(ends[r][-1] if ends[r] else 0.0, arrived.get(need, 0.0))
-                t1 = t0 + costs.of(a.kind)
-                starts[r].append(t0)
-                ends[r].append(t1)
-                pair = hand_over(a, n_stages)
-                if pair is not None:
-                    remote = owner[pair[1].stage] != r
-                    arrived.setdefault(pair[1], t1 + (costs.comm if remote else 0.0))
-                progress = True
-    return starts, ends
-
-
-def _first_consumer(actions: list[Action], recv: Action, n_stages: int) -> int:
-    """Index of the first compute on a rank that needs `recv`'s data (end of list when none does)."""
-    return next((k for k, a in enumerate(actions) if needs(a, n_stages) == recv), len(actions))

@@ -19,13 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .actions import Action, Costs, Schedule
+from .checks import ScheduleError
+from .lowering import lower
 from .partition import PLACEMENTS, rank_stages, stage_to_rank
-from .schedules import SCHEDULES, lower
-from .simulate import ScheduleError, simulate
+from .schedules import SCHEDULES
+from .simulate import simulate
 
 __all__ = ["TableError", "TableMeta", "dump_builtin", "dump_table", "load_table"]
 
 _META_RE = re.compile(r"(\w+)=(\w+)")
+Cells = list[tuple[int, str]]  # (column index, text)
 
 
 class TableError(ValueError):
@@ -70,28 +73,7 @@ def load_table(
     if table_pp != n_ranks:
         raise TableError(f"{path}: declares pp={table_pp} but has {n_ranks} rank rows")
 
-    compute: Schedule = []
-    for r, (where, cells) in enumerate(rows):
-        stages = rank_stages(r, n_ranks, table_vpp, placement)
-        default = stages[0] if len(stages) == 1 else None  # a bare `F3` only where the rank has one stage
-        actions = []
-        for col, text in cells:
-            if not text.strip():
-                continue
-            cell = f"{path} {where(col)}"
-            try:
-                a = Action.parse(text, stage=default)
-            except ValueError as error:
-                raise TableError(f"{cell}: {error}") from None
-            if a.kind.is_comm:
-                raise TableError(f"{cell}: {text!r} is communication; tables hold compute actions (F, B, I, W) "
-                                 f"only, the lowering adds SEND/RECV")
-            if a.stage not in stages:
-                raise TableError(f"{cell}: {text!r} runs stage {a.stage}, but rank {r} holds stages {stages} "
-                                 f"({placement} placement, pp={n_ranks}, vpp={table_vpp})")
-            actions.append(a)
-        compute.append(actions)
-
+    compute = [_read_row(path, r, row, n_ranks, table_vpp, placement) for r, row in enumerate(rows)]
     used = 1 + max((a.microbatch for actions in compute for a in actions), default=-1)
     table_m = int(declared.get("n_microbatches") or used)
     if used > table_m:
@@ -99,6 +81,30 @@ def load_table(
     meta = TableMeta(n_ranks, table_m, table_vpp, placement, str(path))
     _check_fits(meta, pp, n_microbatches, vpp)
     return compute, meta
+
+
+def _read_row(path: Path, r: int, row: tuple[object, Cells], pp: int, vpp: int, placement: str) -> list[Action]:
+    """Rank r's compute actions, in cell order; a cell that cannot be one names itself and the fix."""
+    where, cells = row
+    stages = rank_stages(r, pp, vpp, placement)
+    default = stages[0] if len(stages) == 1 else None  # a bare `F3` only where the rank has one stage
+    actions = []
+    for col, text in cells:
+        if not text.strip():
+            continue
+        cell = f"{path} {where(col)}"
+        try:
+            a = Action.parse(text, stage=default)
+        except ValueError as error:
+            raise TableError(f"{cell}: {error}") from None
+        if a.kind.is_comm:
+            raise TableError(f"{cell}: {text!r} is communication; tables hold compute actions (F, B, I, W) "
+                             f"only, the lowering adds SEND/RECV")
+        if a.stage not in stages:
+            raise TableError(f"{cell}: {text!r} runs stage {a.stage}, but rank {r} holds stages {stages} "
+                             f"({placement} placement, pp={pp}, vpp={vpp})")
+        actions.append(a)
+    return actions
 
 
 def _check_fits(meta: TableMeta, pp: int | None, n_microbatches: int | None, vpp: int | None) -> None:
@@ -113,8 +119,6 @@ def _check_fits(meta: TableMeta, pp: int | None, n_microbatches: int | None, vpp
         raise TableError(f"{where} holds {meta.vpp} stage(s) per rank but parallel.vpp={vpp}; "
                          f"set parallel.vpp={meta.vpp}")
 
-
-Cells = list[tuple[int, str]]  # (column index, text)
 
 
 def _read_csv(path: Path) -> tuple[list[tuple[object, Cells]], dict]:

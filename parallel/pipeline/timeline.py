@@ -1,35 +1,33 @@
 """Pictures and traces of a pipeline step: planned (simulated) or measured, as PNG timelines or Chrome traces.
 
-A measured step is `{rank: [(action, start_s, end_s), ...]}` with action text as `str(Action)` (`F3@s1`,
-`RECV_B2@s0`, ...) and times from one clock shared by all ranks (e.g. `time.time()` after a barrier).
+A measured step is `{rank: [(action, start_s, end_s), ...]}` with `Action` objects and times from one clock
+shared by all ranks (e.g. `time.time()` after a barrier).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .actions import Action
 from .simulate import SimResult
 
 __all__ = ["COLORS", "chrome_trace", "draw_measured_vs_planned", "draw_timeline", "intervals", "measured_bubble"]
 
-Interval = tuple[str, float, float]  # (action text, start, end)
+Interval = tuple[Action, float, float]  # (action, start, end)
 Intervals = Mapping[int, Sequence[Interval]] | Sequence[Sequence[Interval]]
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3", "comm": "#BBBBBB"}
-_ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)?(?:@s(\d+))?")
 
 
 def intervals(source: SimResult | Intervals, comm: bool = False) -> dict[int, list[Interval]]:
     """Per-rank (action, start, end) of a simulated step or of given intervals; comm actions only if asked."""
     if isinstance(source, SimResult):
-        return {r: [(str(a), source.start[r][k], source.end[r][k]) for k, a in enumerate(actions)
+        return {r: [(a, source.start[r][k], source.end[r][k]) for k, a in enumerate(actions)
                     if comm or not a.kind.is_comm]
                 for r, actions in enumerate(source.actions)}
     rows = source.items() if isinstance(source, Mapping) else enumerate(source)
-    return {int(r): [(str(t), float(s), float(e)) for t, s, e in row if comm or _kind(str(t)) != "comm"]
-            for r, row in rows}
+    return {int(r): [(a, float(s), float(e)) for a, s, e in row if comm or not a.kind.is_comm] for r, row in rows}
 
 
 def measured_bubble(measured: Intervals) -> float:
@@ -38,7 +36,7 @@ def measured_bubble(measured: Intervals) -> float:
     times = [t for row in rows.values() for _, s, e in row for t in (s, e)]
     if not rows or not times or max(times) <= min(times):
         return 0.0
-    busy = sum(e - s for row in rows.values() for text, s, e in row if _kind(text) in "FBIW")
+    busy = sum(e - s for row in rows.values() for a, s, e in row if not a.kind.is_comm)
     return 1.0 - busy / (len(rows) * (max(times) - min(times)))
 
 
@@ -52,13 +50,10 @@ def chrome_trace(measured: Intervals, name: str = "pipeline step") -> dict:
             {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}},
             {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}},
         ]
-        for text, start, end in rows[rank]:
-            m = _ACTION_RE.fullmatch(text)
-            args = {"microbatch": int(m.group(2))} if m and m.group(2) else {}
-            if m and m.group(3):
-                args["stage"] = int(m.group(3))
-            events.append({"name": text, "cat": _kind(text), "ph": "X", "pid": 0, "tid": rank,
-                           "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": args})
+        events += [{"name": str(a), "cat": _category(a), "ph": "X", "pid": 0, "tid": rank,
+                    "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6,
+                    "args": {"microbatch": a.microbatch, "stage": a.stage}}
+                   for a, start, end in rows[rank]]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -90,10 +85,9 @@ def draw_measured_vs_planned(planned: SimResult | Intervals, measured: Intervals
 # --- Drawing helpers. -----------------------------------------------------------------------------------
 
 
-def _kind(text: str) -> str:
-    """F, B, I, W, or comm (SEND_*/RECV_* and anything unrecognised, which never counts as busy)."""
-    m = _ACTION_RE.fullmatch(text.strip())
-    return m.group(1) if m and m.group(1) in ("F", "B", "I", "W") else "comm"
+def _category(a: Action) -> str:
+    """F, B, I, W, or comm (SEND_*/RECV_*, which never count as busy): the color and the trace category."""
+    return "comm" if a.kind.is_comm else a.kind.value
 
 
 def _pyplot():
@@ -130,13 +124,12 @@ def _draw(ax, rows: dict[int, list[Interval]], title: str, unit: str) -> None:
     fontsize = max(4.0, min(9.0, 700.0 / most))
     for rank, row in rows.items():
         chunk_of = _chunks(row)
-        for text, start, end in row:
-            m = _ACTION_RE.fullmatch(text.strip())
-            chunk = chunk_of.get(int(m.group(3)), 0) if m and m.group(3) else 0
-            color = _lighter(COLORS[_kind(text)], min(0.6, 0.35 * chunk))
+        for a, start, end in row:
+            chunk = chunk_of[a.stage]
+            color = _lighter(COLORS[_category(a)], min(0.6, 0.35 * chunk))
             ax.barh(rank, end - start, left=start - t0, height=0.8, color=color, edgecolor="white", linewidth=0.5)
-            if m and m.group(2) and (end - start) / span > 0.004:
-                ax.text((start + end) / 2 - t0, rank, m.group(2), ha="center", va="center",
+            if (end - start) / span > 0.004:
+                ax.text((start + end) / 2 - t0, rank, str(a.microbatch), ha="center", va="center",
                         fontsize=fontsize, color="white" if chunk == 0 else "black")
     ax.set_yticks(sorted(rows), [f"rank {r}" for r in sorted(rows)])
     ax.set_ylim(max(rows, default=0) + 0.6, min(rows, default=0) - 0.6)  # rank 0 on top
@@ -149,7 +142,7 @@ def _draw(ax, rows: dict[int, list[Interval]], title: str, unit: str) -> None:
 def _legend(fig, *row_sets: dict[int, list[Interval]]) -> None:
     from matplotlib.patches import Patch
 
-    kinds = {_kind(text) for rows in row_sets for row in rows.values() for text, _, _ in row}
+    kinds = {_category(a) for rows in row_sets for row in rows.values() for a, _, _ in row}
     chunked = any(len(_chunks(row)) > 1 for rows in row_sets for row in rows.values())
     names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
     handles = [Patch(color=COLORS[k], label=names[k]) for k in "FBIW" if k in kinds]
@@ -160,8 +153,7 @@ def _legend(fig, *row_sets: dict[int, list[Interval]]) -> None:
 
 def _chunks(row: list[Interval]) -> dict[int, int]:
     """Stage -> which of the rank's chunks it is (0 = its lowest stage), from the stages its actions name."""
-    stages = sorted({int(m.group(3)) for text, _, _ in row if (m := _ACTION_RE.fullmatch(text.strip())) and m.group(3)})
-    return {s: i for i, s in enumerate(stages)}
+    return {s: i for i, s in enumerate(sorted({a.stage for a, _, _ in row}))}
 
 
 def _lighter(color: str, amount: float) -> tuple[float, float, float]:

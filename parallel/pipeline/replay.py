@@ -1,0 +1,174 @@
+"""Running a checked, lowered schedule on all ranks at once, each as far as its inputs and messages allow.
+
+A maximal run of consecutive SEND_*/RECV_* actions on a rank is posted as one batch (`batch_isend_irecv`);
+messages between two ranks match in posting order. Two models of waiting:
+- `run_strict` (the stricter, for `verify`): the rank waits for its whole batch where it posts it. An op
+  completes once its counterpart is posted in the peer's current batch.
+- `replay` (the runtime's, for `simulate`): the rank posts and moves on; a compute waits for the batch that
+  carries its input, and the step ends when every batch is done. A batch completes as a unit once all its
+  ops' peers have posted (NCCL coalesces it; gloo would let each op finish alone, which is never later).
+The runtime blocks on a subset of what the stricter model blocks on, so whatever passes `verify` runs.
+Both take a schedule that passed `checks.check`, visit ranks with `Sweeps` and run in linear time.
+"""
+
+from __future__ import annotations
+
+from .actions import MATES, RECV_B, RECV_F, Costs, Key, Lists, counterpart, input_of, needs, output_of
+from .checks import ScheduleError
+from .partition import stage_to_rank
+from .sweep import Sweeps
+
+Times = list[list[float]]  # per rank, per slot
+
+
+def run_strict(lowered: Lists, pp: int, placement: str) -> None:
+    """Run every rank, each waiting for its whole batch where it posts it; raise ScheduleError on deadlock.
+
+    The check guarantees that every compute's input comes before it on its rank (received in an earlier
+    batch, or made by an earlier compute), so here only batches wait."""
+    pos = [0] * pp  # per rank: the slot to run next (past a posted batch while that is still open)
+    first = [0] * pp  # per rank: the first slot of its latest batch
+    open_ops = [0] * pp  # per rank: ops of its posted batch whose counterpart is not posted yet
+    posted: dict[Key, int] = {}  # such an op -> its rank
+    sweeps = Sweeps(pp)
+    for r in sweeps:
+        actions, k = lowered[r], pos[r]
+        while k < len(actions) and not open_ops[r]:
+            if not actions[k][0].is_comm:
+                k += 1
+                continue
+            first[r] = k
+            while k < len(actions) and actions[k][0].is_comm:  # post the whole run of comm actions at once
+                kind, offset = MATES[actions[k][0]]
+                q = posted.pop((kind, actions[k][1], actions[k][2] + offset), None)  # the counterpart (mate_of)
+                if q is None:
+                    posted[actions[k]] = r
+                    open_ops[r] += 1
+                else:
+                    open_ops[q] -= 1
+                    if not open_ops[q]:
+                        sweeps.wake(q)
+                k += 1
+        pos[r] = k
+    if any(open_ops):
+        raise ScheduleError("deadlock: " + "; ".join(_blocked(lowered, first, open_ops, posted, pp, placement)))
+
+
+def _blocked(lowered: Lists, first: list[int], open_ops: list[int], posted: dict[Key, int], pp: int,
+             placement: str) -> list[str]:
+    """One line per stuck rank: the first slot of its batch that waits, and what it waits for."""
+    lines = []
+    for r, actions in enumerate(lowered):
+        if not open_ops[r]:
+            continue
+        j = next(j for j in range(first[r], len(actions)) if actions[j] in posted)
+        a, mate = actions[j], counterpart(actions[j])
+        q = stage_to_rank(mate.stage, pp, placement)
+        lines.append(f"rank {r}, slot {j}, {a} waits for rank {q} to post {mate} (its slot {lowered[q].index(mate)})")
+    return lines
+
+
+class _Replay:
+    """The runtime's model: what `replay` tracks while it visits ranks (see the module docstring).
+
+    Batches are numbered in posting order; per batch: its rank, first and stop slot, when it was posted, the
+    latest time one of its matches had both ends posted, and how many of its ops are not matched yet."""
+
+    def __init__(self, lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs):
+        self.lowered, self.pp, self.n_stages = lowered, pp, n_stages
+        self.owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
+        # Neighbouring stages on one rank (the V placement, or pp=1) hand over locally: only then look.
+        self.local = any(self.owner[s] == self.owner[s + 1] for s in range(n_stages - 1))
+        self.duration, self.comm = costs.durations(), costs.comm
+        self.start: Times = [[0.0] * len(actions) for actions in lowered]
+        self.end: Times = [[0.0] * len(actions) for actions in lowered]
+        self.busy, self.clock, self.pos = [0.0] * pp, [0.0] * pp, [0] * pp
+        self.arrived: dict[Key, float] = {}  # keyed by the RECV that names an input: when it is on its rank
+        self.blocked: dict[Key, int] = {}  # an input not there yet -> the rank whose next compute needs it
+        self.waiting: dict[Key, int] = {}  # a posted op whose counterpart is not posted yet -> its batch
+        self.batches: list[list] = []  # [rank, first, stop, posted, matched, open ops]
+        self.sweeps = Sweeps(pp)
+
+    def run(self, r: int) -> None:
+        """Advance rank r until a compute's input is missing: computes in turn, batches posted without waiting."""
+        actions, n_stages, arrived, duration = self.lowered[r], self.n_stages, self.arrived, self.duration
+        start, end, clock, busy, k = self.start[r], self.end[r], self.clock[r], self.busy[r], self.pos[r]
+        while k < len(actions):
+            a = actions[k]
+            if a[0].is_comm:
+                k = self.post(r, k, clock)
+                continue
+            t0, need = clock, input_of(a, n_stages)
+            if need is not None:
+                # Each input has one consumer (checked): dropping it keeps the dictionary small, so fast.
+                ready = arrived.pop(need, None)
+                if ready is None:
+                    self.blocked[need] = r
+                    break
+                if ready > clock:
+                    t0 = ready
+            cost = duration[a[0]]
+            start[k] = t0
+            end[k] = clock = t0 + cost
+            busy += cost
+            if self.local:
+                out = output_of(a, n_stages)
+                if out is not None and self.owner[out[2]] == r:
+                    arrived[out] = clock  # local hand-over: no comm, the tensor is simply there
+            k += 1
+        self.clock[r], self.busy[r], self.pos[r] = clock, busy, k
+
+    def post(self, r: int, first: int, now: float) -> int:
+        """Post the batch starting at slot `first` at time `now`; complete every batch this finishes matching."""
+        actions, waiting, batches = self.lowered[r], self.waiting, self.batches
+        stop, n = first + 1, len(actions)
+        while stop < n and actions[stop][0].is_comm:
+            stop += 1
+        self.start[r][first:stop] = [now] * (stop - first)
+        mine = [r, first, stop, now, now, stop - first]
+        batches.append(mine)
+        for a in actions[first:stop]:
+            kind, offset = MATES[a[0]]
+            peer = waiting.pop((kind, a[1], a[2] + offset), None)  # the counterpart, as mate_of(a)
+            if peer is None:
+                waiting[a] = len(batches) - 1
+                continue
+            theirs = batches[peer]
+            both_posted = now if now > theirs[3] else theirs[3]  # comparisons, not max(): the hot path
+            for batch in (mine, theirs):
+                if both_posted > batch[4]:
+                    batch[4] = both_posted
+                batch[5] -= 1
+                if not batch[5]:
+                    self.complete(batch)
+        return stop
+
+    def complete(self, batch: list) -> None:
+        """A batch is done: its ops end, its RECVs' tensors are there, whoever waits for one moves on."""
+        r, first, stop, _, matched, _ = batch
+        actions, done, arrived, blocked = self.lowered[r], matched + self.comm, self.arrived, self.blocked
+        self.end[r][first:stop] = [done] * (stop - first)
+        for a in actions[first:stop]:
+            if a[0] is RECV_F or a[0] is RECV_B:
+                arrived[a] = done
+                if a in blocked:
+                    self.sweeps.wake(blocked.pop(a))
+
+    def stuck(self) -> list[str]:
+        """Where each rank stopped, if it did not finish, and every op whose counterpart was never posted."""
+        lines = [f"rank {r}, slot {k}, {actions[k]} waits for its input {needs(actions[k], self.n_stages)}"
+                 for r, (actions, k) in enumerate(zip(self.lowered, self.pos)) if k < len(actions)]
+        slots = [{a: k for k, a in enumerate(actions)} for actions in self.lowered] if self.waiting else []
+        return lines + [f"rank {self.batches[b][0]}, slot {slots[self.batches[b][0]][a]}, {a} is never matched"
+                        for a, b in self.waiting.items()]
+
+
+def replay(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs) -> tuple[Times, Times, list[float]]:
+    """Start and end of every slot and busy time per rank, as the runtime runs them; ScheduleError on deadlock."""
+    state = _Replay(lowered, pp, n_stages, placement, costs)
+    for r in state.sweeps:
+        state.run(r)
+    stuck = state.stuck()
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(stuck))
+    return state.start, state.end, state.busy

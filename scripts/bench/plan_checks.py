@@ -1,0 +1,71 @@
+"""Time the pre-launch plan checks (generate, lower, verify, simulate) at pp=8, m=64 and pp=64, m=1024.
+
+    python scripts/bench/plan_checks.py [--repeat 3] [--sizes 8x64 64x1024]
+
+Prints, per schedule and size, the number of lowered actions and the best of `--repeat` runs of each phase,
+as CPU seconds of this process (what the code costs, whatever else the machine runs) and wall seconds.
+`checks` is what a run pays before its first step (plan_pipeline: generate + lower + verify, then the
+simulated step the trace is drawn against); `lower+verify+simulate` adds up the three public functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from parallel.pipeline.lowering import lower  # noqa: E402
+from parallel.pipeline.plan import plan_pipeline  # noqa: E402
+from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
+from parallel.pipeline.simulate import simulate, verify  # noqa: E402
+from parallel.spec import PipelineSpec  # noqa: E402
+
+CASES = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
+
+
+def best_of(repeat: int, fn) -> tuple[float, float, object]:
+    """The shortest CPU and wall times of `repeat` runs of fn(), and its last result."""
+    cpu, wall, result = [], [], None
+    for _ in range(repeat):
+        c0, w0 = time.process_time(), time.perf_counter()
+        result = fn()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return min(cpu), min(wall), result
+
+
+def bench(name: str, vpp: int, pp: int, m: int, repeat: int) -> str:
+    """One line of figures for a schedule at one size: CPU seconds per phase, then totals as cpu/wall."""
+    spec = SCHEDULES[name]
+    n = pp * vpp
+    compute = spec.generate(pp, m, vpp)
+    lower_cpu, lower_wall, lowered = best_of(repeat, lambda: lower(compute, pp, n, spec.placement))
+    verify_cpu, verify_wall, _ = best_of(repeat, lambda: verify(lowered, pp, n, m, spec.placement))
+    sim_cpu, sim_wall, _ = best_of(repeat, lambda: simulate(lowered, pp, n, m, spec.placement))
+    pipeline = PipelineSpec(pp=pp, vpp=vpp, schedule=name, n_microbatches=m)
+    layers = iter(range(n, n + repeat))  # a new model depth per run: a new cache key, so the work is timed
+    checks_cpu, checks_wall, _ = best_of(repeat, lambda: plan_pipeline(pipeline, next(layers)).simulate())
+    total_cpu, total_wall = lower_cpu + verify_cpu + sim_cpu, lower_wall + verify_wall + sim_wall
+    return (f"{name:<17} pp={pp:<3} m={m:<5} actions={sum(map(len, lowered)):<7} cpu: "
+            f"lower {lower_cpu:.3f}s verify {verify_cpu:.3f}s simulate {sim_cpu:.3f}s | lower+verify+simulate "
+            f"{total_cpu:.3f}s cpu / {total_wall:.3f}s wall | checks {checks_cpu:.3f}s cpu / {checks_wall:.3f}s wall")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3, help="runs per phase; the best is printed")
+    parser.add_argument("--sizes", nargs="+", default=["8x64", "64x1024"], help="PPxM, e.g. 8x64 64x1024")
+    args = parser.parse_args(argv)
+    for size in args.sizes:
+        pp, m = (int(x) for x in size.split("x"))
+        for name, vpp in CASES:
+            print(bench(name, vpp, pp, m, args.repeat), flush=True)
+
+
+if __name__ == "__main__":
+    main()
