@@ -20,12 +20,11 @@ from parallel.collectives import all_reduce_
 from parallel.grad_sync import Bucket, GradientSync, split_buckets
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource
-from parallel.pipeline.actions import Action, Kind
+from parallel.pipeline.actions import Action, Kind, comm_peer
 from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
 from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
-from parallel.pipeline.schedules import comm_peer
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
@@ -237,16 +236,3 @@ class ParallelEngine:
         dist.gather_object(mine, gathered, dst=0)
         return {rank: recs for part in gathered for rank, recs in part.items()} if grid.rank == 0 else None
 
-
-def write_trace(run_dir, step: int, trace: Trace, planned: SimResult) -> float:
-    """On global rank 0: `trace_step{N}.json` (Chrome trace) and `trace_step{N}.png`; the measured bubble."""
-    import json
-    from pathlib import Path
-
-    from parallel.pipeline.timeline import chrome_trace, draw_measured_vs_planned, measured_bubble
-
-    path = Path(run_dir) / f"trace_step{step}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(trace, name=f"step {step}")))
-    draw_measured_vs_planned(planned, trace, path.with_suffix(".png"), title=f"step {step}")
-    return measured_bubble(trace)

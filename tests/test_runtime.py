@@ -15,8 +15,9 @@ from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.actions import Action, Kind
+from parallel.pipeline.lowering import lower
 from parallel.pipeline.prune import prune_to_stage
-from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec, lower
+from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import EmulationError

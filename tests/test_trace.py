@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from parallel.engine import ParallelEngine, write_trace
+from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
+from parallel.pipeline.trace_files import write_trace
 from tests.equivalence import layout_worker
 from tests.spawn import run_workers
 from tests.test_runtime import batches, layout_cfg, tiny

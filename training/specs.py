@@ -30,5 +30,4 @@ def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
     return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
                       seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device),
                       timeout_s=float(cfg.parallel.timeout_s), emulate=bool(cfg.parallel.emulate),
-                      bucket_mb=float(cfg.parallel.get("bucket_mb", 25.0) or 25.0),
-                      recompute=str(cfg.train.get("recompute", "none") or "none"))
+                      bucket_mb=float(cfg.parallel.bucket_mb), recompute=cfg.train.recompute)

@@ -1,6 +1,7 @@
 """The Trainer: builds model, engine, optimizer and data for one rank of the grid, then runs the loop."""
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ from parallel.engine import build_engine
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
-from training.data import build_data
+from training.data import build_data, build_val_batches
 from training.metrics import MetricsLogger
 from training.specs import engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -44,10 +45,18 @@ class Trainer:
         self.run_dir = Path(run_dir)
         model, weights = build_model(cfg)
         self.engine = build_engine(engine_spec(cfg, grid.device), model, grid, weights)
-        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group,
-                                         zero=cfg.parallel.get("zero", 0) or 0)
-        self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp)
+        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero)
+        self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
+        self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
+                            if cfg.train.eval_every else None)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
+
+    def evaluate(self) -> dict[str, float]:
+        """`val_loss` (token-weighted over the held-out batches, forward only) and `val_ppl`."""
+        results = [self.engine.evaluate(micro_batches) for micro_batches in self.val_batches]
+        tokens = sum(r.tokens for r in results)
+        loss = sum(r.loss * r.tokens for r in results) / max(tokens, 1)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0))}
 
     def fit(self, on_step: Callable[[int], None] | None = None,
             on_grads: Callable[[int], None] | None = None) -> list[float]:
@@ -80,10 +89,16 @@ class Trainer:
                 record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
                           "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time}
                 if result.trace is not None:
-                    from parallel.engine import write_trace
+                    from parallel.pipeline.trace_files import write_trace
 
                     record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace, self.engine.planned)
-                if traced or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
+                evaluated = self.val_batches is not None and ((step + 1) % cfg.train.eval_every == 0
+                                                              or step + 1 == steps)
+                if evaluated:
+                    record.update(self.evaluate())
+                if step == 0 and self.data.skipped_lines:
+                    record["skipped_lines"] = self.data.skipped_lines
+                if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
                     metrics.log(step + 1, record)
         finally:
             metrics.close()

@@ -48,6 +48,9 @@ def validate_train(cfg: DictConfig) -> list[str]:
                           f"pick a step in 1..{t.steps}")
     if cfg.data.val_path is not None and cfg.data.val_fraction > 0:
         raise ConfigError("data.val_path and data.val_fraction both choose the validation split; set only one")
+    if t.eval_every > 0 and cfg.data.val_path is None and cfg.data.val_fraction == 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} needs a held-out split; set data.val_fraction "
+                          "(e.g. 0.05) or data.val_path=<jsonl file>")
     if cfg.optim.warmup_steps > t.steps:
         return [f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (train.steps={t.steps}): "
                 "the learning rate never reaches optim.lr"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .actions import Action, Kind, Schedule
 from .partition import rank_stages
 from .plan import PipelinePlan
-from .schedules import lower
+from .lowering import lower
 
 
 def forward_only(plan: PipelinePlan, n_microbatches: int) -> Schedule:

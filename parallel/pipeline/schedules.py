@@ -10,9 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .actions import Action, Kind, Schedule
-# Importable from here as before (transport, engine, test_runtime); their homes are actions.py and lowering.py.
-from .actions import comm_peer, counterpart  # noqa: F401
-from .lowering import lower  # noqa: F401
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 

@@ -12,8 +12,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .actions import Action, Kind
-from .schedules import counterpart
+from .actions import Action, Kind, counterpart
 
 SENDS = (Kind.SEND_F, Kind.SEND_B)
 
