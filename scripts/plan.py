@@ -26,13 +26,14 @@ from parallel.pipeline.plan import plan_pipeline  # noqa: E402
 from parallel.pipeline.render import plan_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
+from parallel.recompute import saved_activation_bytes_per_layer  # noqa: E402
 from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
 from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
 from training.specs import pipeline_spec  # noqa: E402
 
-BYTES_PER_FLOAT = 4  # fp32 activations (bf16 autocast saves some tensors in half: this is the upper bound)
 MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-batch, stage) of layers(stage) "
-                  "x micro_batch_size x seq_len x 4 B x (6*hidden + 4*kv_dim + 4*ffn_width)")
+                  "x saved bytes of one decoder layer (parallel.recompute.saved_activation_bytes_per_layer: "
+                  "train.recompute, dtype and tp included)")
 
 
 def split_args(argv: list[str]) -> tuple[list[str], Path]:
@@ -85,11 +86,9 @@ def stage_parameters(cfg: DictConfig, partition: list[range]) -> tuple[list[int]
 
 def activation_bytes(lowered: Lists, partition: list[range], cfg: DictConfig) -> list[int]:
     """Per rank, the peak of MEMORY_FORMULA over the lowered action list."""
-    mc = model_config(cfg)
-    ffn = (mc.num_experts_per_tok * (mc.moe_intermediate_size or mc.intermediate_size) if mc.use_moe
-           else mc.intermediate_size)
-    per_token_layer = BYTES_PER_FLOAT * (6 * mc.hidden_size + 4 * mc.num_key_value_heads * mc.head_dim + 4 * ffn)
-    per_layer = cfg.train.micro_batch_size * cfg.train.seq_len * per_token_layer
+    dtype_bytes = 2 if cfg.train.dtype == "bf16" else 4  # `auto` plans for fp32, the larger
+    per_layer = saved_activation_bytes_per_layer(model_config(cfg), cfg.train.micro_batch_size, cfg.train.seq_len,
+                                                 dtype_bytes, cfg.train.recompute, tp=cfg.parallel.tp)
     # The simulator's count of live activations, each weighed by its stage's layers.
     return [peak_live(actions, lambda stage: len(partition[stage])) * per_layer for actions in lowered]
 
@@ -137,7 +136,7 @@ def main(argv: list[str]) -> int:
     for r in range(pp):
         print(f"  rank {r}: peak live micro-batches {sim.peak_live[r]}, peak activation memory "
               f"{memory[r]:,} bytes ({human(memory[r])})")
-    print(f"  ({MEMORY_FORMULA}; per tensor-parallel rank divide by tp)")
+    print(f"  ({MEMORY_FORMULA}; per tensor-parallel rank)")
     title = f"{cfg.schedule.name}, pp={pp} vpp={vpp}, {m} micro-batches"
     print(f"timeline: {draw_timeline(sim, out, title)}")
     return 0

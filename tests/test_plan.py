@@ -159,3 +159,14 @@ def test_write_trace_writes_the_chrome_trace_and_the_picture(tmp_path):
     events = json.loads((tmp_path / "run" / "trace_step3.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1} >= {"F0@s1", "B1@s1", "RECV_F0@s1"}
     assert is_png(tmp_path / "run" / "trace_step3.png")
+
+
+def test_plan_memory_follows_train_recompute(tmp_path):
+    def memory(*extra: str) -> list[int]:
+        out = subprocess.run([sys.executable, "scripts/plan.py", "model=tiny", "parallel.pp=2", "train.seq_len=256",
+                              *extra, f"--out={tmp_path}/p.png"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return [int(n.replace(",", "")) for n in re.findall(r"peak activation memory ([\d,]+) bytes", out.stdout)]
+
+    none, full, selective = memory(), memory("train.recompute=full"), memory("train.recompute=selective")
+    assert all(f <= 0.5 * n and f < s < n for n, f, s in zip(none, full, selective)), (none, full, selective)
