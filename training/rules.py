@@ -216,11 +216,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "train.on_nonfinite": None,
     "train.max_skipped_steps": None,
     "train.peak_tflops": None,
-    "checkpoint.dir": None,
-    "checkpoint.every": None,
-    "checkpoint.keep_last": None,
-    "checkpoint.resume": None,
-    "checkpoint.save_final": None,
     "logger.backends": lambda value: len(value) > 1,  # several loggers at once
     "debug.fault": None,
 }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-from omegaconf import DictConfig
+from pathlib import Path
 
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from checkpoint.manager import CheckpointSpec
 from parallel.spec import EngineSpec, PipelineSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -31,3 +34,20 @@ def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
                       seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device),
                       timeout_s=float(cfg.parallel.timeout_s), emulate=bool(cfg.parallel.emulate),
                       bucket_mb=float(cfg.parallel.bucket_mb), recompute=cfg.train.recompute)
+
+
+def checkpoint_spec(cfg: DictConfig, run_dir: Path) -> CheckpointSpec:
+    """Where and when this run saves and what it resumes; the folder defaults to `<run dir>/checkpoints`."""
+    c = cfg.checkpoint
+    return CheckpointSpec(dir=Path(c.dir) if c.dir else Path(run_dir) / "checkpoints", every=int(c.every),
+                          keep_last=int(c.keep_last), resume=c.resume or "none",
+                          save_final=bool(c.get("save_final", True)))
+
+
+def checkpoint_meta(cfg: DictConfig, grid) -> dict:
+    """What a checkpoint records besides tensors: the model (checked on resume) and the writing layout."""
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    p = cfg.parallel
+    layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "schedule": cfg.schedule.name,
+              "n_microbatches": cfg.schedule.n_microbatches, "micro_batch_size": cfg.train.micro_batch_size}
+    return {"model": model, "layout": layout}

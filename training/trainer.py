@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from checkpoint.distributed import TrainingState
+from checkpoint.manager import CheckpointManager
 from minimind import MiniMindForCausalLM
 from parallel.engine import build_engine
 from parallel.grid import ParallelGrid
@@ -16,7 +18,7 @@ from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.data import build_data, build_val_batches
 from training.metrics import MetricsLogger
-from training.specs import engine_spec
+from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 log = logging.getLogger("sluice")
@@ -50,6 +52,9 @@ class Trainer:
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
+        state = TrainingState(self.engine, self.optimizer, grid, bool(cfg.model.tie_word_embeddings))
+        self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,
+                                             checkpoint_meta(cfg, grid), self.tokenizer)
 
     def evaluate(self) -> dict[str, float]:
         """`val_loss` (token-weighted over the held-out batches, forward only) and `val_ppl`."""
@@ -65,10 +70,11 @@ class Trainer:
         `on_grads(step)` runs once the step's gradients are final and synchronised, before clipping;
         `on_step(step)` runs after each optimizer step (tests use both to inspect gradients and weights)."""
         cfg, steps = self.cfg, self.cfg.train.steps
-        metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0)
+        first = self.checkpoints.resume()
+        metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first)
         losses: list[float] = []
         try:
-            for step, micro_batches in zip(range(steps), self.data):
+            for step, micro_batches in zip(range(first, steps), self.data):
                 lr = lr_at(step, steps, cfg.optim)
                 set_lr(self.optimizer, lr)
                 start = time.perf_counter()
@@ -100,6 +106,8 @@ class Trainer:
                     record["skipped_lines"] = self.data.skipped_lines
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
                     metrics.log(step + 1, record)
+                self.checkpoints.after_step(step + 1)
+            self.checkpoints.finish(max(first, steps))
         finally:
             metrics.close()
         return losses

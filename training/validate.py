@@ -1,6 +1,8 @@
 """validate(cfg): the whole pre-launch check, pure (reads files, writes none). Per-key rules are in
 `training.rules`; this module holds the rules that relate several keys."""
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -107,6 +109,19 @@ def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
                           f"set model.vocab_size>={vocab} or use a smaller tokenizer")
 
 
+def validate_checkpoint(cfg: DictConfig) -> None:
+    """A checkpoint to resume exists, is complete and readable, and was written for this model."""
+    from checkpoint.manager import check_resume
+
+    resume = cfg.checkpoint.resume
+    if resume not in (None, "auto", "none") and not Path(resume).exists():
+        raise ConfigError(f"checkpoint.resume={resume} does not exist; give a checkpoint, a checkpoints folder or a "
+                          "run directory, or use checkpoint.resume=auto|none")
+    problem = check_resume(resume, cfg.checkpoint.dir, OmegaConf.to_container(cfg.model, resolve=True))
+    if problem:
+        raise ConfigError(problem)
+
+
 def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings."""
     check_known_keys(cfg)
@@ -117,4 +132,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     validate_parallel(cfg, world_size)
     validate_layout(cfg)
     validate_data(cfg, world_size)
+    validate_checkpoint(cfg)
     return warnings

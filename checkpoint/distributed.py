@@ -1,0 +1,171 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP): this rank's share in, this rank's share out.
+
+Keys are layout-free: a parameter under its global dense name, its optimizer state under
+`optim/<name>/<field>`, RNG states under `rng/rank<r>/<device>`. A TP shard is handed to DCP as a
+DTensor on the grid's `tp` submesh (`DTensor.from_local`, no communication, same storage), so DCP
+records its global shape and offsets and reshards on load into any other split, or into whole tensors
+in one process. We chose DTensor over hand-written chunk metadata because DCP plans, deduplicates
+(DP replicas) and reshards DTensors natively, with gloo and NCCL alike; without a process group
+(one process, emulation at tp=1) every tensor is whole and DCP runs with `no_dist`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError
+from parallel.collectives import all_reduce_
+from parallel.grid import ParallelGrid
+from parallel.step import Engine
+
+OPTIM, RNG = "optim/", "rng/"
+
+
+@dataclass
+class TrainingState:
+    """What one rank contributes to a training checkpoint, by reference (read at save, written at load)."""
+
+    engine: Engine
+    optimizer: torch.optim.Optimizer
+    grid: ParallelGrid
+    tied: bool
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _quiet():
+    """DCP warns that it assumes one process whenever no process group exists; that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
+    """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP, else whole."""
+    if grid.tp > 1 and getattr(param, "tensor_parallel", False):
+        return DTensor.from_local(tensor, grid.mesh["tp"], [Shard(param.partition_dim)], run_check=False)
+    return tensor
+
+
+def _key(name: str, tied: bool) -> str:
+    """The stored name: a tied head is the embedding, stored once."""
+    return EMBEDDING if tied and name == TIED_HEAD else name
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def state_to_save(state: TrainingState) -> dict[str, torch.Tensor]:
+    """The flat DCP state_dict of this rank: parameters, their optimizer state, this rank's RNG."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in state.engine.named_parameters().items():
+        key = _key(name, state.tied)
+        if key != name:
+            continue  # a tied head: its bitwise-equal embedding copy (first stage) is stored instead
+        out[key] = _global_view(param.detach(), param, state.grid)
+        for field, value in state.optimizer.state.get(param, {}).items():
+            whole = value.shape == param.shape
+            out[f"{OPTIM}{key}/{field}"] = _global_view(value, param, state.grid) if whole else value
+    for device, rng in _rng_states().items():
+        out[f"{RNG}rank{state.grid.rank}/{device}"] = rng
+    return out
+
+
+def check_finite(state: TrainingState, what: str) -> None:
+    """Raise on every rank (they agree via an all-reduce) when any parameter holds NaN or Inf."""
+    bad = [name for name, p in state.engine.named_parameters().items() if not bool(torch.isfinite(p).all())]
+    flag = torch.tensor([1.0 if bad else 0.0], device=state.grid.device)
+    if _distributed():
+        all_reduce_(flag, dist.group.WORLD, dist.ReduceOp.MAX)
+    if flag.item() > 0:
+        where = f"{bad[0]} (and {len(bad) - 1} more)" if bad else "a parameter on another rank"
+        raise CheckpointError(f"{what}: {where} holds NaN or Inf; refusing non-finite weights")
+
+
+def save_state(path: Path, state: TrainingState) -> None:
+    """Write this rank's share into the DCP folder `path` (a collective over every rank)."""
+    writer = dcp.FileSystemWriter(str(path), thread_count=1)
+    with _quiet():
+        dcp.save(state_to_save(state), storage_writer=writer, no_dist=not _distributed())
+
+
+def read_keys(path: Path) -> dict[str, torch.Size]:
+    """Stored key -> global shape (tensors only), from the DCP metadata at `path`."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # noqa: BLE001  any unreadable metadata is one message
+        raise CheckpointError(f"checkpoint {path}: unreadable metadata ({type(error).__name__}); the checkpoint "
+                              "is corrupt or truncated: resume from another one") from None
+    return {k: getattr(v, "size", None) for k, v in metadata.state_dict_metadata.items()}
+
+
+def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
+    """The DCP state_dict to load into, the optimizer states it fills, and tied copies to set afterwards."""
+    named = state.engine.named_parameters()
+    into: dict[str, torch.Tensor] = {}
+    optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    copies: list[tuple[nn.Parameter, nn.Parameter]] = []
+    for name, param in named.items():
+        key = _key(name, state.tied)
+        if key != name and key in named:
+            copies.append((named[key], param))  # both tie copies live here (emulation): load one, copy
+            continue
+        view = _global_view(param.data, param, state.grid)
+        if key not in stored:
+            raise CheckpointError(f"checkpoint {path} has no {key}: it was written for another model; "
+                                  "use the same model settings or checkpoint.resume=none")
+        if tuple(stored[key]) != tuple(view.shape):
+            raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(stored[key])}, the model expects "
+                                  f"{tuple(view.shape)}; use the same model settings or checkpoint.resume=none")
+        into[key] = view
+        fields = {k.rsplit("/", 1)[1]: s for k, s in stored.items() if k.startswith(f"{OPTIM}{key}/")}
+        optim[param] = {}
+        for field, shape in fields.items():
+            local = torch.zeros_like(param.data) if tuple(shape) == tuple(view.shape) else torch.zeros(shape)
+            optim[param][field] = local
+            into[f"{OPTIM}{key}/{field}"] = _global_view(local, param, state.grid) if local.shape == param.shape \
+                else local
+    return into, optim, copies
+
+
+def load_state(path: Path, state: TrainingState) -> None:
+    """Load parameters, optimizer state and (where stored for this rank) RNG from `path`, in any layout."""
+    stored = read_keys(path)
+    into, optim, copies = _targets(state, stored, path)
+    rng = {k: torch.empty(s, dtype=torch.uint8) for k, s in stored.items()
+           if k.startswith(f"{RNG}rank{state.grid.rank}/")}
+    try:
+        with _quiet():
+            dcp.load({**into, **rng}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+    except Exception as error:  # noqa: BLE001  DCP wraps every read failure; the user needs one line
+        detail = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({detail}); delete it or resume from "
+                              "another checkpoint") from None
+    for param, fields in optim.items():
+        if fields:
+            state.optimizer.state[param] = fields
+    for source, target in copies:
+        target.data.copy_(source.data)
+        if source in state.optimizer.state:
+            state.optimizer.state[target] = {k: v.clone() for k, v in state.optimizer.state[source].items()}
+    if f"{RNG}rank{state.grid.rank}/cpu" in rng:
+        torch.set_rng_state(rng[f"{RNG}rank{state.grid.rank}/cpu"])
+    if torch.cuda.is_available() and f"{RNG}rank{state.grid.rank}/cuda" in rng:
+        torch.cuda.set_rng_state(rng[f"{RNG}rank{state.grid.rank}/cuda"])
+    check_finite(state, f"checkpoint {path}")

@@ -1,0 +1,235 @@
+"""Checkpoint folders of a run: `step_<N>` names, atomic completion, keep_last, resume=auto|none|<path>.
+
+A save writes into `.step_<N>.tmp`, then global rank 0 adds `meta.json` (step, data position, model and
+layout) and the `COMPLETE` marker, and renames the folder: only complete checkpoints ever carry the
+visible name, so a save killed half-way is never loaded. Every rank must see the same directory
+(a shared file system on several nodes), as DCP's file-system storage requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from checkpoint.dense import CheckpointError
+from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
+from parallel.collectives import broadcast_object
+
+COMPLETE, META, TOKENIZER = "COMPLETE", "meta.json", "tokenizer"
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class Stateful(Protocol):
+    """The data stream's resume position (JSON-serialisable, layout-free)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where and when to save, and what to resume from (`auto`, `none` or a path)."""
+
+    dir: Path
+    every: int = 0
+    keep_last: int = 3
+    resume: str = "none"
+    save_final: bool = True
+
+
+def is_complete(path: Path) -> bool:
+    """A finished checkpoint: visible name, completion marker and meta.json."""
+    return STEP_DIR.fullmatch(path.name) is not None and (path / COMPLETE).is_file() and (path / META).is_file()
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def find_checkpoint(path: Path) -> Path | None:
+    """`path` itself if it is a complete checkpoint, else the newest one in it or in its `checkpoints/`."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    for directory in (path, path / "checkpoints"):
+        found = complete_checkpoints(directory)
+        if found:
+            return found[-1]
+    return None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of a complete checkpoint."""
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {path}: unreadable {META} ({type(error).__name__}); the checkpoint is "
+                              "corrupt: resume from another one") from None
+
+
+def model_mismatch(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """One line naming the first model field where the checkpoint and this run differ, or None."""
+    for key in sorted(set(saved) | set(current)):
+        if key != "name" and saved.get(key) != current.get(key):
+            return (f"checkpoint {path} was written for model.{key}={saved.get(key)} but this run has "
+                    f"model.{key}={current.get(key)}; use the checkpoint's model settings or checkpoint.resume=none")
+    return None
+
+
+def resolve_resume(resume: str, directory: Path) -> Path | None:
+    """The checkpoint `resume` names: None for `none` or an `auto` without any; raise for a bad path."""
+    if resume in ("none", "", None):
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(directory)
+        return found[-1] if found else None
+    if not Path(resume).exists():
+        raise CheckpointError(f"checkpoint.resume={resume} does not exist; give a checkpoint, a checkpoints folder "
+                              "or a run directory, or use checkpoint.resume=auto")
+    found = find_checkpoint(Path(resume))
+    if found is None:
+        raise CheckpointError(f"checkpoint.resume={resume} holds no complete checkpoint (step_<N>/ with "
+                              f"{COMPLETE} and {META}); a partial save is never loaded")
+    return found
+
+
+def check_resume(resume: str | None, directory: Path | None, model: dict[str, Any]) -> str | None:
+    """Pre-launch check of checkpoint.resume: a one-line problem, or None (auto without a dir is checked later)."""
+    if resume in (None, "none") or (resume == "auto" and directory is None):
+        return None
+    try:
+        path = resolve_resume(resume, Path(directory) if directory is not None else Path("."))
+        if path is None:
+            return None
+        read_keys(path)
+        return model_mismatch(path, read_meta(path).get("model", {}), model)
+    except CheckpointError as error:
+        return str(error)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CheckpointManager:
+    """Saves every `every` steps and at the end, keeps the last `keep_last`, resumes at the start of a run."""
+
+    def __init__(self, spec: CheckpointSpec, state: TrainingState, data: Stateful, meta: dict[str, Any],
+                 tokenizer: Any = None):
+        self.spec, self.state, self.data, self.meta, self.tokenizer = spec, state, data, meta, tokenizer
+        self.rank0 = state.grid.rank == 0
+        self.last_saved: int | None = None
+
+    def _say(self, message: str) -> None:
+        if self.rank0:
+            print(f"sluice: {message}", flush=True)
+
+    def resume(self) -> int:
+        """Load the checkpoint `resume` names (say which, or that the run starts fresh); return its step."""
+        found: tuple[Path | None, str | None] = (None, None)
+        if self.rank0:  # one rank looks, every rank follows (or fails with the same line)
+            try:
+                found = (resolve_resume(self.spec.resume, self.spec.dir), None)
+            except CheckpointError as error:
+                found = (None, str(error))
+        path, error = broadcast_object(found, dist.group.WORLD if _distributed() else None, src=0)
+        if error:
+            raise CheckpointError(error)
+        if path is None:
+            if self.spec.resume == "auto":
+                self._say(f"no complete checkpoint in {self.spec.dir}: starting fresh")
+            return 0
+        meta = read_meta(path)
+        problem = model_mismatch(path, meta.get("model", {}), self.meta.get("model", {}))
+        if problem:
+            raise CheckpointError(problem)
+        start = time.perf_counter()
+        load_state(path, self.state)
+        self.data.load_state_dict(meta["data"])
+        self.last_saved = int(meta["step"])
+        self._say(f"resumed from {path} (step {meta['step']}) in {time.perf_counter() - start:.2f}s")
+        return int(meta["step"])
+
+    def after_step(self, step: int) -> None:
+        """Save when `step` (1-based, just completed) is a multiple of `every`."""
+        if self.spec.every > 0 and step % self.spec.every == 0:
+            self.save(step)
+
+    def finish(self, step: int) -> None:
+        """The final checkpoint, unless save_final=false or this step is saved already."""
+        if self.spec.save_final:
+            self.save(step)
+
+    def save(self, step: int) -> Path | None:
+        """Write the checkpoint of `step` (a collective); it becomes visible only once complete."""
+        if self.last_saved == step:
+            return None
+        check_finite(self.state, f"checkpoint of step {step} not written")
+        start = time.perf_counter()
+        final = self.spec.dir / f"step_{step:08d}"
+        tmp = self.spec.dir / f".{final.name}.tmp"
+        if self.rank0:
+            self.spec.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.spec.dir.glob(".step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)  # a save killed earlier: never complete, never loaded
+        _barrier()
+        save_state(tmp, self.state)
+        if self.rank0:
+            self._complete(tmp, final, step)
+            self._prune()
+        _barrier()
+        self.last_saved = step
+        self._say(f"saved checkpoint step {step} to {final} in {time.perf_counter() - start:.2f}s")
+        return final
+
+    def _complete(self, tmp: Path, final: Path, step: int) -> None:
+        """Rank 0, after every rank wrote its share: meta.json, tokenizer, marker, then the visible name."""
+        meta = {"format": 1, "step": step, "data": self.data.state_dict(), **self.meta}
+        _fsync_write(tmp / META, json.dumps(meta, indent=1))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(tmp / TOKENIZER))
+        mark_complete(tmp)
+        if final.exists():
+            shutil.rmtree(final)  # an older save of the same step (a rerun): the new one replaces it
+        os.rename(tmp, final)
+        fd = os.open(self.spec.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a crash
+        finally:
+            os.close(fd)
+
+    def _prune(self) -> None:
+        """Delete complete checkpoints beyond the newest keep_last (0 keeps all)."""
+        if self.spec.keep_last > 0:
+            for old in complete_checkpoints(self.spec.dir)[: -self.spec.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def mark_complete(folder: Path) -> None:
+    """Write the completion marker (the last file of a save, before the rename)."""
+    _fsync_write(folder / COMPLETE, "complete\n")
