@@ -70,4 +70,8 @@ def load_dense_into(model: nn.Module, path: str | Path) -> None:
         if tensor.shape != state[name].shape:
             raise CheckpointError(f"checkpoint.load_dense={path}: {name} has shape {tuple(state[name].shape)}, "
                                   f"the model expects {tuple(tensor.shape)}; check the model preset")
+    bad = next((name for name, tensor in state.items() if tensor.is_floating_point()
+                and not bool(torch.isfinite(tensor).all())), None)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint.load_dense={path}: {bad} holds NaN or Inf; refusing non-finite weights")
     model.load_state_dict(state, strict=True)

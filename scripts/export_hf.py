@@ -1,42 +1,61 @@
-"""Turn a dense checkpoint (MiniMind .pth, .safetensors or HF folder) into a transformers folder.
+"""Export a trained model: a self-contained Hugging Face folder (default) or a MiniMind .pth.
 
-Usage: python scripts/export_hf.py CHECKPOINT OUT_DIR [--tokenizer DIR] [Hydra overrides, e.g. model=minimind3]
-The folder then loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)` after `import minimind`.
+Usage:
+  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|pth]
+  python scripts/export_hf.py DENSE.pth|DENSE.safetensors|HF_DIR OUT [--format hf|pth] [--tokenizer DIR] [model=...]
+
+A training checkpoint (a run directory, its checkpoints/ folder or one step_<N>/) carries its model config and
+tokenizer. A dense file does not: give the model with Hydra overrides (e.g. model=tiny) and --tokenizer.
+The folder loads anywhere with `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`.
 """
 
-import shutil
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from checkpoint.dense import load_dense_into  # noqa: E402
-from minimind import MiniMindForCausalLM  # noqa: E402
-from training.cli import CONF_DIR  # noqa: E402
-from training.config import model_config, register_schema  # noqa: E402
+from checkpoint.dense import CheckpointError, load_dense_into  # noqa: E402
+from checkpoint.export import export_checkpoint, save_hf_folder, save_pth  # noqa: E402
+from checkpoint.manager import find_checkpoint  # noqa: E402
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        sys.exit(__doc__)
-    checkpoint, out_dir, rest = argv[0], Path(argv[1]), argv[2:]
-    tokenizer = None
-    if rest[:1] == ["--tokenizer"]:
-        tokenizer, rest = rest[1], rest[2:]
+def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrides: list[str]) -> Path:
+    """A dense checkpoint needs the model config from Hydra overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from minimind import MiniMindForCausalLM
+    from training.cli import CONF_DIR
+    from training.config import model_config, register_schema
+
     register_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=rest)
+        cfg = compose(config_name="config", overrides=overrides)
     model = MiniMindForCausalLM(model_config(cfg))
-    load_dense_into(model, checkpoint)
-    model.save_pretrained(out_dir)
-    if tokenizer is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(tokenizer) / name).exists():
-                shutil.copy(Path(tokenizer) / name, out_dir / name)
-    print(f"wrote {out_dir}")
+    load_dense_into(model, source)
+    return save_pth(model, out) if fmt == "pth" else save_hf_folder(model, out, tokenizer)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=__doc__.split("\n\n")[0])
+    parser.add_argument("source")
+    parser.add_argument("out")
+    parser.add_argument("--format", choices=("hf", "pth"), default="hf")
+    parser.add_argument("--tokenizer", help="tokenizer folder (dense sources only)")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        if find_checkpoint(Path(args.source)) is not None:
+            if overrides or args.tokenizer:
+                parser.error("a training checkpoint carries its model and tokenizer: drop the overrides")
+            out = export_checkpoint(args.source, args.out, args.format)
+        else:
+            out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides)
+    except CheckpointError as error:
+        print(f"export_hf: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

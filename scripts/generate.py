@@ -1,18 +1,13 @@
-"""Greedy or sampled text generation from an exported MiniMind folder (model + tokenizer).
+"""Greedy or sampled text generation from an exported folder (scripts/export_hf.py): model + tokenizer.
 
 Usage: python scripts/generate.py MODEL_DIR "prompt" [--max-new-tokens N] [--temperature T]
+Needs only torch and transformers: the folder carries its own modeling code (trust_remote_code).
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-import minimind  # noqa: E402,F401  (registers the model with the Auto classes)
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main() -> None:
@@ -23,8 +18,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, local_files_only=True).eval()
-    ids = tokenizer(tokenizer.bos_token + args.prompt, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, local_files_only=True,
+                                                 trust_remote_code=True).eval()
+    ids = tokenizer((tokenizer.bos_token or "") + args.prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                              temperature=args.temperature or None, pad_token_id=tokenizer.pad_token_id)

@@ -58,3 +58,11 @@ def test_not_a_state_dict(tmp_path):
     torch.save([1, 2, 3], tmp_path / "list.pth")
     with pytest.raises(CheckpointError, match="not a state_dict"):
         read_dense_state_dict(tmp_path / "list.pth")
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    state = fresh(1).state_dict()
+    state["model.layers.0.self_attn.q_proj.weight"][1, 2] = float("nan")
+    torch.save(state, tmp_path / "nan.pth")
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.q_proj.weight holds NaN or Inf"):
+        load_dense_into(fresh(2), tmp_path / "nan.pth")

@@ -1,0 +1,114 @@
+"""A trained model out: training checkpoint -> dense weights -> a self-contained HF folder or a MiniMind .pth."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import minimind
+from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError
+from checkpoint.distributed import OPTIM, RNG, _quiet, read_keys
+from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
+from minimind import MiniMindConfig, MiniMindForCausalLM
+
+# The model's own source files travel with the weights, so `trust_remote_code=True` needs no Sluice install.
+MODELING_FILES = ("config.py", "model.py")
+AUTO_MAP = {"AutoConfig": "config.MiniMindConfig", "AutoModelForCausalLM": "model.MiniMindForCausalLM"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def locate(path: str | Path) -> Path:
+    """The training checkpoint at `path`: itself, the newest in a checkpoints folder, or in a run directory."""
+    found = find_checkpoint(Path(path))
+    if found is None:
+        raise CheckpointError(f"{path} holds no complete training checkpoint (step_<N>/ with COMPLETE and meta.json); "
+                              "pass a checkpoint, a checkpoints folder or a run directory")
+    return found
+
+
+def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The dense global-key weights (tied head restored) and meta.json of a training checkpoint, in one process."""
+    folder = locate(path)
+    meta = read_meta(folder)
+    read_keys(folder)  # a readable metadata file, or one clear line
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    state = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for key, m in metadata.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata) and not key.startswith((OPTIM, RNG))}
+    try:
+        with _quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    except Exception as error:  # noqa: BLE001  DCP wraps every read failure; the user needs one line
+        raise CheckpointError(f"checkpoint {folder} is corrupt or truncated ({type(error).__name__}); "
+                              "export another checkpoint") from None
+    if meta["model"].get("tie_word_embeddings", True) and EMBEDDING in state:
+        state[TIED_HEAD] = state[EMBEDDING]
+    bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"checkpoint {folder}: {bad[0]} holds NaN or Inf; refusing to export non-finite weights")
+    return state, meta
+
+
+def build_model(model_fields: dict[str, Any], state: dict[str, torch.Tensor]) -> MiniMindForCausalLM:
+    """The dense model of `model_fields` (a run's `model` config) holding `state`, loaded strictly."""
+    fields = {k: v for k, v in model_fields.items() if k != "name"}
+    model = MiniMindForCausalLM(MiniMindConfig(**fields))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint does not match its model config: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def copy_tokenizer(source: Path, out_dir: Path) -> bool:
+    """Copy the tokenizer files found in `source` into `out_dir`; False when there are none."""
+    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for file in files:
+        shutil.copy(file, out_dir / file.name)
+    return bool(files)
+
+
+def save_hf_folder(model: MiniMindForCausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """config.json with auto_map, safetensors weights, the modeling files and (if given) the tokenizer."""
+    out_dir = Path(out_dir)
+    model.config.auto_map = dict(AUTO_MAP)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    source = Path(minimind.__file__).parent
+    for name in MODELING_FILES:
+        shutil.copy(source / name, out_dir / name)
+    if tokenizer_dir is not None:
+        copy_tokenizer(Path(tokenizer_dir), out_dir)
+    return out_dir
+
+
+def pth_path(model: MiniMindForCausalLM, out: str | Path) -> Path:
+    """`out` itself when it names a .pth file, else MiniMind's `pretrain_<hidden>[_moe].pth` inside it."""
+    out = Path(out)
+    if out.suffix == ".pth":
+        return out
+    suffix = "_moe" if model.config.use_moe else ""
+    return out / f"pretrain_{model.config.hidden_size}{suffix}.pth"
+
+
+def save_pth(model: MiniMindForCausalLM, out: str | Path) -> Path:
+    """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects."""
+    path = pth_path(model, out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf") -> Path:
+    """Export the training checkpoint at `path` (or the newest in a run dir) as an HF folder or a .pth."""
+    state, meta = read_training_weights(path)
+    model = build_model(meta["model"], state)
+    if fmt == "pth":
+        return save_pth(model, out)
+    if fmt != "hf":
+        raise CheckpointError(f"--format {fmt}: use hf or pth")
+    return save_hf_folder(model, out, locate(path) / TOKENIZER)
