@@ -17,7 +17,7 @@ BAD_CONFIGS = [
     (["parallel.vpp=2"], "parallel.vpp=2 needs a pipeline"),
     (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
     (["train.steps=${nope}"], "train.steps: cannot resolve its interpolation"),
-    (["checkpoint.every=100"], "checkpoint.every: not implemented yet"),
+    (["checkpoint.resume=no/such/dir"], "checkpoint.resume=no/such/dir does not exist"),
     (["+train.eval_evry=10"], "train.eval_evry: unknown config key; did you mean train.eval_every?"),
     (["train.stpes=5"], "train.stpes: unknown config key; did you mean train.steps?"),
     (["+foo=1"], "foo: unknown config key; did you mean "),
