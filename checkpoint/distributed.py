@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError
@@ -59,6 +60,11 @@ def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) 
     return tensor
 
 
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: ZeroRedundancyOptimizer keeps its DP partition in `.optim`."""
+    return getattr(optimizer, "optim", optimizer)
+
+
 def _key(name: str, tied: bool) -> str:
     """The stored name: a tied head is the embedding, stored once."""
     return EMBEDDING if tied and name == TIED_HEAD else name
@@ -74,12 +80,13 @@ def _rng_states() -> dict[str, torch.Tensor]:
 def state_to_save(state: TrainingState) -> dict[str, torch.Tensor]:
     """The flat DCP state_dict of this rank: parameters, their optimizer state, this rank's RNG."""
     out: dict[str, torch.Tensor] = {}
+    optim_state = _local_optimizer(state.optimizer).state
     for name, param in state.engine.named_parameters().items():
         key = _key(name, state.tied)
         if key != name:
             continue  # a tied head: its bitwise-equal embedding copy (first stage) is stored instead
         out[key] = _global_view(param.detach(), param, state.grid)
-        for field, value in state.optimizer.state.get(param, {}).items():
+        for field, value in optim_state.get(param, {}).items():  # under ZeRO only the owning DP rank writes
             whole = value.shape == param.shape
             out[f"{OPTIM}{key}/{field}"] = _global_view(value, param, state.grid) if whole else value
     for device, rng in _rng_states().items():
@@ -94,7 +101,8 @@ def check_finite(state: TrainingState, what: str) -> None:
     if _distributed():
         all_reduce_(flag, dist.group.WORLD, dist.ReduceOp.MAX)
     if flag.item() > 0:
-        where = f"{bad[0]} (and {len(bad) - 1} more)" if bad else "a parameter on another rank"
+        where = (bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")) if bad else \
+            "a parameter on another rank"
         raise CheckpointError(f"{what}: {where} holds NaN or Inf; refusing non-finite weights")
 
 
@@ -118,6 +126,7 @@ def read_keys(path: Path) -> dict[str, torch.Size]:
 def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
     """The DCP state_dict to load into, the optimizer states it fills, and tied copies to set afterwards."""
     named = state.engine.named_parameters()
+    owned = {id(p) for group in _local_optimizer(state.optimizer).param_groups for p in group["params"]}
     into: dict[str, torch.Tensor] = {}
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     copies: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -136,7 +145,7 @@ def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
         into[key] = view
         fields = {k.rsplit("/", 1)[1]: s for k, s in stored.items() if k.startswith(f"{OPTIM}{key}/")}
         optim[param] = {}
-        for field, shape in fields.items():
+        for field, shape in (fields.items() if id(param) in owned else ()):
             local = torch.zeros_like(param.data) if tuple(shape) == tuple(view.shape) else torch.zeros(shape)
             optim[param][field] = local
             into[f"{OPTIM}{key}/{field}"] = _global_view(local, param, state.grid) if local.shape == param.shape \
@@ -153,17 +162,19 @@ def load_state(path: Path, state: TrainingState) -> None:
     try:
         with _quiet():
             dcp.load({**into, **rng}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
-    except Exception as error:  # noqa: BLE001  DCP wraps every read failure; the user needs one line
-        detail = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
+    except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        detail = lines[-1][:200] if lines else type(error).__name__
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({detail}); delete it or resume from "
                               "another checkpoint") from None
+    optim_state = _local_optimizer(state.optimizer).state
     for param, fields in optim.items():
         if fields:
-            state.optimizer.state[param] = fields
+            optim_state[param] = fields
     for source, target in copies:
         target.data.copy_(source.data)
-        if source in state.optimizer.state:
-            state.optimizer.state[target] = {k: v.clone() for k, v in state.optimizer.state[source].items()}
+        if source in optim_state and id(target) in owned:
+            optim_state[target] = {k: v.clone() for k, v in optim_state[source].items()}
     if f"{RNG}rank{state.grid.rank}/cpu" in rng:
         torch.set_rng_state(rng[f"{RNG}rank{state.grid.rank}/cpu"])
     if torch.cuda.is_available() and f"{RNG}rank{state.grid.rank}/cuda" in rng:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import minimind
@@ -43,7 +44,7 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     try:
         with _quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
-    except Exception as error:  # noqa: BLE001  DCP wraps every read failure; the user needs one line
+    except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         raise CheckpointError(f"checkpoint {folder} is corrupt or truncated ({type(error).__name__}); "
                               "export another checkpoint") from None
     if meta["model"].get("tie_word_embeddings", True) and EMBEDDING in state:
