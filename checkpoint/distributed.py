@@ -65,6 +65,11 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optim", optimizer)
 
 
+def _owned(optimizer: torch.optim.Optimizer) -> set[int]:
+    """ids of the parameters whose optimizer state this rank keeps (all of them without ZeRO)."""
+    return {id(p) for group in _local_optimizer(optimizer).param_groups for p in group["params"]}
+
+
 def _key(name: str, tied: bool) -> str:
     """The stored name: a tied head is the embedding, stored once."""
     return EMBEDDING if tied and name == TIED_HEAD else name
@@ -126,7 +131,7 @@ def read_keys(path: Path) -> dict[str, torch.Size]:
 def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
     """The DCP state_dict to load into, the optimizer states it fills, and tied copies to set afterwards."""
     named = state.engine.named_parameters()
-    owned = {id(p) for group in _local_optimizer(state.optimizer).param_groups for p in group["params"]}
+    owned = _owned(state.optimizer)
     into: dict[str, torch.Tensor] = {}
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     copies: list[tuple[nn.Parameter, nn.Parameter]] = []
@@ -173,7 +178,7 @@ def load_state(path: Path, state: TrainingState) -> None:
             optim_state[param] = fields
     for source, target in copies:
         target.data.copy_(source.data)
-        if source in optim_state and id(target) in owned:
+        if source in optim_state and id(target) in _owned(state.optimizer):
             optim_state[target] = {k: v.clone() for k, v in optim_state[source].items()}
     if f"{RNG}rank{state.grid.rank}/cpu" in rng:
         torch.set_rng_state(rng[f"{RNG}rank{state.grid.rank}/cpu"])

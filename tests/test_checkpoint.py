@@ -104,6 +104,15 @@ def test_reshard_to_one_process(trained):
     assert_close_resume(runs["tp2pp2"], [resumed])
 
 
+def test_reshard_to_an_emulated_pipeline(trained):
+    # One process plays both pipeline ranks: the tied embedding is two Parameters here, both restored.
+    root, runs = trained
+    resumed = one_process(["parallel.pp=2", "parallel.emulate=true", "schedule=1f1b", "schedule.n_microbatches=4"],
+                          root, "emulated-pp2-from-tp2pp2", resume_from="tp2pp2")
+    assert torch.equal(resumed["params"]["model.embed_tokens.weight"][0], resumed["params"]["lm_head.weight"][0])
+    assert_close_resume(runs["tp2pp2"], [resumed])
+
+
 def test_checkpoint_folders_are_complete_and_tied_embedding_stored_once(trained):
     root, _ = trained
     folders = complete_checkpoints(root / "tp2pp2" / "checkpoints")
@@ -192,7 +201,8 @@ def test_export_loads_without_the_repository(trained, tmp_path):
         export = subprocess.run([sys.executable, "scripts/export_hf.py", str(root / "tp2pp2"), *args], cwd=ROOT,
                                 capture_output=True, text=True, timeout=300)
         assert export.returncode == 0, export.stderr[-2000:]
-    assert {"config.py", "model.py", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    written = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.py", "model.py", "model.safetensors", "tokenizer.json"} <= written
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HOME": str(tmp_path / "hf-home")}
     outside = tmp_path / "elsewhere"
@@ -204,7 +214,8 @@ def test_export_loads_without_the_repository(trained, tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-5, atol=1e-5)
 
     generate = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), str(tmp_path / "hf"), "the cat",
-                               "--max-new-tokens", "4"], cwd=outside, env=env, capture_output=True, text=True, timeout=300)
+                               "--max-new-tokens", "4"], cwd=outside, env=env, capture_output=True, text=True,
+                              timeout=300)
     assert generate.returncode == 0, generate.stderr[-2000:]
 
     fresh = MiniMindForCausalLM(model_config(cfg)).eval()
