@@ -46,7 +46,7 @@ def _distributed() -> bool:
 
 
 @contextmanager
-def _quiet():
+def quiet_dcp():
     """DCP warns that it assumes one process whenever no process group exists; that is our intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -114,7 +114,7 @@ def check_finite(state: TrainingState, what: str) -> None:
 def save_state(path: Path, state: TrainingState) -> None:
     """Write this rank's share into the DCP folder `path` (a collective over every rank)."""
     writer = dcp.FileSystemWriter(str(path), thread_count=1)
-    with _quiet():
+    with quiet_dcp():
         dcp.save(state_to_save(state), storage_writer=writer, no_dist=not _distributed())
 
 
@@ -165,7 +165,7 @@ def load_state(path: Path, state: TrainingState) -> None:
     rng = {k: torch.empty(s, dtype=torch.uint8) for k, s in stored.items()
            if k.startswith(f"{RNG}rank{state.grid.rank}/")}
     try:
-        with _quiet():
+        with quiet_dcp():
             dcp.load({**into, **rng}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]

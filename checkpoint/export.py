@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import minimind
 from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError
-from checkpoint.distributed import OPTIM, RNG, _quiet, read_keys
+from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_keys
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
 from minimind import MiniMindConfig, MiniMindForCausalLM
 
@@ -42,7 +42,7 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
              for key, m in metadata.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and not key.startswith((OPTIM, RNG))}
     try:
-        with _quiet():
+        with quiet_dcp():
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         raise CheckpointError(f"checkpoint {folder} is corrupt or truncated ({type(error).__name__}); "
