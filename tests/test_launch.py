@@ -37,7 +37,7 @@ def test_self_launch_tp2_pp2_equals_single_process(tmp_path):
     log_lines = (tmp_path / "layout" / "train.log").read_text()
     assert log_lines.count("step 5 loss") == 1  # only rank 0 logs
     assert "launching 4 local workers" in log_lines
-    assert sorted(p.name for p in (tmp_path / "layout").iterdir()) == [".hydra", "metrics.jsonl", "train.log"]
+    assert sorted(p.name for p in (tmp_path / "layout").iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "train.log"]
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
