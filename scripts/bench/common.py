@@ -1,0 +1,208 @@
+"""What every benchmark shares: worker processes, step timing, activation-memory tracking, results.json."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results.json"
+
+
+# --- Worker processes ----------------------------------------------------------------------------------
+# The project's test helper lives under tests/; scripts sit above every layer and may not import tests, so
+# this is the same few lines: N spawned gloo processes, results by rank, every worker killed on timeout.
+
+
+def _worker(fn: Callable, rank: int, world: int, port: int, results: mp.Queue, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # N workers share two cores; intra-op threads would only fight over them
+    try:
+        results.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable, world: int, *args: Any, timeout: float = 900) -> list:
+    """Run `fn(rank, world, *args)` in `world` spawned processes; return the results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, results, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fn.__name__}: ranks {sorted(set(range(world)) - set(done))} timed out")
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
+                if dead and results.empty():
+                    raise RuntimeError(f"{fn.__name__}: ranks {dead} died without reporting")
+                continue
+            if not ok:
+                raise RuntimeError(f"{fn.__name__}: rank {rank} failed:\n{payload}")
+            done[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [done[r] for r in range(world)]
+
+
+def init_gloo() -> None:
+    """Join the process group the spawned environment describes (gloo: this is a CPU benchmark)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")
+
+
+# --- Timing --------------------------------------------------------------------------------------------
+
+
+def timed(step: Callable[[], Any]) -> tuple[float, Any]:
+    """One step on every rank from a common start: the slowest rank's wall time, and the step's result."""
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    out = step()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed), out
+
+
+def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, list[float]]:
+    """Warm every variant up, then run one step of each per round (A B A B ...); step times by variant."""
+    for _ in range(warmup):
+        for step in variants.values():
+            timed(step)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, step in variants.items():
+            times[name].append(timed(step)[0])
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# --- Activation memory ---------------------------------------------------------------------------------
+
+
+class ActivationMeter:
+    """Peak bytes of activations alive at once: tensors autograd saves for backward plus each stage's boundary
+    output while something still holds it. Storages are counted once however many tensors view them."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, list[int]] = {}  # storage address -> [bytes, holders]
+        self.live = 0
+        self.peak = 0
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage until the returned holder (or `t` itself, see `watch`) goes away."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.refs.setdefault(key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        return key
+
+    def release(self, key: int) -> None:
+        entry = self.refs[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.refs[key]
+
+    def watch(self, t: torch.Tensor) -> None:
+        """Count a boundary output for as long as the Python tensor object lives."""
+        weakref.finalize(t, self.release, self.hold(t))
+
+    @contextmanager
+    def saved_tensors(self):
+        """Within: every tensor autograd saves is counted until its graph lets it go."""
+
+        def pack(t: torch.Tensor) -> _Held:
+            return _Held(t, self)
+
+        def unpack(held: _Held) -> torch.Tensor:
+            return held.tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+class _Held:
+    """A saved tensor and its place in the meter; dropping it (autograd freeing the graph) releases it."""
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter):
+        self.tensor = tensor
+        self.meter = meter
+        self.key = meter.hold(tensor)
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def watch_outputs(modules: list[nn.Module], meter: ActivationMeter) -> list:
+    """Forward hooks that count each module's first output (MiniMindModel returns (hidden, aux))."""
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled():
+            meter.watch(hidden)
+
+    return [m.register_forward_hook(hook) for m in modules]
+
+
+# --- Results -------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+
+
+def update_results(section: str, value: Any, path: Path = RESULTS) -> None:
+    """Write one section of results.json, keeping the others."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[section] = value
+    data["machine"] = machine()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,141 @@
+"""Sleep benchmark: every schedule's measured step against the simulator's ideal makespan for the same costs.
+
+Each stage is one `SleepLayer` (F, I and W sleep a fixed time, no CPU), so the distance to the ideal is what
+scheduling, transport and Python cost. pp=4 gloo processes; Sluice and torch.distributed.pipelining's
+counterpart of each schedule run alternately, one step each per round. Writes the "sleep" section of
+results.json and, for m=8, a measured-vs-planned PNG per Sluice schedule.
+
+    python scripts/bench/schedules.py [--smoke] [--rounds N] [--f-ms MS] [--results PATH] [--png-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, RESULTS, alternate, median, run_workers, timed, update_results  # noqa: E402
+from sleep_model import sleep_model  # noqa: E402
+
+import torch  # noqa: E402
+
+from parallel.engine import build_engine  # noqa: E402
+from parallel.grid import ParallelGrid  # noqa: E402
+from parallel.pipeline.actions import Costs  # noqa: E402
+from parallel.pipeline.plan import plan_pipeline  # noqa: E402
+from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.step import MicroBatch  # noqa: E402
+
+PP = 4
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2}  # name -> chunks per rank
+HIDDEN, VOCAB, SEQ = 64, 128, 128  # boundary tensor 1 x 128 x 64 fp32 = 32 KiB
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One benchmark run's sizes; the same on every worker."""
+
+    microbatches: tuple[int, ...]
+    f_s: float  # forward sleep of one rank's whole share of the model (split over its chunks)
+    warmup: int
+    rounds: int
+    png_dir: str | None
+
+
+def costs(setup: Setup, vpp: int) -> Costs:
+    """Per-chunk costs: the model is the same whatever vpp, so each of a rank's vpp chunks does 1/vpp of it."""
+    f = setup.f_s / vpp
+    return Costs(f=f, b=2 * f, i=f, w=f, comm=0.0)
+
+
+def batches(m: int) -> list[MicroBatch]:
+    gen = torch.Generator().manual_seed(m)
+    return [MicroBatch(torch.randint(0, VOCAB, (1, SEQ), generator=gen), torch.randint(0, VOCAB, (1, SEQ), generator=gen))
+            for _ in range(m)]
+
+
+def worker(rank: int, world: int, setup: Setup) -> dict | None:
+    """Every schedule at every m, Sluice and torch alternated; rank 0 returns the figures."""
+    from torch_pipe import build
+
+    grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo")
+    out: dict = {}
+    for m in setup.microbatches:
+        micro = batches(m)
+        tokens = sum(mb.num_label_tokens() for mb in micro)
+        variants, ideal, engines = {}, {}, {}
+        for name, vpp in SCHEDULES.items():
+            c = costs(setup, vpp)
+            model = sleep_model(PP * vpp, HIDDEN, VOCAB, c.f, c.i, c.w)
+            pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
+            engines[name] = build_engine(EngineSpec(pipeline, 1, SEQ, timeout_s=120), model, grid)
+            ideal[name] = plan_pipeline(pipeline, PP * vpp).simulate(c).makespan
+            variants[f"sluice {name}"] = lambda e=engines[name]: e.step(micro)
+            torch_pipe = build(name, model, PP, m, grid.pp_rank, tokens, None)
+            variants[f"torch {name}"] = lambda t=torch_pipe: t.step(micro, tokens)
+        times = alternate(variants, setup.warmup, setup.rounds)
+        out[m] = {name: {"ideal_s": ideal[name], "sluice_s": median(times[f"sluice {name}"]),
+                         "torch_s": median(times[f"torch {name}"]), "sluice_runs_s": times[f"sluice {name}"],
+                         "torch_runs_s": times[f"torch {name}"]} for name in SCHEDULES}
+        if setup.png_dir and m == min(setup.microbatches):
+            draw(engines, setup, m, rank)
+    return out if rank == 0 else None
+
+
+def draw(engines: dict, setup: Setup, m: int, rank: int) -> None:
+    """One traced step per Sluice schedule, drawn under the simulator's plan for the same costs."""
+    from parallel.pipeline.timeline import draw_measured_vs_planned
+
+    micro = batches(m)
+    for name, engine in engines.items():
+        _, result = timed(lambda: engine.step(micro, trace=True))
+        if rank == 0:
+            vpp = SCHEDULES[name]
+            planned = plan_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m),
+                                    PP * vpp).simulate(costs(setup, vpp))
+            path = Path(setup.png_dir) / f"sleep_{name}_pp{PP}_m{m}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            draw_measured_vs_planned(planned, result.trace, path, title=f"{name}, pp={PP}, m={m} (seconds)")
+
+
+def summarise(by_m: dict) -> dict:
+    """results.json's "sleep" section: the m=8 (or smallest m) ratios on top, every m below."""
+    first = min(by_m)
+    section = {}
+    for name in SCHEDULES:
+        rows = {str(m): {**r[name], "sluice_over_ideal": r[name]["sluice_s"] / r[name]["ideal_s"],
+                         "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"]} for m, r in by_m.items()}
+        section[name] = {"sluice_over_ideal": rows[str(first)]["sluice_over_ideal"],
+                         "torch_over_ideal": rows[str(first)]["torch_over_ideal"], "m": first, "by_m": rows}
+    return section
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny run to check the script works (m=4, 1 round)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "timelines")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        setup = Setup((4,), 0.004, 1, 1, str(args.png_dir))
+    else:
+        setup = Setup((8, 16), args.f_ms / 1000, args.warmup, args.rounds, str(args.png_dir))
+    section = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
+    update_results("sleep", {**section, "setup": asdict(setup)}, args.results)
+    print(f"{'schedule':18s} {'m':>3s} {'ideal s':>8s} {'sluice s':>9s} {'torch s':>8s} {'sluice/ideal':>13s} "
+          f"{'torch/ideal':>12s}")
+    for name in SCHEDULES:
+        for m, r in section[name]["by_m"].items():
+            print(f"{name:18s} {m:>3s} {r['ideal_s']:8.3f} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} "
+                  f"{r['sluice_over_ideal']:13.3f} {r['torch_over_ideal']:12.3f}")
+    return section
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
