@@ -205,4 +205,4 @@ def update_results(section: str, value: Any, path: Path = RESULTS) -> None:
     data[section] = value
     data["machine"] = machine()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")

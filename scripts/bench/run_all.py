@@ -1,52 +1,49 @@
-"""Side-by-side benchmarks: each variant trains the same model and batch; runs alternate A, B, A, B, ...
+"""`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining and the single-process
+overhead, one after the other; then bench/results.json and docs/benchmarks.md (tables, ratios, timelines).
 
-Prints the median step time of every variant and its ratio to the first one. The machines are noisy, so
-variants are interleaved round by round and the first two steps of every run (warm-up) are dropped.
-Usage: python scripts/bench/run_all.py [--rounds N] [extra Hydra overrides for every variant]
+    python scripts/bench/run_all.py [--smoke] [--results PATH] [--doc PATH] [--png-dir DIR]
+
+Each benchmark runs in its own process (its own workers), so one cannot warm or slow the next.
 """
 
-import json
-import statistics
+from __future__ import annotations
+
+import argparse
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["model=tiny", "model.num_hidden_layers=8", "model.hidden_size=128", "train.seq_len=64",
-          "train.micro_batch_size=4", "schedule.n_microbatches=8", "train.steps=8", "logger=none",
-          "train.log_every=1", "data.num_docs=1000"]
-VARIANTS = {
-    "1 process (grad accumulation)": [],
-    "pp2 gpipe": ["parallel.pp=2", "schedule=gpipe"],
-    "pp2 1f1b": ["parallel.pp=2", "schedule=1f1b"],
-    "pp2 zb-h1": ["parallel.pp=2", "schedule=zb-h1"],
-}
-WARMUP_STEPS = 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, RESULTS, update_results  # noqa: E402
+from report import write  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py")
 
 
-def step_times(overrides: list[str], run_dir: Path) -> list[float]:
-    """Train once and return the per-step times after warm-up."""
-    cmd = [sys.executable, "train.py", *COMMON, *overrides, f"hydra.run.dir={run_dir}"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in records[WARMUP_STEPS:]]
-
-
-def main(argv: list[str]) -> None:
-    rounds = 3
-    if argv[:1] == ["--rounds"]:
-        rounds, argv = int(argv[1]), argv[2:]
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            for i, (name, overrides) in enumerate(VARIANTS.items()):
-                times[name] += step_times([*overrides, *argv], Path(tmp) / f"{r}-{i}")
-    base = statistics.median(times[next(iter(VARIANTS))])
-    print(f"{'variant':34s} {'median step (s)':>16s} {'ratio':>7s}   ({rounds} alternating rounds)")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:34s} {median:16.4f} {median / base:7.2f}")
+def main(argv: list[str]) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="every benchmark in its tiny mode (checks, not figures)")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "timelines")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.results.exists():
+        args.results.unlink()  # one run's figures only
+    for script in BENCHMARKS:
+        extra = ["--png-dir", str(args.png_dir)] if script == "schedules.py" else []
+        cmd = [sys.executable, str(HERE / script), "--results", str(args.results), *extra]
+        print(f"== {script}", flush=True)
+        subprocess.run(cmd + (["--smoke"] if args.smoke else []), check=True, cwd=ROOT)
+    update_results("run", {"command": "make bench" + (" ARGS=--smoke" if args.smoke else ""),
+                            "wall_s": time.perf_counter() - start,
+                            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, args.results)
+    doc = write(args.results, args.doc, "make bench" + (" ARGS=--smoke" if args.smoke else ""), ROOT)
+    print(f"wrote {args.results} and {doc} in {(time.perf_counter() - start) / 60:.1f} min")
+    return doc
 
 
 if __name__ == "__main__":

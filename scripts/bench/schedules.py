@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -127,7 +127,10 @@ def main(argv: list[str]) -> dict:
     else:
         setup = Setup((8, 16), args.f_ms / 1000, args.warmup, args.rounds, str(args.png_dir))
     section = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
-    update_results("sleep", {**section, "setup": asdict(setup)}, args.results)
+    pngs = sorted(args.png_dir.glob(f"sleep_*_m{min(setup.microbatches)}.png"))
+    timelines = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in pngs]
+    setup = replace(setup, png_dir=None)  # where they went is in "timelines", relative to the repository
+    update_results("sleep", {**section, "setup": asdict(setup), "timelines": timelines}, args.results)
     print(f"{'schedule':18s} {'m':>3s} {'ideal s':>8s} {'sluice s':>9s} {'torch s':>8s} {'sluice/ideal':>13s} "
           f"{'torch/ideal':>12s}")
     for name in SCHEDULES:

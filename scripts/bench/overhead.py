@@ -1,0 +1,106 @@
+"""Overhead of the single-process path: a Sluice step (pp=1, tp=1: LocalEngine plus the trainer's learning
+rate, grad-norm clipping and AdamW) against a minimal hand-written PyTorch loop on the same model,
+micro-batches and optimizer settings. Steps alternate (A B A B) after a warm-up; the ratio of medians.
+Writes the "overhead" section of results.json.
+
+    python scripts/bench/overhead.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, RESULTS, alternate, median, update_results  # noqa: E402
+from vs_torch import Setup, batches, dense_model  # noqa: E402
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from parallel.engine import build_engine  # noqa: E402
+from parallel.grid import ParallelGrid  # noqa: E402
+from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.step import MicroBatch, shifted_loss_sum  # noqa: E402
+from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr  # noqa: E402
+
+GRAD_CLIP = 1.0
+STEPS = 1000  # the learning-rate schedule's length: only where on it the benchmark sits matters, not its end
+
+
+class SluiceStep:
+    """What the Trainer does per step on one process, without data loading and logging."""
+
+    def __init__(self, setup: Setup, optim_cfg):
+        grid = ParallelGrid.single("cpu")
+        spec = EngineSpec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size, setup.seq)
+        self.engine = build_engine(spec, dense_model(setup), grid)
+        self.optimizer = build_optimizer(self.engine.parameters(), optim_cfg)
+        self.cfg, self.grid, self.step_no = optim_cfg, grid, 0
+
+    def __call__(self, micro: list[MicroBatch]) -> float:
+        set_lr(self.optimizer, lr_at(self.step_no, STEPS, self.cfg))
+        result = self.engine.step(micro)
+        clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(), GRAD_CLIP, self.grid.mp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_no += 1
+        return result.loss
+
+
+class PlainStep:
+    """The loop a PyTorch user would write: accumulate over micro-batches, clip, AdamW."""
+
+    def __init__(self, setup: Setup, optim_cfg):
+        self.model = dense_model(setup)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                                           eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+        self.cfg, self.step_no = optim_cfg, 0
+
+    def __call__(self, micro: list[MicroBatch]) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step_no, STEPS, self.cfg)
+        tokens = sum(mb.num_label_tokens() for mb in micro)
+        total = 0.0
+        for mb in micro:
+            loss = shifted_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels) / tokens
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_no += 1
+        return total
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round: checks the script works")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
+    else:
+        setup = Setup(8, 256, 128, 1, 8, args.warmup, args.rounds)
+    torch.set_num_threads(1)  # the machine's other core belongs to whoever else runs
+    optim_cfg = OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml")
+    sluice, plain = SluiceStep(setup, optim_cfg), PlainStep(setup, optim_cfg)
+    micro = batches(setup, sluice.engine.model.config.vocab_size)
+    first = (sluice(micro), plain(micro))  # same weights, same data: the same first loss
+    times = alternate({"sluice": lambda: sluice(micro), "plain": lambda: plain(micro)}, setup.warmup, setup.rounds)
+    section = {"ratio": median(times["sluice"]) / median(times["plain"]), "sluice_s": median(times["sluice"]),
+               "plain_s": median(times["plain"]), "sluice_runs_s": times["sluice"], "plain_runs_s": times["plain"],
+               "first_loss": {"sluice": first[0], "plain": first[1]}, "setup": asdict(setup)}
+    update_results("overhead", section, args.results)
+    print(f"sluice {section['sluice_s']:.3f} s, plain {section['plain_s']:.3f} s, ratio {section['ratio']:.3f} "
+          f"(first loss {first[0]:.6f} vs {first[1]:.6f})")
+    return section
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

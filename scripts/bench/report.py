@@ -1,0 +1,148 @@
+"""Turn bench/results.json into docs/benchmarks.md: machine, command, medians, ratios, acceptance, timelines."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MIB = 2**20
+METHOD = """\
+How it is measured. Every figure is a median over steps; variants run alternately, one step each per round
+(A B A B ...), after warm-up steps that are not counted, so a noisy neighbour hits all of them alike. A step's
+time is the slowest rank's, from a barrier to the end of its step. The processes are 4 gloo workers with one
+thread each on this machine's cores.
+
+- **Sleep benchmark** (`scripts/bench/schedules.py`): every stage is one layer whose forward, input-gradient
+  and weight-gradient passes sleep a fixed time (no CPU), so the distance to the simulator's makespan for the
+  same costs (`PipelinePlan.simulate(Costs(f, b=2f, i=f, w=f))`, zero communication cost) is what scheduling,
+  transport and Python cost. f is one rank's share of the model: with two chunks per rank each chunk sleeps
+  f/2. torch.distributed.pipelining runs the same stage modules; its ratio uses the same ideal as Sluice's
+  schedule of the same name (zb-h1 is compared with torch's ScheduleInterleavedZeroBubble on one stage per
+  rank, zbv with ScheduleZBVZeroBubble).
+- **Real model** (`scripts/bench/vs_torch.py`): MiniMind (vocab 6400, 8 layers, hidden 256, 8 heads, 4 KV
+  heads, tied embeddings), seq 128, fp32, pp=4, 8 micro-batches. torch's stages are pruned from the dense
+  model exactly as Sluice prunes them (`prune_to_stage`), behind a one-tensor stage interface, with the same
+  token-sum loss over the global token count (`scale_grads=False`) and the same tied-embedding gradient sum
+  after the step. A step is forward + backward (+ that sum); the optimizer is the same for both and left out.
+- **Activation memory**: peak bytes alive at once per pipeline rank during one step: every tensor autograd
+  saves for backward (saved-tensor hooks, each storage once) plus each stage's boundary output while a
+  Python object still holds it. Sluice's deferred weight-gradient inputs (zero-bubble) are not counted.
+- **Overhead** (`scripts/bench/overhead.py`): one process, the real model; a Sluice step (LocalEngine, the
+  trainer's learning rate, grad-norm clipping and AdamW) against a hand-written loop (forward, backward per
+  micro-batch, `clip_grad_norm_`, AdamW with the same settings).
+"""
+
+
+def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
+    """Write the markdown page for the results in `results_path`."""
+    r = json.loads(results_path.read_text())
+    lines = ["# Benchmarks", "", f"Measured with `{command}` on {_machine(r)}.", ""]
+    run = r.get("run", {})
+    if run:
+        lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
+    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r)
+    lines += ["## Method", "", METHOD]
+    doc_path.parent.mkdir(parents=True, exist_ok=True)
+    doc_path.write_text("\n".join(lines))
+    return doc_path
+
+
+def _machine(r: dict) -> str:
+    m = r.get("machine", {})
+    return f"{m.get('cores')} CPU cores ({m.get('cpu')}), Python {m.get('python')}, torch {m.get('torch')}"
+
+
+def _acceptance(r: dict) -> list[str]:
+    rows = []
+    sleep = _schedules(r.get("sleep", {}))
+    if sleep:
+        worst = max(sleep, key=lambda k: sleep[k]["sluice_over_ideal"])
+        rows.append(("every Sluice schedule within 1.05x of the ideal (sleep, m=8)",
+                     f"worst {worst} {sleep[worst]['sluice_over_ideal']:.3f}",
+                     all(v["sluice_over_ideal"] <= 1.05 for v in sleep.values())))
+        behind = [k for k, v in sleep.items() if v["torch_over_ideal"] is not None
+                  and v["sluice_over_ideal"] > v["torch_over_ideal"]]
+        rows.append(("Sluice's ratio at or below torch's for every schedule (sleep, m=8)",
+                     "behind on " + ", ".join(behind) if behind else "all", not behind))
+    real = _schedules(r.get("real", {}))
+    if real:
+        rows.append(("real model: Sluice at most 1.0x torch, equal losses",
+                     ", ".join(f"{k} {v['sluice_over_torch']:.3f}" for k, v in real.items()),
+                     all(v["sluice_over_torch"] <= 1.0 and v["losses_equal"] for v in real.values())))
+    mem = r.get("memory", {}).get("1f1b")
+    if mem:
+        rows.append(("1F1B peak activation memory per stage at most torch's",
+                     f"{_mib(mem['sluice_peak_bytes'])} vs {_mib(mem['torch_peak_bytes'])} MiB",
+                     all(s <= t for s, t in zip(mem["sluice_peak_bytes"], mem["torch_peak_bytes"]))))
+    if "overhead" in r:
+        rows.append(("single-process overhead ratio at most 1.03", f"{r['overhead']['ratio']:.3f}",
+                     r["overhead"]["ratio"] <= 1.03))
+    out = ["## Acceptance", "", "| criterion | measured | met |", "|---|---|---|"]
+    out += [f"| {c} | {m} | {'yes' if ok else '**no**'} |" for c, m, ok in rows]
+    return out + [""]
+
+
+def _sleep(r: dict, doc_path: Path, root: Path) -> list[str]:
+    sleep = r.get("sleep")
+    if not sleep:
+        return []
+    setup = sleep.get("setup", {})
+    out = ["## Sleep benchmark: measured / ideal (pp=4)", "",
+           f"f = {setup.get('f_s', 0) * 1000:.0f} ms per rank's share of the model, b = 2f, i = w = f; "
+           f"{setup.get('rounds')} measured steps per variant after {setup.get('warmup')} warm-up.", "",
+           "| schedule | m | ideal (s) | Sluice (s) | torch (s) | Sluice / ideal | torch / ideal |",
+           "|---|---|---|---|---|---|---|"]
+    for name, v in _schedules(sleep).items():
+        for m, row in v["by_m"].items():
+            out.append(f"| {name} | {m} | {row['ideal_s']:.3f} | {row['sluice_s']:.3f} | {row['torch_s']:.3f} | "
+                       f"{row['sluice_over_ideal']:.3f} | {row['torch_over_ideal']:.3f} |")
+    pngs = [root / p for p in sleep.get("timelines", [])]
+    if pngs:
+        out += ["", "Measured Sluice steps (below) under the simulator's plan for the same costs (above):", ""]
+        out += [f"![{p.stem}]({os.path.relpath(p, doc_path.parent)})" for p in pngs]
+    return out + [""]
+
+
+def _real(r: dict) -> list[str]:
+    real = r.get("real")
+    if not real:
+        return []
+    s = real.get("setup", {})
+    out = ["## Real model: Sluice / torch.distributed.pipelining (pp=4)", "",
+           f"{s.get('layers')} layers, hidden {s.get('hidden')}, seq {s.get('seq')}, micro-batch size "
+           f"{s.get('micro_batch_size')}, {s.get('microbatches')} micro-batches; {s.get('rounds')} measured steps "
+           f"per variant after {s.get('warmup')} warm-up.", "",
+           "| schedule | Sluice (s) | torch (s) | Sluice / torch | Sluice loss | torch loss | equal |",
+           "|---|---|---|---|---|---|---|"]
+    for name, v in _schedules(real).items():
+        out.append(f"| {name} | {v['sluice_s']:.3f} | {v['torch_s']:.3f} | {v['sluice_over_torch']:.3f} | "
+                   f"{v['sluice_loss']:.6f} | {v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
+    return out + [""]
+
+
+def _memory(r: dict) -> list[str]:
+    mem = r.get("memory")
+    if not mem:
+        return []
+    out = ["## Peak activation memory per pipeline rank (MiB)", "",
+           "| schedule | Sluice | torch |", "|---|---|---|"]
+    out += [f"| {name} | {_mib(v['sluice_peak_bytes'])} | {_mib(v['torch_peak_bytes'])} |" for name, v in mem.items()]
+    return out + [""]
+
+
+def _overhead(r: dict) -> list[str]:
+    o = r.get("overhead")
+    if not o:
+        return []
+    return ["## Single-process overhead", "", "| Sluice (s) | hand-written loop (s) | ratio |", "|---|---|---|",
+            f"| {o['sluice_s']:.3f} | {o['plain_s']:.3f} | {o['ratio']:.3f} |", ""]
+
+
+def _schedules(section: dict) -> dict:
+    """The per-schedule entries of a section (not its setup or file lists)."""
+    return {k: v for k, v in section.items() if isinstance(v, dict) and k != "setup"}
+
+
+def _mib(values: list[int]) -> str:
+    return ", ".join(f"{b / MIB:.2f}" for b in values)

@@ -1,0 +1,165 @@
+"""Real model: Sluice against torch.distributed.pipelining, schedule by schedule, on the same work.
+
+The same MiniMind (8 layers, hidden 256, seq 128), the same partition, placement, micro-batches and token-sum
+loss; pp=4 gloo processes on the CPU; variants alternate one step at a time (A B A B) after a warm-up. Each
+step is forward + backward + the tied-embedding gradient sum (no optimizer: it is the same for both). Also
+each stage's peak activation memory (tensors saved for backward plus boundary outputs still held).
+Writes the "real" and "memory" sections of results.json.
+
+    python scripts/bench/vs_torch.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS, ActivationMeter, alternate, median, run_workers, update_results, watch_outputs  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from parallel.engine import build_engine  # noqa: E402
+from parallel.grid import ParallelGrid  # noqa: E402
+from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.step import MicroBatch  # noqa: E402
+
+PP = 4
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}  # name -> chunks per rank
+LOSS_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Model and run sizes; the same on every worker."""
+
+    layers: int
+    hidden: int
+    seq: int
+    micro_batch_size: int
+    microbatches: int
+    warmup: int
+    rounds: int
+
+
+def dense_model(setup: Setup) -> MiniMindForCausalLM:
+    """The MiniMind-3 shape (vocab 6400, 8 heads, 4 KV heads, tied embeddings) at the benchmark's size."""
+    torch.manual_seed(0)
+    return MiniMindForCausalLM(MiniMindConfig(hidden_size=setup.hidden, num_hidden_layers=setup.layers,
+                                              max_position_embeddings=max(setup.seq, 512)))
+
+
+def batches(setup: Setup, vocab: int) -> list[MicroBatch]:
+    gen = torch.Generator().manual_seed(1)
+    shape = (setup.micro_batch_size, setup.seq)
+    return [MicroBatch(ids, ids.clone()) for ids in
+            (torch.randint(0, vocab, shape, generator=gen) for _ in range(setup.microbatches))]
+
+
+def worker(rank: int, world: int, setup: Setup) -> dict | None:
+    """Both frameworks on every schedule, alternated; then one metered step each. Rank 0 returns the figures."""
+    from torch_pipe import build
+
+    grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo")
+    embed_group = dist.new_group([0, PP - 1])  # torch's tied-embedding pair (every rank must create it)
+    model = dense_model(setup)
+    micro = batches(setup, model.config.vocab_size)
+    tokens = sum(mb.num_label_tokens() for mb in micro)
+    sluice, theirs, variants = {}, {}, {}
+    for name, vpp in SCHEDULES.items():
+        spec = EngineSpec(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=setup.microbatches),
+                          setup.micro_batch_size, setup.seq, timeout_s=300)
+        sluice[name] = build_engine(spec, model, grid)
+        theirs[name] = build(name, model, PP, setup.microbatches, grid.pp_rank, tokens, embed_group)
+        variants[f"sluice {name}"] = lambda e=sluice[name]: _sluice_step(e, micro)
+        variants[f"torch {name}"] = lambda t=theirs[name]: t.step(micro, tokens)
+    times = alternate(variants, setup.warmup, setup.rounds)
+    out = {}
+    for name in SCHEDULES:
+        sluice_loss = _sluice_step(sluice[name], micro)
+        torch_loss = _from_last(theirs[name].step(micro, tokens))
+        out[name] = {"sluice_s": median(times[f"sluice {name}"]), "torch_s": median(times[f"torch {name}"]),
+                     "sluice_runs_s": times[f"sluice {name}"], "torch_runs_s": times[f"torch {name}"],
+                     "sluice_loss": sluice_loss, "torch_loss": torch_loss,
+                     "sluice_peak_bytes": _gathered(_peak(lambda e=sluice[name]: _sluice_step(e, micro),
+                                                          [s.module.model for s in sluice[name].stages.values()])),
+                     "torch_peak_bytes": _gathered(_peak(lambda t=theirs[name]: t.step(micro, tokens),
+                                                         [m.chunk.model for m in theirs[name].modules]))}
+    return out if rank == 0 else None
+
+
+def _sluice_step(engine, micro: list[MicroBatch]) -> float:
+    for param in engine.parameters():
+        param.grad = None  # as torch's step does: every step starts from empty gradients
+    return engine.step(micro).loss
+
+
+def _peak(step, modules: list) -> int:
+    """Peak activation bytes on this rank during one step."""
+    meter = ActivationMeter()
+    hooks = watch_outputs(modules, meter)
+    with meter.saved_tensors():
+        step()
+    for hook in hooks:
+        hook.remove()
+    return meter.peak
+
+
+def _gathered(value) -> list:
+    """Every rank's value, by pipeline rank (all ranks call this)."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _from_last(value: float | None) -> float:
+    """The last stage's value, on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=PP - 1)
+    return box[0]
+
+
+def summarise(by_name: dict) -> tuple[dict, dict]:
+    """results.json's "real" and "memory" sections."""
+    real, memory = {}, {}
+    for name, r in by_name.items():
+        equal = abs(r["sluice_loss"] - r["torch_loss"]) <= LOSS_RTOL * abs(r["torch_loss"])
+        real[name] = {"sluice_over_torch": r["sluice_s"] / r["torch_s"], "losses_equal": equal,
+                      **{k: v for k, v in r.items() if not k.endswith("peak_bytes")}}
+        memory[name] = {"sluice_peak_bytes": r["sluice_peak_bytes"], "torch_peak_bytes": r["torch_peak_bytes"]}
+    return real, memory
+
+
+def main(argv: list[str]) -> tuple[dict, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round: checks the script works")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        setup = Setup(layers=8, hidden=64, seq=16, micro_batch_size=1, microbatches=4, warmup=1, rounds=1)
+    else:
+        setup = Setup(8, 256, 128, args.micro_batch_size, 8, args.warmup, args.rounds)
+    real, memory = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
+    update_results("real", {**real, "setup": asdict(setup)}, args.results)
+    update_results("memory", memory, args.results)
+    print(f"{'schedule':18s} {'sluice s':>9s} {'torch s':>8s} {'ratio':>6s}  {'sluice loss':>12s} {'torch loss':>12s}")
+    for name, r in real.items():
+        print(f"{name:18s} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} {r['sluice_over_torch']:6.3f}  "
+              f"{r['sluice_loss']:12.6f} {r['torch_loss']:12.6f}  equal={r['losses_equal']}")
+    for name, r in memory.items():
+        print(f"{name:18s} peak activation MiB per stage: sluice "
+              f"{[round(b / 2**20, 2) for b in r['sluice_peak_bytes']]}, torch "
+              f"{[round(b / 2**20, 2) for b in r['torch_peak_bytes']]}")
+    return real, memory
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,58 @@
+"""The benchmark scripts run end to end (tiny smoke sizes) and write results.json and the page in their shape.
+
+Timings are not checked (benchmarks are scripts, not tests); the numbers that must hold whatever the load are:
+equal losses for Sluice and torch.distributed.pipelining, and activation bytes that the meter counts exactly.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+
+from common import ActivationMeter  # noqa: E402
+
+SLEEP = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+REAL = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+@pytest.mark.timeout(900)
+def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path):
+    results, doc, pngs = tmp_path / "results.json", tmp_path / "benchmarks.md", tmp_path / "png"
+    run = subprocess.run([sys.executable, "scripts/bench/run_all.py", "--smoke", "--results", str(results),
+                          "--doc", str(doc), "--png-dir", str(pngs)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=880)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(results.read_text())
+    for name in SLEEP:
+        assert isinstance(r["sleep"][name]["sluice_over_ideal"], float) and r["sleep"][name]["sluice_over_ideal"] > 0
+        assert r["sleep"][name]["torch_over_ideal"] is None or r["sleep"][name]["torch_over_ideal"] > 0
+    assert sorted(p.name for p in pngs.iterdir()) == sorted(f"sleep_{n}_pp4_m4.png" for n in SLEEP)
+    for name in REAL:
+        assert isinstance(r["real"][name]["sluice_over_torch"], float)
+        assert r["real"][name]["losses_equal"] is True, (r["real"][name]["sluice_loss"], r["real"][name]["torch_loss"])
+    peaks = r["memory"]["1f1b"]
+    assert len(peaks["sluice_peak_bytes"]) == len(peaks["torch_peak_bytes"]) == 4
+    assert all(b > 0 for b in peaks["sluice_peak_bytes"] + peaks["torch_peak_bytes"])
+    assert r["overhead"]["ratio"] > 0
+    assert r["overhead"]["first_loss"]["sluice"] == pytest.approx(r["overhead"]["first_loss"]["plain"], rel=1e-6)
+    page = doc.read_text()
+    assert "## Acceptance" in page and "make bench ARGS=--smoke" in page
+    assert all(f"| {name} |" in page for name in SLEEP)
+
+
+def test_activation_meter_counts_saved_storages_once_until_backward_frees_them():
+    meter = ActivationMeter()
+    x = torch.ones(256, requires_grad=True)  # 1 KiB
+    with meter.saved_tensors():
+        y = x.exp()  # saves its output (1 KiB)
+        z = (y * y).sum()  # saves y twice: the same storage, counted once
+    assert meter.peak == meter.live == 1024
+    z.backward()
+    del z, y
+    assert meter.live == 0 and meter.peak == 1024
