@@ -16,6 +16,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,32 +92,47 @@ def init_gloo() -> None:
 # --- Timing --------------------------------------------------------------------------------------------
 
 
-def timed(step: Callable[[], Any]) -> tuple[float, Any]:
-    """One step on every rank from a common start: the slowest rank's wall time, and the step's result."""
+def timed(step: Callable[[], Any]) -> tuple[float, float, Any]:
+    """One step on every rank from a common start: the slowest rank's wall time, the CPU time of all ranks
+    together (what the step costs whatever else the machine runs), and the step's result."""
     if dist.is_initialized():
         dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = step()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), out
+        wall, cpu_sum = spent.clone(), spent.clone()
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu_sum)
+        spent = torch.stack([wall[0], cpu_sum[1]])
+    return float(spent[0]), float(spent[1]), out
 
 
-def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, list[float]]:
+@dataclass
+class Times:
+    """One variant's measured steps: wall time (slowest rank) and CPU time (all ranks), in seconds."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    def summary(self, prefix: str) -> dict:
+        """`{prefix}_s` (median wall), `{prefix}_min_s`, `{prefix}_cpu_s` (median CPU) and the raw runs."""
+        return {f"{prefix}_s": statistics.median(self.wall), f"{prefix}_min_s": min(self.wall),
+                f"{prefix}_cpu_s": statistics.median(self.cpu), f"{prefix}_runs_s": self.wall}
+
+
+def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, Times]:
     """Warm every variant up, then run one step of each per round (A B A B ...); step times by variant."""
     for _ in range(warmup):
         for step in variants.values():
             timed(step)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times = {name: Times() for name in variants}
     for _ in range(rounds):
         for name, step in variants.items():
-            times[name].append(timed(step)[0])
+            wall, cpu, _ = timed(step)
+            times[name].wall.append(wall)
+            times[name].cpu.append(cpu)
     return times
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 # --- Activation memory ---------------------------------------------------------------------------------

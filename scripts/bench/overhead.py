@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, alternate, median, update_results  # noqa: E402
+from common import ROOT, RESULTS, alternate, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -93,8 +93,9 @@ def main(argv: list[str]) -> dict:
     micro = batches(setup, sluice.engine.model.config.vocab_size)
     first = (sluice(micro), plain(micro))  # same weights, same data: the same first loss
     times = alternate({"sluice": lambda: sluice(micro), "plain": lambda: plain(micro)}, setup.warmup, setup.rounds)
-    section = {"ratio": median(times["sluice"]) / median(times["plain"]), "sluice_s": median(times["sluice"]),
-               "plain_s": median(times["plain"]), "sluice_runs_s": times["sluice"], "plain_runs_s": times["plain"],
+    sluice_t, plain_t = times["sluice"].summary("sluice"), times["plain"].summary("plain")
+    section = {"ratio": sluice_t["sluice_s"] / plain_t["plain_s"],
+               "cpu_ratio": sluice_t["sluice_cpu_s"] / plain_t["plain_cpu_s"], **sluice_t, **plain_t,
                "first_loss": {"sluice": first[0], "plain": first[1]}, "setup": asdict(setup)}
     update_results("overhead", section, args.results)
     print(f"sluice {section['sluice_s']:.3f} s, plain {section['plain_s']:.3f} s, ratio {section['ratio']:.3f} "

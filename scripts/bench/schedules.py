@@ -11,13 +11,14 @@ results.json and, for m=8, a measured-vs-planned PNG per Sluice schedule.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, alternate, median, run_workers, timed, update_results  # noqa: E402
+from common import ROOT, RESULTS, alternate, run_workers, timed, update_results  # noqa: E402
 from sleep_model import sleep_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -43,6 +44,7 @@ class Setup:
     warmup: int
     rounds: int
     png_dir: str | None
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
 
 
 def costs(setup: Setup, vpp: int) -> Costs:
@@ -67,7 +69,8 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
         micro = batches(m)
         tokens = sum(mb.num_label_tokens() for mb in micro)
         variants, ideal, engines = {}, {}, {}
-        for name, vpp in SCHEDULES.items():
+        for name in setup.schedules:
+            vpp = SCHEDULES[name]
             c = costs(setup, vpp)
             model = sleep_model(PP * vpp, HIDDEN, VOCAB, c.f, c.i, c.w)
             pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
@@ -77,35 +80,46 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
             torch_pipe = build(name, model, PP, m, grid.pp_rank, tokens, None)
             variants[f"torch {name}"] = lambda t=torch_pipe: t.step(micro, tokens)
         times = alternate(variants, setup.warmup, setup.rounds)
-        out[m] = {name: {"ideal_s": ideal[name], "sluice_s": median(times[f"sluice {name}"]),
-                         "torch_s": median(times[f"torch {name}"]), "sluice_runs_s": times[f"sluice {name}"],
-                         "torch_runs_s": times[f"torch {name}"]} for name in SCHEDULES}
-        if setup.png_dir and m == min(setup.microbatches):
-            draw(engines, setup, m, rank)
+        traced = {name: traced_step(engine, name, setup, m, rank) for name, engine in engines.items()}
+        out[m] = {name: {"ideal_s": ideal[name], **times[f"sluice {name}"].summary("sluice"),
+                         **times[f"torch {name}"].summary("torch"), **traced[name]} for name in setup.schedules}
     return out if rank == 0 else None
 
 
-def draw(engines: dict, setup: Setup, m: int, rank: int) -> None:
-    """One traced step per Sluice schedule, drawn under the simulator's plan for the same costs."""
+def traced_step(engine, name: str, setup: Setup, m: int, rank: int) -> dict:
+    """One traced Sluice step: its actions' measured durations give a calibrated ideal (the simulator's makespan
+    had every action taken as long as it took here), which separates slow sleeps from slow scheduling. At the
+    smallest m, also the measured step drawn under the planned one (PNG)."""
     from parallel.pipeline.timeline import draw_measured_vs_planned
 
-    micro = batches(m)
-    for name, engine in engines.items():
-        _, result = timed(lambda: engine.step(micro, trace=True))
-        if rank == 0:
-            vpp = SCHEDULES[name]
-            planned = plan_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m),
-                                    PP * vpp).simulate(costs(setup, vpp))
-            path = Path(setup.png_dir) / f"sleep_{name}_pp{PP}_m{m}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            draw_measured_vs_planned(planned, result.trace, path, title=f"{name}, pp={PP}, m={m} (seconds)")
+    _, _, result = timed(lambda: engine.step(batches(m), trace=True))
+    if rank != 0:
+        return {}
+    vpp = SCHEDULES[name]
+    spans: dict[str, list[float]] = {}
+    records = [r for rank_records in result.trace.values() for r in rank_records]
+    for action, start, end in records:
+        if action[0] in "FBIW":
+            spans.setdefault(action[0], []).append(end - start)
+    span = max(end for _, _, end in records) - min(start for _, start, _ in records)
+    nominal = costs(setup, vpp)
+    mean = {k: statistics.fmean(v) for k, v in spans.items()}
+    measured = Costs(f=mean["F"], b=mean.get("B", nominal.b), i=mean.get("I", nominal.i), w=mean.get("W", nominal.w))
+    plan = plan_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m), PP * vpp)
+    calibrated = plan.simulate(measured).makespan
+    if setup.png_dir and m == min(setup.microbatches):
+        path = Path(setup.png_dir) / f"sleep_{name}_pp{PP}_m{m}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draw_measured_vs_planned(plan.simulate(nominal), result.trace, path, title=f"{name}, pp={PP}, m={m} (seconds)")
+    return {"traced_span_s": span, "calibrated_ideal_s": calibrated, "traced_over_calibrated": span / calibrated,
+            "measured_action_s": mean}
 
 
 def summarise(by_m: dict) -> dict:
     """results.json's "sleep" section: the m=8 (or smallest m) ratios on top, every m below."""
     first = min(by_m)
     section = {}
-    for name in SCHEDULES:
+    for name in next(iter(by_m.values())):
         rows = {str(m): {**r[name], "sluice_over_ideal": r[name]["sluice_s"] / r[name]["ideal_s"],
                          "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"]} for m, r in by_m.items()}
         section[name] = {"sluice_over_ideal": rows[str(first)]["sluice_over_ideal"],
@@ -119,13 +133,16 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "timelines")
     args = parser.parse_args(argv)
     if args.smoke:
-        setup = Setup((4,), 0.004, 1, 1, str(args.png_dir))
+        setup = Setup((4,), 0.004, 1, 1, str(args.png_dir), tuple(args.schedules))
     else:
-        setup = Setup((8, 16), args.f_ms / 1000, args.warmup, args.rounds, str(args.png_dir))
+        setup = Setup(tuple(args.microbatches), args.f_ms / 1000, args.warmup, args.rounds, str(args.png_dir),
+                      tuple(args.schedules))
     section = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
     pngs = sorted(args.png_dir.glob(f"sleep_*_m{min(setup.microbatches)}.png"))
     timelines = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in pngs]
@@ -133,7 +150,7 @@ def main(argv: list[str]) -> dict:
     update_results("sleep", {**section, "setup": asdict(setup), "timelines": timelines}, args.results)
     print(f"{'schedule':18s} {'m':>3s} {'ideal s':>8s} {'sluice s':>9s} {'torch s':>8s} {'sluice/ideal':>13s} "
           f"{'torch/ideal':>12s}")
-    for name in SCHEDULES:
+    for name in setup.schedules:
         for m, r in section[name]["by_m"].items():
             print(f"{name:18s} {m:>3s} {r['ideal_s']:8.3f} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} "
                   f"{r['sluice_over_ideal']:13.3f} {r['torch_over_ideal']:12.3f}")

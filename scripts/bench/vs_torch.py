@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, ActivationMeter, alternate, median, run_workers, update_results, watch_outputs  # noqa: E402
+from common import RESULTS, ActivationMeter, alternate, run_workers, update_results, watch_outputs  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -45,6 +45,7 @@ class Setup:
     microbatches: int
     warmup: int
     rounds: int
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
 
 
 def dense_model(setup: Setup) -> MiniMindForCausalLM:
@@ -71,7 +72,8 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
     micro = batches(setup, model.config.vocab_size)
     tokens = sum(mb.num_label_tokens() for mb in micro)
     sluice, theirs, variants = {}, {}, {}
-    for name, vpp in SCHEDULES.items():
+    for name in setup.schedules:
+        vpp = SCHEDULES[name]
         spec = EngineSpec(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=setup.microbatches),
                           setup.micro_batch_size, setup.seq, timeout_s=300)
         sluice[name] = build_engine(spec, model, grid)
@@ -80,11 +82,10 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
         variants[f"torch {name}"] = lambda t=theirs[name]: t.step(micro, tokens)
     times = alternate(variants, setup.warmup, setup.rounds)
     out = {}
-    for name in SCHEDULES:
+    for name in setup.schedules:
         sluice_loss = _sluice_step(sluice[name], micro)
         torch_loss = _from_last(theirs[name].step(micro, tokens))
-        out[name] = {"sluice_s": median(times[f"sluice {name}"]), "torch_s": median(times[f"torch {name}"]),
-                     "sluice_runs_s": times[f"sluice {name}"], "torch_runs_s": times[f"torch {name}"],
+        out[name] = {**times[f"sluice {name}"].summary("sluice"), **times[f"torch {name}"].summary("torch"),
                      "sluice_loss": sluice_loss, "torch_loss": torch_loss,
                      "sluice_peak_bytes": _gathered(_peak(lambda e=sluice[name]: _sluice_step(e, micro),
                                                           [s.module.model for s in sluice[name].stages.values()])),
@@ -141,12 +142,13 @@ def main(argv: list[str]) -> tuple[dict, dict]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
-        setup = Setup(layers=8, hidden=64, seq=16, micro_batch_size=1, microbatches=4, warmup=1, rounds=1)
+        setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules))
     else:
-        setup = Setup(8, 256, 128, args.micro_batch_size, 8, args.warmup, args.rounds)
+        setup = Setup(8, 256, 128, args.micro_batch_size, 8, args.warmup, args.rounds, tuple(args.schedules))
     real, memory = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
     update_results("real", {**real, "setup": asdict(setup)}, args.results)
     update_results("memory", memory, args.results)
