@@ -44,7 +44,8 @@ class SluiceStep:
     def __call__(self, micro: list[MicroBatch]) -> float:
         set_lr(self.optimizer, lr_at(self.step_no, STEPS, self.cfg))
         result = self.engine.step(micro)
-        clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(), GRAD_CLIP, self.grid.mp_group)
+        clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(), GRAD_CLIP, self.grid.mp_group,
+                       self.grid.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_no += 1

@@ -99,8 +99,9 @@ def traced_step(engine, name: str, setup: Setup, m: int, rank: int) -> dict:
     spans: dict[str, list[float]] = {}
     records = [r for rank_records in result.trace.values() for r in rank_records]
     for action, start, end in records:
-        if action[0] in "FBIW":
-            spans.setdefault(action[0], []).append(end - start)
+        kind = str(action)[0]  # "F3@s1" -> F; SEND_*/RECV_* (S, R) are transfers, not compute
+        if kind in "FBIW":
+            spans.setdefault(kind, []).append(end - start)
     span = max(end for _, _, end in records) - min(start for _, start, _ in records)
     nominal = costs(setup, vpp)
     mean = {k: statistics.fmean(v) for k, v in spans.items()}
