@@ -140,9 +140,13 @@ def _overhead(r: dict) -> list[str]:
     o = r.get("overhead")
     if not o:
         return []
-    return ["## Single-process overhead", "", "| Sluice (s) | hand-written loop (s) | ratio | CPU-time ratio |",
-            "|---|---|---|---|", f"| {o['sluice_s']:.3f} | {o['plain_s']:.3f} | {o['ratio']:.3f} | {o['cpu_ratio']:.3f} |",
-            ""]
+    clip = o.get("clip_cpu_s", {})
+    out = ["## Single-process overhead", "", "| Sluice (s) | hand-written loop (s) | ratio | CPU-time ratio |",
+           "|---|---|---|---|", f"| {o['sluice_s']:.3f} | {o['plain_s']:.3f} | {o['ratio']:.3f} | {o['cpu_ratio']:.3f} |"]
+    if clip:
+        out += ["", f"Grad-norm clipping alone, on the same gradients: {clip['sluice'] * 1000:.1f} ms of CPU in the "
+                f"trainer's `clip_grad_norm`, {clip['torch'] * 1000:.1f} ms in `torch.nn.utils.clip_grad_norm_`."]
+    return out + [""]
 
 
 def _schedules(section: dict) -> dict:
