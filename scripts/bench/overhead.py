@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, alternate, update_results  # noqa: E402
+from common import RESULTS, alternate, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -27,6 +27,7 @@ from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
 from parallel.step import MicroBatch, shifted_loss_sum  # noqa: E402
+from training.schema import OptimSchema  # noqa: E402
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr  # noqa: E402
 
 GRAD_CLIP = 1.0
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> dict:
     else:
         setup = Setup(8, 256, 128, 1, 8, args.warmup, args.rounds)
     torch.set_num_threads(1)  # the machine's other core belongs to whoever else runs
-    optim_cfg = OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml")
+    optim_cfg = OmegaConf.structured(OptimSchema)  # the run config's optimizer defaults
     sluice, plain = SluiceStep(setup, optim_cfg), PlainStep(setup, optim_cfg)
     micro = batches(setup, sluice.engine.model.config.vocab_size)
     first = (sluice(micro), plain(micro))  # same weights, same data: the same first loss
