@@ -14,13 +14,13 @@ def global_grad_norm(norm_params: list[nn.Parameter], group, device: torch.devic
     The accumulator lives on `device` even when this rank holds no gradient (NCCL cannot reduce CPU tensors)."""
     sum_sq = torch.zeros((), dtype=torch.float64, device=device)
     for param in norm_params:
-        if param.grad is not None:
-            sum_sq += param.grad.detach().double().pow(2).sum()
+        if param.grad is not None:  # accumulated in float64 without a float64 copy of the gradient
+            sum_sq += torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float64).square()
     return all_reduce_(sum_sq, group).sqrt()
 
 
 def scale_grads_(params: list[nn.Parameter], scale: float) -> None:
-    """Multiply every gradient in place (clipping)."""
-    for param in params:
-        if param.grad is not None:
-            param.grad.mul_(scale)
+    """Multiply every gradient in place (clipping), batched per device and dtype."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)  # what torch.nn.utils.clip_grad_norm_ itself uses
