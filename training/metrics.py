@@ -27,10 +27,11 @@ def peak_tflops_for(cfg: DictConfig, device) -> float | None:
 class MetricsLogger:
     """Writes one record per logged step to every configured sink; a no-op on ranks other than 0.
 
-    Opening prints the run directory and starts the bar; closing prints the summary. `device` is the
-    compute device (for the MFU peak); the world size is the process count, for per-device TFLOP/s."""
+    Opening prints the run directory and starts the bar (at `start_step` when resuming); closing prints the
+    summary. `device` is the compute device (for the MFU peak); the world size is the process count, for
+    per-device TFLOP/s."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, device=None):
+    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0, device=None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.cfg = cfg
@@ -46,7 +47,7 @@ class MetricsLogger:
             self.sinks = open_sinks(self.run_dir, cfg, stack)
             stack.enter_context(log_above_bar())
             log.info("run directory: %s", self.run_dir.resolve())
-            self.progress = stack.enter_context(progress_bar(cfg.train.steps))
+            self.progress = stack.enter_context(progress_bar(cfg.train.steps, initial=start_step))
             self._stack = stack.pop_all()
 
     def log(self, step: int, record: dict[str, Any]) -> None:
