@@ -128,7 +128,10 @@ class WandbSink:
         self.run.log(record, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # finish() can return before the service wrote the run file; teardown waits for it
 
 
 def open_sinks(run_dir: Path, cfg: DictConfig, stack: ExitStack) -> list:
