@@ -114,3 +114,13 @@ def run_outputs(run_dir: Path, checkpoint_dir: str | None) -> dict[str, str]:
     if traces:
         found["traces"] = ", ".join(str(path) for path in traces)
     return found
+
+
+def quiet_progress_bars(rank: int) -> None:
+    """Only global rank 0 draws bars: silence the libraries' own (datasets' "tokenizing") on every other rank."""
+    if rank != 0:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
