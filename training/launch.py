@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallel.collectives import broadcast_object
 from training.cluster import is_launch_leader, node_launch, omp_threads
 from training.config import CONF_DIR, ConfigError, validate
-from training.console import check_run_dir
+from training.console import check_run_dir, quiet_progress_bars
 from training.layout import layout_world_size, process_pp
 from training.loggers import check_logger
 
@@ -62,6 +62,7 @@ def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
             grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend, timeout_s=p.timeout_s)
         run_dir = agree_on_run_dir(run_dir, grid)
         configure_worker_logging(Path(run_dir), grid.rank)
+        quiet_progress_bars(grid.rank)
         losses = Trainer(cfg, grid, Path(run_dir)).fit()
     finally:
         if dist.is_initialized():
