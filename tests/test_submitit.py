@@ -38,3 +38,21 @@ def test_a_bad_job_stops_the_sweep_before_anything_is_submitted(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sluice: config error:") and "train.steps" in lines[0]
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_multi_node_submitit_task_starts_its_nodes_share(monkeypatch):
+    from training.cluster import is_launch_leader, node_launch
+
+    env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
+           "SLURM_JOB_ID": "12345"}
+    for key, value in env.items():  # submitit's SlurmJobEnvironment reads the process environment
+        monkeypatch.setenv(key, value)
+    node = node_launch(16, env)
+    assert (node.nnodes, node.nproc_per_node, node.rdzv_endpoint) == (2, 8, "gpu07:32345")
+    assert node.run_id == "sluice-12345"
+    with pytest.raises(ValueError, match="do not split evenly over 2 nodes"):
+        node_launch(3, env)
+    alone = node_launch(4, {"SUBMITIT_EXECUTOR": "local"})
+    assert (alone.nnodes, alone.nproc_per_node, alone.rdzv_endpoint) == (1, 4, "127.0.0.1:0")
+    assert is_launch_leader({}) and is_launch_leader({"SLURM_PROCID": "0"})
+    assert not is_launch_leader({"SLURM_PROCID": "1"}) and not is_launch_leader({"RANK": "3"})
