@@ -11,7 +11,6 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
-BACKENDS = ("tensorboard", "wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -39,7 +38,7 @@ def check_logger(cfg: DictConfig) -> str | None:
     names = OmegaConf.select(cfg, "logger.backends")
     names = list(names) if names is not None else [OmegaConf.select(cfg, "logger.name")]
     for name in names:
-        if name not in BACKENDS:
+        if name not in (*SINKS, "none"):
             return f"logger.backends: unknown logger {name!r}; use any of tensorboard, wandb (or none)"
     if "none" in names and len(set(names)) > 1:
         return f"logger.backends={names} mixes none with loggers; drop none"
@@ -134,18 +133,17 @@ class WandbSink:
         wandb.teardown()  # finish() can return before the service wrote the run file; teardown waits for it
 
 
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}  # logger.backends name -> sink class
+
+
 def open_sinks(run_dir: Path, cfg: DictConfig, stack: ExitStack) -> list:
     """Open metrics.jsonl and every configured backend; each is registered on stack as soon as it is open,
     so a backend that fails to start leaves nothing open once the caller's stack unwinds."""
     run_dir.mkdir(parents=True, exist_ok=True)
     sinks = []
-    for make in [lambda: JsonlSink(run_dir)] + [_factory(name, run_dir, cfg) for name in logger_backends(cfg)]:
+    for make in [lambda: JsonlSink(run_dir)] + [lambda name=name: SINKS[name](run_dir, cfg)
+                                                for name in logger_backends(cfg)]:
         sink = make()
         stack.callback(sink.close)
         sinks.append(sink)
     return sinks
-
-
-def _factory(name: str, run_dir: Path, cfg: DictConfig):
-    """A deferred constructor for backend name (imports stay lazy: wandb is slow to import)."""
-    return {"tensorboard": lambda: TensorBoardSink(run_dir, cfg), "wandb": lambda: WandbSink(run_dir, cfg)}[name]
