@@ -15,7 +15,6 @@ from training.cluster import is_launch_leader, node_launch, omp_threads
 from training.config import CONF_DIR, ConfigError, validate
 from training.console import check_run_dir, quiet_progress_bars
 from training.layout import layout_world_size, process_pp
-from training.loggers import check_logger
 
 log = logging.getLogger("sluice")
 
@@ -36,8 +35,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
     try:
         validate(cfg, world_size)
-        problem = check_logger(cfg) or (is_launch_leader(os.environ) and check_run_dir(run_dir, cfg.checkpoint.resume))
-        if problem:
+        if is_launch_leader(os.environ) and (problem := check_run_dir(run_dir, cfg.checkpoint.resume)):
             raise ConfigError(problem)
     except ConfigError as error:
         print(f"sluice: config error: {error}", file=sys.stderr)
