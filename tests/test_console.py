@@ -12,7 +12,8 @@ from tests.conftest import ROOT
 from training.console import RunSummary, check_run_dir, format_summary
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
-        "data.num_docs=300", "train.log_every=1", "train.steps=3", "parallel.tp=2", "parallel.pp=2"]
+        "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.tp=2",
+        "parallel.pp=2"]
 
 
 def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):

@@ -15,12 +15,9 @@ RECORD = {"loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "st
 
 
 def run_config(tmp_path, backends: list[str], *overrides: str):
-    """The composed run config with logger.backends set (plain config when the schema lacks the key)."""
-    cfg = compose_run_config(["model=tiny", "train.steps=2", *overrides], tmp_path / "cache")
-    if "backends" not in cfg.logger:
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-    cfg.logger.backends = backends
-    return cfg
+    """The composed run config with these logger.backends."""
+    return compose_run_config(["model=tiny", "train.steps=2", *overrides, f"logger.backends=[{','.join(backends)}]"],
+                              tmp_path / "cache")
 
 
 def wandb_records(run_file: Path) -> list:
@@ -114,9 +111,8 @@ def test_a_logger_that_fails_to_start_leaves_no_file_open(tmp_path, monkeypatch)
     assert str((tmp_path / "run" / "metrics.jsonl").resolve()) not in open_paths()
 
 
-def test_backends_fall_back_to_the_single_name_and_drop_none(tmp_path):
-    assert logger_backends(OmegaConf.create({"logger": {"name": "wandb"}})) == ["wandb"]
-    assert logger_backends(OmegaConf.create({"logger": {"name": "none"}})) == []
+def test_backends_drop_none_and_repeats():
+    assert logger_backends(OmegaConf.create({"logger": {"backends": ["none"]}})) == []
     both = OmegaConf.create({"logger": {"backends": ["tensorboard", "wandb", "tensorboard"]}})
     assert logger_backends(both) == ["tensorboard", "wandb"]
 
@@ -130,7 +126,6 @@ def test_backends_fall_back_to_the_single_name_and_drop_none(tmp_path):
     ({"backends": ["wandb"], "mode": "offline", "project": ""}, {}, "logger.project is empty"),
     ({"backends": ["wandb"], "mode": "online", "project": "p"}, {}, "needs wandb credentials"),
     ({"backends": ["wandb"], "mode": "online", "project": "p"}, {"WANDB_API_KEY": "x" * 40}, None),
-    ({"name": "wandb", "mode": "online", "project": "p"}, {}, "needs wandb credentials"),
 ])
 def test_check_logger(tmp_path, monkeypatch, logger, env, expected):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -16,10 +16,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 def logger_backends(cfg: DictConfig) -> list[str]:
     """The configured sinks besides metrics.jsonl, without duplicates and without `none`."""
-    names = OmegaConf.select(cfg, "logger.backends")
-    if names is None:  # configs composed before `logger.backends` existed name a single backend
-        names = [OmegaConf.select(cfg, "logger.name") or "none"]
-    return [name for name in dict.fromkeys(names) if name != "none"]
+    return [name for name in dict.fromkeys(cfg.logger.backends) if name != "none"]
 
 
 def wandb_has_credentials() -> bool:
@@ -35,8 +32,7 @@ def wandb_has_credentials() -> bool:
 
 def check_logger(cfg: DictConfig) -> str | None:
     """One line naming what is wrong with the logger settings and the fix; None when they are usable."""
-    names = OmegaConf.select(cfg, "logger.backends")
-    names = list(names) if names is not None else [OmegaConf.select(cfg, "logger.name")]
+    names = list(cfg.logger.backends)
     for name in names:
         if name not in (*SINKS, "none"):
             return f"logger.backends: unknown logger {name!r}; use any of tensorboard, wandb (or none)"
