@@ -80,7 +80,8 @@ def test_alone_the_record_is_this_process():
 
 
 def test_mfu_appears_when_a_peak_is_set(tmp_path):
-    cfg = compose_run_config(["model=tiny", "train.steps=1", "logger=none", "train.peak_tflops=0.5"], tmp_path / "cache")
+    cfg = compose_run_config(["model=tiny", "train.steps=1", "logger=none", "train.peak_tflops=0.5"],
+                             tmp_path / "cache")
     metrics = MetricsLogger(tmp_path / "run", cfg, enabled=True, device=torch.device("cpu"))
     metrics.log(1, {"loss": 1.0, "tokens_per_s": 1000.0})
     metrics.close()
