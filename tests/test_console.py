@@ -20,8 +20,9 @@ def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):
     assert check_run_dir(tmp_path, None) is None
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     problem = check_run_dir(tmp_path, None)
-    assert "already holds metrics.jsonl" in problem and "hydra.run.dir" in problem and "checkpoint.resume" in problem
+    assert problem and "already holds metrics.jsonl" in problem and "hydra.run.dir" in problem and "checkpoint.resume" in problem
     assert check_run_dir(tmp_path, "auto") is None
+    assert check_run_dir(tmp_path, "none") == problem  # `none` is the explicit "do not resume"
 
 
 def test_summary_lines():

@@ -15,7 +15,7 @@ log = logging.getLogger("sluice")
 def check_run_dir(run_dir: Path, resume: str | None) -> str | None:
     """One line when a fresh run would mix its metrics into an earlier run's directory; None when it may start."""
     metrics = Path(run_dir) / "metrics.jsonl"
-    if resume or not metrics.exists():
+    if resume not in (None, "", "none") or not metrics.exists():
         return None
     return (f"run directory {run_dir} already holds {metrics.name} from an earlier run; choose a new "
             "hydra.run.dir (or drop it for a fresh timestamped one), delete the old run, "
