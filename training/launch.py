@@ -3,7 +3,6 @@
 import logging
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import hydra
@@ -12,7 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from parallel.collectives import broadcast_object
+from training.cluster import is_launch_leader, node_launch, omp_threads
 from training.config import CONF_DIR, ConfigError, validate
+from training.console import check_run_dir, quiet_progress_bars
 from training.layout import layout_world_size, process_pp
 
 log = logging.getLogger("sluice")
@@ -34,6 +35,8 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
     try:
         validate(cfg, world_size)
+        if is_launch_leader(os.environ) and (problem := check_run_dir(run_dir, cfg.checkpoint.resume)):
+            raise ConfigError(problem)
     except ConfigError as error:
         print(f"sluice: config error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -57,6 +60,7 @@ def run_worker(cfg_dict: dict, run_dir: str) -> list[float]:
             grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend, timeout_s=p.timeout_s)
         run_dir = agree_on_run_dir(run_dir, grid)
         configure_worker_logging(Path(run_dir), grid.rank)
+        quiet_progress_bars(grid.rank)
         losses = Trainer(cfg, grid, Path(run_dir)).fit()
     finally:
         if dist.is_initialized():
@@ -85,9 +89,11 @@ def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    node = node_launch(world_size, os.environ)  # this node's share under a multi-node submitit job
+    os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads(node.nproc_per_node)))  # workers inherit it
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=node.nproc_per_node, run_id=node.run_id,
+        rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint, max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
     log.info("launching %d local workers (dp*tp*pp) into %s", world_size, run_dir)

@@ -1,69 +1,99 @@
-"""Rank-0 logging: a console progress bar, metrics.jsonl, TensorBoard events and optional wandb."""
+"""Rank-0 metrics: one record per logged step to every sink, the progress bar, and the end-of-run summary."""
 
-import json
 import logging
+import math
+import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
+
+from training.config import model_config
+from training.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
+from training.flops import device_peak_tflops, flops_per_token, throughput_record
+from training.loggers import open_sinks
 
 log = logging.getLogger("sluice")
 
 
-class MetricsLogger:
-    """Writes one record per logged step to every configured sink; a no-op on ranks other than 0."""
+def peak_tflops_for(cfg: DictConfig, device) -> float | None:
+    """train.peak_tflops when set, else the device's known bf16 peak (None on CPU or an unknown GPU)."""
+    configured = OmegaConf.select(cfg, "train.peak_tflops")
+    return float(configured) if configured else device_peak_tflops(device)
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0):
+
+class MetricsLogger:
+    """Writes one record per logged step to every configured sink; a no-op on ranks other than 0.
+
+    Opening prints the run directory and starts the bar (at `start_step` when resuming); closing prints the
+    summary. `device` is the compute device (for the MFU peak); the world size is the process count, for
+    per-device TFLOP/s."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0, device=None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self.tensorboard = None
-        self.wandb_run = None
-        self.progress = None
+        self.cfg = cfg
+        self.records: list[dict[str, Any]] = []
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        if cfg.logger.name == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(log_dir=str(self.run_dir / "tb"))
-        elif cfg.logger.name == "wandb":
-            import wandb
-
-            self.wandb_run = wandb.init(project=cfg.logger.project, mode=cfg.logger.mode, dir=str(self.run_dir),
-                                        config=OmegaConf.to_container(cfg, resolve=True))
-        self.progress = tqdm(total=cfg.train.steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.started = time.perf_counter()
+        self.flops_token = flops_per_token(model_config(cfg), cfg.train.seq_len)
+        self.peak_tflops = peak_tflops_for(cfg, device) if device is not None else OmegaConf.select(
+            cfg, "train.peak_tflops")
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        with ExitStack() as stack:  # a sink that fails to open closes the ones opened before it
+            self.sinks = open_sinks(self.run_dir, cfg, stack)
+            stack.enter_context(log_above_bar())
+            log.info("run directory: %s", self.run_dir.resolve())
+            self.progress = stack.enter_context(progress_bar(cfg.train.steps, initial=start_step))
+            self._stack = stack.pop_all()
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        """Record the metrics of one optimizer step (1-based `step`)."""
+        """Record the metrics of one optimizer step (1-based `step`), with tflops and mfu added."""
         if not self.enabled:
             return
-        record = {"step": step, **record}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                if self.tensorboard is not None:
-                    self.tensorboard.add_scalar(f"train/{key}", value, step)
-        if self.wandb_run is not None:
-            self.wandb_run.log(record, step=step)
-        log.info("step %d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", step, record["loss"], record["lr"],
-                 record["grad_norm"], record["tokens_per_s"])
+        if "tokens_per_s" in record:
+            record = {**record, **throughput_record(record["tokens_per_s"], self.flops_token, self.world_size,
+                                                    self.peak_tflops)}
+        self.records.append({"step": step, **record})
+        for sink in self.sinks:
+            sink.write(step, record)
+        log.info("step %d %s", step, " ".join(f"{k} {_short(v)}" for k, v in record.items()
+                                              if k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s",
+                                                       "tflops", "mfu")))
 
     def advance(self, steps: int, postfix: dict[str, Any]) -> None:
         """Move the console progress bar."""
-        if self.progress is not None:
+        if self.enabled:
             self.progress.set_postfix(postfix, refresh=False)
             self.progress.update(steps)
 
+    def summary(self) -> RunSummary:
+        """Steps, final losses, wall time, mean tokens/s (over logged steps after the first, which warms up)."""
+        last = self.records[-1] if self.records else {}
+        rates = [r["tokens_per_s"] for r in self.records[1:] or self.records if r.get("tokens_per_s")]
+        val = [r["val_loss"] for r in self.records if r.get("val_loss") is not None]
+        return RunSummary(steps=last.get("step", 0), wall_time_s=time.perf_counter() - self.started,
+                          final_loss=last.get("loss"), final_val_loss=val[-1] if val else None,
+                          mean_tokens_per_s=sum(rates) / len(rates) if rates else None,
+                          outputs=run_outputs(self.run_dir, OmegaConf.select(self.cfg, "checkpoint.dir")))
+
     def close(self) -> None:
-        """Flush and close every sink."""
+        """Close the bar, print the summary below it, then close every sink."""
         if not self.enabled:
             return
         self.progress.close()
-        self.jsonl.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        try:
+            for line in format_summary(self.summary(), self.cfg.train.steps):
+                log.info(line)
+        finally:
+            self._stack.close()
+
+
+def _short(value: Any) -> str:
+    """A metric value as a short token for the log line."""
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.4g}"
+    return str(value)

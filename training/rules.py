@@ -215,8 +215,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "train.global_batch_size": None,
     "train.on_nonfinite": None,
     "train.max_skipped_steps": None,
-    "train.peak_tflops": None,
-    "logger.backends": lambda value: len(value) > 1,  # several loggers at once
     "debug.fault": None,
 }
 

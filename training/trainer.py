@@ -17,6 +17,7 @@ from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.data import build_data, build_val_batches
+from training.flops import peak_memory_record, world_group
 from training.metrics import MetricsLogger
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -71,7 +72,8 @@ class Trainer:
         `on_step(step)` runs after each optimizer step (tests use both to inspect gradients and weights)."""
         cfg, steps = self.cfg, self.cfg.train.steps
         first = self.checkpoints.resume()
-        metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first)
+        metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first,
+                                device=self.grid.device)
         losses: list[float] = []
         try:
             for step, micro_batches in zip(range(first, steps), self.data):
@@ -105,6 +107,7 @@ class Trainer:
                 if step == 0 and self.data.skipped_lines:
                     record["skipped_lines"] = self.data.skipped_lines
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
+                    record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
                     metrics.log(step + 1, record)
                 self.checkpoints.after_step(step + 1)
             self.checkpoints.finish(max(first, steps))

@@ -7,6 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from training.layout import layout_world_size, resolved_dp
+from training.loggers import check_logger
 from training.rules import ConfigError, check_keys
 from training.schema import model_config
 from training.strict import check_known_keys
@@ -129,6 +130,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     warnings = check_keys(cfg)
     validate_model(cfg)
     warnings += validate_train(cfg)
+    if problem := check_logger(cfg):  # wandb credentials and modes: the logger module's own rule
+        raise ConfigError(problem)
     validate_parallel(cfg, world_size)
     validate_layout(cfg)
     validate_data(cfg, world_size)

@@ -1,0 +1,66 @@
+"""The console: one bar on rank 0, log lines above it, the run directory first, a summary last; used run dirs."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from training.console import RunSummary, check_run_dir, format_summary
+
+TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
+        "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.tp=2",
+        "parallel.pp=2"]
+
+
+def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):
+    assert check_run_dir(tmp_path, None) is None
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    problem = check_run_dir(tmp_path, None)
+    assert problem and "already holds metrics.jsonl" in problem and "hydra.run.dir" in problem and "checkpoint.resume" in problem
+    assert check_run_dir(tmp_path, "auto") is None
+    assert check_run_dir(tmp_path, "none") == problem  # `none` is the explicit "do not resume"
+
+
+def test_summary_lines():
+    summary = RunSummary(steps=5, wall_time_s=12.34, final_loss=2.5, final_val_loss=2.75, mean_tokens_per_s=1234.4,
+                         outputs={"metrics": "run/metrics.jsonl", "checkpoints": "run/checkpoints"})
+    assert format_summary(summary, 5) == [
+        "done: 5 steps in 12.3 s, final loss 2.5000, val loss 2.7500, mean 1234 tokens/s",
+        "  metrics: run/metrics.jsonl", "  checkpoints: run/checkpoints"]
+    assert format_summary(summary, 10)[0].startswith("stopped early (of 10 steps): 5 steps")
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+def test_torchrun_tp2_pp2_console_then_a_second_fresh_run_is_refused(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run_dir = tmp_path / "run"
+    common = [*TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"]
+    # One pipe for stdout and stderr, unbuffered: what a terminal would show, in order.
+    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "4", "train.py", *common], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
+    assert out.count("train:   0%") == 1  # one training bar, drawn by rank 0
+    assert out.count("tokenizing:   0%") <= 1  # the data bar too, when the corpus is tokenised
+    screen = [segment for line in out.split("\n") for segment in line.split("\r")]
+    log_lines = [s for s in screen if "][sluice][" in s]
+    assert log_lines and all(s.startswith("[") for s in log_lines)  # no log line glued to the bar
+    text = [s.split(" - ", 1)[1] for s in log_lines]
+    assert text[0] == f"run directory: {run_dir}"
+    assert text.index(f"run directory: {run_dir}") < text.index(next(t for t in text if t.startswith("step 1 ")))
+    done = next(t for t in text if t.startswith("done: "))
+    assert re.match(r"done: 3 steps in [\d.]+ s, final loss \d+\.\d{4}, mean \d+ tokens/s$", done)
+    assert text.index(done) > max(i for i, t in enumerate(text) if t.startswith("step "))
+    assert f"  metrics: {run_dir / 'metrics.jsonl'}" in text and f"  tensorboard: {run_dir / 'tb'}" in text
+
+    again = subprocess.run([sys.executable, "train.py", *common], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already holds metrics.jsonl" in lines[0] and "hydra.run.dir" in lines[0]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3  # nothing appended

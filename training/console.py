@@ -1,0 +1,126 @@
+"""What rank 0 shows on the terminal: the run directory, one progress bar, log lines above it, a summary."""
+
+import logging
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+log = logging.getLogger("sluice")
+
+
+def check_run_dir(run_dir: Path, resume: str | None) -> str | None:
+    """One line when a fresh run would mix its metrics into an earlier run's directory; None when it may start."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if resume not in (None, "", "none") or not metrics.exists():
+        return None
+    return (f"run directory {run_dir} already holds {metrics.name} from an earlier run; choose a new "
+            "hydra.run.dir (or drop it for a fresh timestamped one), delete the old run, "
+            "or continue it with checkpoint.resume")
+
+
+class TqdmHandler(logging.Handler):
+    """A console handler that writes through tqdm.write, so a log line never lands on the bar's line."""
+
+    def __init__(self, stream, formatter: logging.Formatter | None):
+        super().__init__()
+        self.stream = stream
+        self.setFormatter(formatter or logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # logging must never take the run down
+            self.handleError(record)
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    return (type(handler) is logging.StreamHandler
+            and getattr(handler, "stream", None) in (sys.stdout, sys.stderr))
+
+
+@contextmanager
+def log_above_bar() -> Iterator[None]:
+    """Route the root logger's console output through tqdm.write while a bar is shown; restore it after.
+
+    Where nothing prints log lines to the console (self-launched workers log to train.log only), add one, so
+    every launch path shows the same lines. tqdm.contrib.logging does the swap but never adds a handler."""
+    root = logging.getLogger()
+    consoles = [h for h in root.handlers if _is_console(h)]
+    replacements = [TqdmHandler(h.stream, h.formatter) for h in consoles] or [TqdmHandler(sys.stdout, None)]
+    for handler in consoles:
+        root.removeHandler(handler)
+    for handler in replacements:
+        root.addHandler(handler)
+    level = root.level
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for handler in replacements:
+            root.removeHandler(handler)
+        for handler in consoles:
+            root.addHandler(handler)
+        root.setLevel(level)
+
+
+def progress_bar(total: int, initial: int = 0) -> tqdm:
+    """The one training bar (rank 0 only); on stderr, while log lines go to stdout above it."""
+    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, file=sys.stderr)
+
+
+@dataclass
+class RunSummary:
+    """What the end-of-run summary reports."""
+
+    steps: int
+    wall_time_s: float
+    final_loss: float | None
+    final_val_loss: float | None
+    mean_tokens_per_s: float | None
+    outputs: dict[str, str]  # label -> where, only the outputs that exist
+
+
+def format_summary(summary: RunSummary, planned_steps: int) -> list[str]:
+    """The summary as a few lines: figures first, then where everything was written."""
+    figures = [f"{summary.steps} steps in {summary.wall_time_s:.1f} s"]
+    if summary.final_loss is not None:
+        figures.append(f"final loss {summary.final_loss:.4f}")
+    if summary.final_val_loss is not None:
+        figures.append(f"val loss {summary.final_val_loss:.4f}")
+    if summary.mean_tokens_per_s is not None:
+        figures.append(f"mean {summary.mean_tokens_per_s:.0f} tokens/s")
+    ended = "done" if summary.steps >= planned_steps else f"stopped early (of {planned_steps} steps)"
+    lines = [f"{ended}: " + ", ".join(figures)]
+    lines += [f"  {label}: {path}" for label, path in summary.outputs.items()]
+    return lines
+
+
+def run_outputs(run_dir: Path, checkpoint_dir: str | None) -> dict[str, str]:
+    """The run's outputs that exist on disk, by label."""
+    candidates = {
+        "metrics": run_dir / "metrics.jsonl",
+        "log": run_dir / "train.log",
+        "tensorboard": run_dir / "tb",
+        "wandb": run_dir / "wandb",
+        "checkpoints": Path(checkpoint_dir) if checkpoint_dir else run_dir / "checkpoints",
+    }
+    found = {label: str(path) for label, path in candidates.items() if path.exists()}
+    traces = sorted(run_dir.glob("trace_step*.json"))
+    if traces:
+        found["traces"] = ", ".join(str(path) for path in traces)
+    return found
+
+
+def quiet_progress_bars(rank: int) -> None:
+    """Only global rank 0 draws bars: silence the libraries' own (datasets' "tokenizing") on every other rank."""
+    if rank != 0:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
