@@ -2,6 +2,7 @@
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,10 @@ class MetricsLogger:
         """Record the metrics of one optimizer step (1-based `step`)."""
         if not self.enabled:
             return
-        record = {"step": step, **record}
-        self.jsonl.write(json.dumps(record) + "\n")
+        # Strict JSON: NaN/Inf (a skipped or stopping step) are written as null.
+        record = {"step": step, **{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                   for k, v in record.items()}}
+        self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self.jsonl.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
@@ -48,8 +51,8 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(f"train/{key}", value, step)
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=step)
-        log.info("step %d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", step, record["loss"], record["lr"],
-                 record["grad_norm"], record["tokens_per_s"])
+        log.info("step %d loss %s lr %.3g grad_norm %s tokens/s %.0f", step, _fmt(record["loss"], ".4f"),
+                 record["lr"], _fmt(record["grad_norm"], ".3f"), record["tokens_per_s"])
 
     def advance(self, steps: int, postfix: dict[str, Any]) -> None:
         """Move the console progress bar."""
@@ -67,3 +70,8 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    """A number for the log line; null (non-finite) as nan."""
+    return "nan" if value is None else format(value, spec)
