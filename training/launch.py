@@ -140,6 +140,8 @@ def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # we report failures ourselves, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[SELF_LAUNCHED] = "1"  # inherited by the workers
+    # A worker that ends itself (os._exit) leaves its semaphores to the resource tracker, which would warn.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
     try:
         elastic_launch(config, entrypoint=worker_main)(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
     except (KeyboardInterrupt, SignalException):
