@@ -7,7 +7,8 @@ KIND is one of
   stall  global rank R blocks forever (until killed) at the start of step S, or right before compute action
          A of step S (e.g. `action=F2@s1`); step 0 stalls during start-up, before the process group exists.
 A stall is what the hang doctor (`parallel.timeout_s`) must catch: every other rank times out, dumps where it
-waits and the launcher names the stalled rank. Steps are 1-based, as in metrics.jsonl.
+waits and the launcher names the stalled rank. Steps are 1-based, as in metrics.jsonl. On the command line
+quote the value for Hydra: `python train.py parallel.pp=2 "debug.fault='stall@rank=1,step=3,action=F0@s1'"`.
 """
 
 from __future__ import annotations
