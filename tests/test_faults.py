@@ -115,3 +115,20 @@ def test_skip_equals_a_run_without_that_update_on_every_rank(tmp_path):
         assert all(torch.equal(result["skipped"][k], result["reference"][k]) for k in result["reference"])
     rows = [json.loads(line) for line in (tmp_path / "run" / "skipped" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 1)]  # rank 0's finite loss
+
+
+def test_known_errors_are_one_line_and_unexpected_ones_keep_their_traceback_in_the_rank_log(tmp_path):
+    from parallel.pipeline.transport import TransportTimeout
+    from training.failures import describe_failure
+
+    assert describe_failure(TransportTimeout("rank 1: receiving\nactivation"), tmp_path, 1) == (
+        "rank 1: receiving activation")
+    assert describe_failure(InjectedCrash("boom"), tmp_path, 3) == "rank 3: boom"
+    assert not (tmp_path / "logs").exists()
+    try:
+        {}["missing"]
+    except KeyError as error:
+        line = describe_failure(error, tmp_path, 2)
+    log = tmp_path / "logs" / "rank2.log"
+    assert line == f"rank 2: unexpected KeyError: 'missing' (traceback in {log})"
+    assert log.read_text().startswith("Traceback") and "{}[\"missing\"]" in log.read_text()

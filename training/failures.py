@@ -12,24 +12,24 @@ import time
 import traceback
 from pathlib import Path
 
-from checkpoint.dense import CheckpointError
-from parallel.pipeline.transport import BoundaryMismatch, TransportTimeout
-from training.config import ConfigError
-from training.faults import InjectedCrash
-from training.nonfinite import NonFiniteError
-
-# Errors whose message already says what is wrong and how to fix it: no traceback.
-KNOWN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, TransportTimeout, BoundaryMismatch,
-                                                 InjectedCrash, NonFiniteError)
+# The project's own error classes (ConfigError, CheckpointError, DataError, TransportTimeout, BoundaryMismatch,
+# ScheduleError, InjectedCrash, NonFiniteError, ...) exist to carry a message that says what is wrong and how to
+# fix it: those are printed as they are. Anything else is unexpected and keeps its traceback.
+PROJECT_PACKAGES = ("minimind", "parallel", "checkpoint", "training")
 FAILURE_DIR = "failures"
 LOG_DIR = "logs"
+
+
+def is_known(error: BaseException) -> bool:
+    """True for an error class defined by this project (its message is written for the user)."""
+    return type(error).__module__.split(".")[0] in PROJECT_PACKAGES
 
 
 def describe_failure(error: BaseException, run_dir: Path, rank: int) -> str:
     """One line for `error`; an unexpected one also writes its traceback to logs/rank{R}.log (path in the line)."""
     text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, KNOWN_ERRORS):
-        return f"rank {rank}: {text}"
+    if is_known(error):
+        return text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}"  # P2P errors name their rank
     path = Path(run_dir) / LOG_DIR / f"rank{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as log:
