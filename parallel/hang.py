@@ -134,7 +134,10 @@ class WatchedSync:
         self.inner.start_step()
 
     def before(self, action: Action) -> None:
-        self.watch.enter(f"computing {action}")
+        if len(self.watch.groups.get("tp", [])) > 1:  # its TP collectives wait for the TP peers
+            self.watch.collective(f"computing {action} (with TP collectives)", "tp")
+        else:
+            self.watch.enter(f"computing {action}")
         if self.before_action is not None:
             self.before_action(action)
         self.inner.before(action)
