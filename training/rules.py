@@ -213,11 +213,8 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "parallel.plan": None,
     "parallel.memory_budget_gb": None,
     "train.global_batch_size": None,
-    "train.on_nonfinite": None,
-    "train.max_skipped_steps": None,
     "train.peak_tflops": None,
     "logger.backends": lambda value: len(value) > 1,  # several loggers at once
-    "debug.fault": None,
 }
 
 # Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where
