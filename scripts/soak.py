@@ -3,13 +3,14 @@ and check that the final weights are bitwise equal to an uninterrupted run of th
 
     python scripts/soak.py --steps 200 --every 20 --kills 3 --out soak_out [extra overrides ...]
 
-Each kill lands a random 0.5-3 checkpoint intervals after the attempt started (or the previous kill), so it
-hits mid-step, mid-save and between saves alike. Exit 0 when every tensor matches, 1 otherwise.
+Each kill lands once rank 0 has logged a random step after the checkpoint it resumed from, so kills hit
+mid-interval, right after a save and during one alike. Exit 0 when every tensor matches, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 LAYOUT = ["model=tiny", "parallel.tp=2", "parallel.pp=2", "train.seq_len=32", "train.micro_batch_size=2",
-          "schedule.n_microbatches=4", "data.num_docs=2000", "logger=none", "train.dtype=fp32", "train.log_every=10"]
+          "schedule.n_microbatches=4", "data.num_docs=2000", "logger=none", "train.dtype=fp32", "train.log_every=1"]
 
 
 def command(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> list[str]:
@@ -48,21 +49,30 @@ def run_to_end(cmd: list[str], timeout: float) -> float:
     return time.monotonic() - start
 
 
-def run_with_kills(cmd: list[str], run_dir: Path, kills: int, rng: random.Random, interval_s: float) -> list[str]:
-    """Start, SIGKILL the whole process group at a random moment, resume; `kills` times. Returns a log."""
+def logged_step(run_dir: Path) -> int:
+    """The last step rank 0 logged in metrics.jsonl (train.log_every=1), 0 before any."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
+
+
+def run_with_kills(cmd: list[str], run_dir: Path, kills: int, steps: int, rng: random.Random) -> list[str]:
+    """Start, SIGKILL the whole process group once a random step is logged, resume; `kills` times."""
     log = []
     for kill in range(kills):
+        resumed = max(complete_steps(run_dir), default=0)
+        target = rng.randint(resumed + 1, steps - 1)  # anywhere: mid-interval, right after or during a save
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-        delay = rng.uniform(0.5, 3.0) * interval_s
-        try:
-            proc.wait(timeout=delay)
-            log.append(f"attempt {kill + 1}: finished before its kill at {delay:.1f}s")
+        while proc.poll() is None and logged_step(run_dir) < target:
+            time.sleep(0.1)  # polling a file another process writes
+        if proc.poll() is not None:
+            log.append(f"attempt {kill + 1} ended by itself (exit {proc.returncode}) before step {target}")
             return log
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.append(f"kill {kill + 1} after {delay:.1f}s; complete checkpoints {complete_steps(run_dir)}")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.append(f"kill {kill + 1} at step {logged_step(run_dir)} (resumed from {resumed}); "
+                   f"complete checkpoints now {complete_steps(run_dir)}")
     return log
 
 
@@ -90,9 +100,8 @@ def main() -> None:
     reference, soaked = args.out / "reference", args.out / "soaked"
     seconds = run_to_end(command(args, reference, extra), args.timeout)
     print(f"soak: uninterrupted run of {args.steps} steps: {seconds:.0f}s")
-    interval_s = seconds * args.every / args.steps  # wall time of one checkpoint interval
-    for line in run_with_kills(command(args, soaked, extra), soaked, args.kills, random.Random(args.seed),
-                               interval_s):
+    kills = run_with_kills(command(args, soaked, extra), soaked, args.kills, args.steps, random.Random(args.seed))
+    for line in kills:
         print(f"soak: {line}")
     seconds = run_to_end(command(args, soaked, extra), args.timeout)
     print(f"soak: final resumed attempt: {seconds:.0f}s")
@@ -100,7 +109,8 @@ def main() -> None:
     if differ:
         print(f"soak: FAIL: {len(differ)} tensors differ, e.g. {differ[:5]}")
         sys.exit(1)
-    print(f"soak: OK: final weights bitwise equal to the uninterrupted run after {args.kills} kills")
+    done = sum(line.startswith("kill") for line in kills)
+    print(f"soak: OK: final weights bitwise equal to the uninterrupted run after {done} kills")
 
 
 if __name__ == "__main__":
