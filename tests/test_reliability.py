@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import ROOT
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=2",
-        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1"]
+        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1", "optim.warmup_steps=1"]
 TIMEOUT_S = 10
 
 
