@@ -137,17 +137,16 @@ BAD = [
     (["logger.backends=[none,wandb]"], "logger.backends=['none', 'wandb'] repeats a logger or mixes none"),
     (["logger.project=''"], "logger.project is empty"),
     (["logger.name=mlflow"], "logger.name=mlflow is not supported"),
+    (["train.max_skipped_steps=5"], "train.max_skipped_steps=5 is read only when train.on_nonfinite=skip"),
     # debug
     (["debug.fault='boom@rank=1,step=2'"], "debug.fault=boom@rank=1,step=2: unknown fault 'boom'"),
     (["debug.fault='nan@rank=-1,step=2'"], "debug.fault=nan@rank=-1,step=2: rank must be >= 0"),
     (["debug.fault='crash@rank=0'"], "debug.fault=crash@rank=0: rank= and step= are both required"),
     (["debug.fault='stall@rank=1,step=2,action=X9'"], "debug.fault=stall@rank=1,step=2,action=X9: action:"),
-    (["debug.fault='stall@rank=1,step=2'"], "debug.fault: not implemented yet"),
+    (["debug.fault='stall@rank=1,step=-1'"], "debug.fault=stall@rank=1,step=-1: rank must be >= 0 and step >= 0"),
     # features not built yet: any value but the default is refused
     (["parallel.plan=auto"], "parallel.plan: not implemented yet"),
     (["parallel.memory_budget_gb=40"], "parallel.memory_budget_gb: not implemented yet"),
-    (["train.on_nonfinite=skip"], "train.on_nonfinite: not implemented yet"),
-    (["train.max_skipped_steps=5"], "train.max_skipped_steps: not implemented yet"),
     # the whole config: unknown sections, interpolations, output directories
     (["+foo=1"], "foo: unknown config key; did you mean"),
     (["train.steps=${nope}"], "train.steps: cannot resolve its interpolation"),

@@ -10,7 +10,7 @@ SYNTAX = "use stall|crash|nan@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """Which fault to inject where: on global rank `rank` at 1-based step `step`, optionally at one action."""
+    """Which fault to inject where: on global rank `rank` at 1-based step `step` (0: start-up), maybe at one action."""
 
     kind: str
     rank: int
@@ -35,8 +35,8 @@ def parse_fault(text: str) -> FaultSpec:
         rank, step = int(fields["rank"]), int(fields["step"])
     except ValueError:
         raise ValueError(f"rank and step must be integers; {SYNTAX}") from None
-    if rank < 0 or step < 1:
-        raise ValueError(f"rank must be >= 0 and step >= 1; {SYNTAX}")
+    if rank < 0 or step < 0:
+        raise ValueError(f"rank must be >= 0 and step >= 0 (step 0: during start-up); {SYNTAX}")
     action = None
     if "action" in fields:
         try:

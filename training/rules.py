@@ -213,9 +213,6 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "parallel.plan": None,
     "parallel.memory_budget_gb": None,
     "train.global_batch_size": None,
-    "train.on_nonfinite": None,
-    "train.max_skipped_steps": None,
-    "debug.fault": None,
 }
 
 # Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where

@@ -18,6 +18,7 @@ from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.data import build_data, build_val_batches
 from training.flops import peak_memory_record, world_group
+from training.guard import StepGuard
 from training.metrics import MetricsLogger
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -42,10 +43,11 @@ def build_model(cfg: DictConfig) -> tuple[MiniMindForCausalLM, WeightSource]:
 class Trainer:
     """One rank's training loop; every layout differs only in the engine it builds."""
 
-    def __init__(self, cfg: DictConfig, grid: ParallelGrid, run_dir: Path):
+    def __init__(self, cfg: DictConfig, grid: ParallelGrid, run_dir: Path, guard: StepGuard | None = None):
         self.cfg = cfg
         self.grid = grid
         self.run_dir = Path(run_dir)
+        self.guard = guard if guard is not None else StepGuard(cfg, grid)  # faults, hang watch, non-finite policy
         model, weights = build_model(cfg)
         self.engine = build_engine(engine_spec(cfg, grid.device), model, grid, weights)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero)
@@ -75,18 +77,22 @@ class Trainer:
         metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first,
                                 device=self.grid.device)
         losses: list[float] = []
+        guard = self.guard
         try:
             for step, micro_batches in zip(range(first, steps), self.data):
+                guard.begin(step + 1)
                 lr = lr_at(step, steps, cfg.optim)
                 set_lr(self.optimizer, lr)
                 start = time.perf_counter()
                 traced = step + 1 == cfg.train.trace_step
                 result = self.engine.step(micro_batches, trace=traced)
+                result.loss = guard.after_engine(step + 1, result.loss, self.engine.parameters())
                 if on_grads is not None:
                     on_grads(step + 1)
                 grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
                                            cfg.train.grad_clip, self.grid.mp_group, self.grid.device)
-                self.optimizer.step()
+                if guard.should_step(step + 1, result.loss, grad_norm):  # skip: same on every rank
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 step_time = time.perf_counter() - start
                 losses.append(result.loss)
@@ -95,7 +101,8 @@ class Trainer:
                 tokens_per_s = self.tokens_per_step / step_time
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
                 record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
-                          "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time}
+                          "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                          "skipped_steps": guard.skipped}
                 if result.trace is not None:
                     from parallel.pipeline.trace_files import write_trace
 
@@ -103,6 +110,7 @@ class Trainer:
                 evaluated = self.val_batches is not None and ((step + 1) % cfg.train.eval_every == 0
                                                               or step + 1 == steps)
                 if evaluated:
+                    guard.evaluating(step + 1)
                     record.update(self.evaluate())
                 if step == 0 and self.data.skipped_lines:
                     record["skipped_lines"] = self.data.skipped_lines
@@ -110,6 +118,7 @@ class Trainer:
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
                     metrics.log(step + 1, record)
                 self.checkpoints.after_step(step + 1)
+                guard.end(step + 1)
             self.checkpoints.finish(max(first, steps))
         finally:
             metrics.close()

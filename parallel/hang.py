@@ -1,0 +1,213 @@
+"""Hang doctor, rank side: what this rank is doing or waiting for, and a JSON dump of it when it hangs.
+
+`Watch` is a blackboard the step writes (cheap attribute stores, no locks: a reader may see a state one
+action old, which is fine for a diagnosis) and the watchdog thread reads. `WatchedTransport` and
+`WatchedSync` wrap the engine's transport and gradient sync to record P2P waits, compute actions and the
+gradient all-reduces without the runtime knowing. `summarize` merges every rank's dump into the lines the
+launcher prints: the stalled rank(s) first, then who waits for whom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parallel.pipeline.actions import Action
+from parallel.pipeline.transport import Message, Pending, describe
+
+DUMP_DIR = "hang"
+
+
+@dataclass
+class State:
+    """One blocking point: a description, the ranks it waits for (empty: not a wait) and when it began."""
+
+    what: str
+    waits_for: list[int] = field(default_factory=list)
+    since: float = field(default_factory=time.monotonic)
+
+
+class Watch:
+    """This rank's current state, last completed action and posted transfers, for the watchdog to read."""
+
+    def __init__(self, rank: int, coords: dict[str, int] | None = None, groups: dict[str, list[int]] | None = None):
+        self.rank = rank
+        self.coords = coords or {}
+        self.groups = groups or {}  # group name ("dp", "pp", "mp", ...) -> its global ranks
+        self.run_dir: Path | None = None  # where dumps go (under torchrun known only after the rendezvous)
+        self.state = State("start-up")
+        self.last_done: str | None = None
+        self.posted: list[tuple[int, Pending]] = []  # (sender/receiver rank, transfer) not known complete
+
+    def enter(self, what: str, waits_for: list[int] | None = None) -> None:
+        """This rank now does (or waits for) `what`; the timeout clock restarts."""
+        self.state = State(what, list(waits_for or []))
+
+    def collective(self, what: str, *groups: str) -> None:
+        """This rank now waits in a collective over `groups`: it waits for their other members."""
+        peers = sorted({r for g in groups for r in self.groups.get(g, [])} - {self.rank})
+        self.enter(f"{what} over {'+'.join(groups)}", peers)
+
+    def done(self, what: str) -> None:
+        """`what` completed: progress."""
+        self.last_done = what
+
+    def blocked_s(self) -> float:
+        """Seconds since the current state began."""
+        return time.monotonic() - self.state.since
+
+    def pending(self) -> list[str]:
+        """Posted sends and receives that have not completed."""
+        out = []
+        for rank, p in list(self.posted):
+            try:
+                if not p.ready():
+                    out.append(describe(rank, p.message))
+            except Exception:  # a broken process group: the transfer is as good as pending
+                out.append(describe(rank, p.message))
+        return out
+
+    def dump(self, reason: str) -> Path:
+        """Write `hang/rank{R}.json` into the run directory; return its path."""
+        path = Path(self.run_dir or ".") / DUMP_DIR / f"rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = asdict(self.state)
+        state["blocked_s"] = round(self.blocked_s(), 1)
+        state.pop("since")
+        record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "coords": self.coords, **state,
+                  "last_done": self.last_done, "pending": self.pending()}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)  # the launcher never reads half a dump
+        return path
+
+
+@dataclass
+class WatchedPending:
+    """A posted transfer whose wait is recorded on the watch."""
+
+    inner: Pending
+    watch: Watch
+
+    @property
+    def message(self) -> Message:
+        return self.inner.message
+
+    @property
+    def tensor(self):
+        return self.inner.tensor
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+    def wait(self) -> None:
+        self.watch.enter("waiting: " + describe(self.watch.rank, self.message), [self.message.peer])
+        self.inner.wait()
+        self.watch.done(f"{self.message.action} with rank {self.message.peer}")
+
+
+class WatchedTransport:
+    """A Transport that records every wait and keeps the posted transfers for the dump."""
+
+    def __init__(self, inner, watch: Watch):
+        self.inner, self.watch = inner, watch
+
+    def post(self, messages: list[Message]) -> list[WatchedPending]:
+        posted = [WatchedPending(p, self.watch) for p in self.inner.post(messages)]
+        self.watch.posted = [(r, p) for r, p in self.watch.posted if not p.ready()]
+        self.watch.posted += [(self.watch.rank, p) for p in posted]
+        return posted
+
+
+class WatchedSync:
+    """The engine's gradient sync, recording compute actions (as its compute hooks) and the final sums."""
+
+    def __init__(self, inner, watch: Watch, before_action=None):
+        self.inner, self.watch = inner, watch
+        self.before_action = before_action  # fault injection's hook (a stall at one action)
+
+    def start_step(self) -> None:
+        self.inner.start_step()
+
+    def before(self, action: Action) -> None:
+        if len(self.watch.groups.get("tp", [])) > 1:  # its TP collectives wait for the TP peers
+            self.watch.collective(f"computing {action} (with TP collectives)", "tp")
+        else:
+            self.watch.enter(f"computing {action}")
+        if self.before_action is not None:
+            self.before_action(action)
+        self.inner.before(action)
+
+    def after(self, action: Action) -> None:
+        self.inner.after(action)
+        self.watch.done(str(action))
+
+    def finish(self) -> None:
+        self.watch.collective("gradient all-reduce", "dp", "embed")
+        self.inner.finish()
+        self.watch.done("gradient all-reduce")
+        self.watch.collective("loss all-reduce", "pp", "dp")  # the engine's next wait
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def read_dumps(run_dir: Path) -> list[dict]:
+    """Every rank's dump in the run directory, by rank."""
+    dumps = []
+    for path in sorted((Path(run_dir) / DUMP_DIR).glob("rank*.json")):
+        try:
+            dumps.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(dumps, key=lambda d: d["rank"])
+
+
+def summarize(dumps: list[dict], world_size: int) -> list[str]:
+    """Lines naming the stalled rank(s) (not waiting for a peer) and every other rank's wait-for edge."""
+    seen = {d["rank"] for d in dumps}
+    stalled = [d for d in dumps if not d["waits_for"]]
+    lines = [f"rank {d['rank']} {_coords(d)} is the stalled rank: {d['what']} for {d['blocked_s']}s "
+             f"(last completed: {d['last_done']})" for d in stalled]
+    missing = sorted(set(range(world_size)) - seen)
+    if missing:
+        lines.append(f"no dump from rank(s) {missing} (stalled or killed before they could write one)")
+    same = {d["rank"]: d["what"] for d in dumps}
+    for d in dumps:
+        if d["waits_for"]:
+            # In a collective, the ranks it waits for are the members that are not in the same collective.
+            peers = [r for r in d["waits_for"] if same.get(r) != d["what"]] or d["waits_for"]
+            on = f" -> waits for rank(s) {peers}"
+            lines.append(f"rank {d['rank']} {_coords(d)}: {d['what']} for {d['blocked_s']}s{on}; last completed "
+                         f"{d['last_done']}; pending {len(d['pending'])} transfer(s)")
+    return lines
+
+
+def _coords(dump: dict) -> str:
+    c = dump.get("coords") or {}
+    return "(" + ", ".join(f"{k}={v}" for k, v in c.items()) + ")" if c else ""
+
+
+def watch_grid(watch: Watch, grid) -> None:
+    """Record the rank's grid coordinates and the global ranks of each of its process groups."""
+    import torch.distributed as dist
+
+    watch.coords = {"pp": grid.pp_rank, "dp": grid.dp_rank, "tp": grid.tp_rank}
+    for name in ("dp", "pp", "tp", "mp", "embed"):
+        group = getattr(grid, f"{name}_group")
+        watch.groups[name] = dist.get_process_group_ranks(group) if group is not None else [grid.rank]
+
+
+def watch_engine(engine, watch: Watch, before_action=None) -> None:
+    """Wrap a pipeline engine's transport (P2P only) and gradient sync so that the watch sees every wait."""
+    from parallel.pipeline.transport import P2PTransport
+
+    if not hasattr(engine, "sync"):
+        return  # the single-device engine: nothing to wait for
+    if isinstance(engine.transport, P2PTransport):
+        engine.transport = WatchedTransport(engine.transport, watch)
+    engine.sync = WatchedSync(engine.sync, watch, before_action)

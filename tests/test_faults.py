@@ -1,0 +1,134 @@
+"""Fault injection, the non-finite policy, strict metrics and the hang summary, in process (no launcher)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from parallel.hang import Watch, read_dumps, summarize
+from parallel.pipeline.actions import Action
+from training.faults import FaultInjector, InjectedCrash
+from training.metrics import MetricsLogger
+from training.nonfinite import NonFiniteError, SkipPolicy, nonfinite_vote
+from tests.equivalence import compose_run_config
+from tests.spawn import run_workers
+
+
+def test_crash_fires_on_its_rank_and_step_only():
+    FaultInjector("crash@rank=1,step=3", rank=0).begin_step(3)  # another rank: nothing
+    injector = FaultInjector("crash@rank=1,step=3", rank=1)
+    injector.begin_step(2)
+    with pytest.raises(InjectedCrash, match="rank 1 at step 3"):
+        injector.begin_step(3)
+
+
+def test_nan_poisons_loss_and_gradients_of_its_rank_and_step():
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    injector = FaultInjector("nan@rank=0,step=2", rank=0)
+    assert injector.poison(1, 1.5, [param]) == 1.5 and torch.isfinite(param.grad).all()
+    assert math.isnan(injector.poison(2, 1.5, [param])) and torch.isnan(param.grad).all()
+
+
+def test_stall_at_an_action_reports_itself_before_blocking(monkeypatch):
+    seen = []
+    injector = FaultInjector("stall@rank=0,step=2,action=F1@s1", rank=0, on_stall=seen.append)
+    monkeypatch.setattr("threading.Event.wait", lambda self, timeout=None: True)  # do not block the test
+    injector.begin_step(2)
+    injector.before_action(Action.parse("F0@s1"))
+    assert seen == []
+    injector.before_action(Action.parse("F1@s1"))
+    assert seen == ["stalled by debug.fault (step 2, before F1@s1)"]
+    FaultInjector("stall@rank=0,step=0", rank=0, on_stall=seen.append).start_up()
+    assert seen[-1] == "stalled by debug.fault (start-up, before joining the process group)"
+
+
+def test_stop_names_the_step_and_what_was_non_finite():
+    with pytest.raises(NonFiniteError, match="non-finite grad norm at step 7 .*train.on_nonfinite=stop"):
+        SkipPolicy("stop", 3).should_step(7, nonfinite_vote(1.0, math.inf, None, torch.device("cpu")), 1.0, math.inf)
+    assert nonfinite_vote(math.nan, math.nan, None, torch.device("cpu")) == "loss and grad norm"
+    assert nonfinite_vote(1.0, 2.0, None, torch.device("cpu")) is None
+
+
+def test_skip_counts_and_stops_after_max_skipped_steps_in_a_row():
+    policy = SkipPolicy("skip", 2)
+    assert [policy.should_step(s, w, 0.0, 0.0) for s, w in [(1, "loss"), (2, None), (3, "loss"), (4, "loss")]] == [
+        False, True, False, False]
+    assert policy.skipped == 3
+    with pytest.raises(NonFiniteError, match="3 steps in a row .*max_skipped_steps=2"):
+        policy.should_step(5, "loss", math.nan, 0.0)
+
+
+def test_metrics_jsonl_stays_strict_json(tmp_path):
+    cfg = OmegaConf.create({"logger": {"name": "none"}, "train": {"steps": 1}})
+    metrics = MetricsLogger(tmp_path, cfg, enabled=True)
+    metrics.log(1, {"loss": math.nan, "lr": 1e-3, "grad_norm": math.inf, "tokens_per_s": 1.0})
+    metrics.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard {c}")) == {
+        "step": 1, "loss": None, "lr": 1e-3, "grad_norm": None, "tokens_per_s": 1.0}
+
+
+def test_hang_summary_names_the_stalled_rank_and_who_waits_for_whom(tmp_path):
+    stalled, recv, coll = Watch(1, {"pp": 1}), Watch(0, {"pp": 0}), Watch(2, {"pp": 0}, {"dp": [2, 3]})
+    stalled.enter("stalled by debug.fault (step 2, before F0@s1)")
+    recv.enter("waiting: rank 0: receiving gradient from rank 1 for micro-batch 0", [1])
+    coll.collective("step 2: label-token all-reduce", "dp")
+    for watch in (stalled, recv, coll):
+        watch.run_dir = tmp_path
+        watch.dump("timeout")
+    lines = summarize(read_dumps(tmp_path), world_size=4)
+    assert lines[0].startswith("rank 1 (pp=1) is the stalled rank: stalled by debug.fault")
+    assert "no dump from rank(s) [3]" in lines[1]
+    assert any(line.startswith("rank 0 (pp=0): waiting") and "waits for rank(s) [1]" in line for line in lines)
+    assert any(line.startswith("rank 2") and "over dp" in line and "waits for rank(s) [3]" in line for line in lines)
+
+
+def _skip_worker(rank: int, world_size: int, cache_dir: str, run_dir: str) -> dict:
+    """dp=2: rank 1 alone gets NaN gradients at step 2 (after the DP sum); both ranks must skip that update."""
+    from parallel.grid import ParallelGrid
+    from training.trainer import Trainer
+
+    grid = ParallelGrid.build(2, 1, 1, backend="gloo", timeout_s=60)
+    out = {}
+    for name, fault in (("skipped", "'nan@rank=1,step=2'"), ("reference", None)):
+        overrides = ["model=tiny", "train.steps=3", "schedule.n_microbatches=2", "train.on_nonfinite=skip"]
+        cfg = compose_run_config(overrides + ([f"debug.fault={fault}"] if fault else []), Path(cache_dir))
+        trainer = Trainer(cfg, grid, Path(run_dir) / name)
+        steps: list[int] = []
+        if fault is None:  # by construction: step 2's optimizer update never happens, data and LR move on
+            real_step = trainer.optimizer.step
+            trainer.optimizer.step = lambda: None if steps[-1] == 2 else real_step()
+        trainer.fit(on_grads=steps.append)
+        out[name] = {k: p.detach().clone() for k, p in trainer.engine.named_parameters().items()}
+        out[f"{name}_skipped"] = trainer.guard.skipped
+    return out
+
+
+def test_skip_equals_a_run_without_that_update_on_every_rank(tmp_path):
+    for result in run_workers(_skip_worker, 2, str(tmp_path / "cache"), str(tmp_path / "run"), timeout=240):
+        assert result["skipped_skipped"] == 1 and result["reference_skipped"] == 0
+        assert result["skipped"].keys() == result["reference"].keys()
+        assert all(torch.equal(result["skipped"][k], result["reference"][k]) for k in result["reference"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "skipped" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 1)]  # rank 0's finite loss
+
+
+def test_known_errors_are_one_line_and_unexpected_ones_keep_their_traceback_in_the_rank_log(tmp_path):
+    from parallel.pipeline.transport import TransportTimeout
+    from training.failures import describe_failure
+
+    assert describe_failure(TransportTimeout("rank 1: receiving\nactivation"), tmp_path, 1) == (
+        "rank 1: receiving activation")
+    assert describe_failure(InjectedCrash("boom"), tmp_path, 3) == "rank 3: boom"
+    assert not (tmp_path / "logs").exists()
+    try:
+        {}["missing"]
+    except KeyError as error:
+        line = describe_failure(error, tmp_path, 2)
+    log = tmp_path / "logs" / "rank2.log"
+    assert line == f"rank 2: unexpected KeyError: 'missing' (traceback in {log})"
+    assert log.read_text().startswith("Traceback") and "{}[\"missing\"]" in log.read_text()

@@ -1,0 +1,132 @@
+"""Launched runs that fail on purpose: one line, hang summaries naming the stalled rank, Ctrl-C, no orphans."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=2",
+        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1", "optim.warmup_steps=1"]
+TIMEOUT_S = 10
+
+
+def train(args: list[str], tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess:
+    """A self-launched run of train.py that must end by itself (hard timeout)."""
+    cmd = [sys.executable, "train.py", *TINY, *args, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def sluice_lines(stderr: str) -> list[str]:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if line.startswith("sluice:")]
+
+
+def pids_where(field: int, value: int) -> list[int]:
+    """Live processes whose /proc stat field (3: ppid, 4: pgid) equals value."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if fields[0] != "Z" and int(fields[field - 2]) == value:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll predicate (a condition, not a sleep as synchronisation) until true or fail after timeout."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(["train.steps=4", "parallel.pp=2", "debug.fault='nan@rank=1,step=2'"], tmp_path, run_dir)
+    assert result.returncode == 1
+    [line] = sluice_lines(result.stderr)
+    assert "non-finite loss and grad norm at step 2" in line and "train.on_nonfinite=stop" in line
+    for rank in (0, 1):  # every rank stopped for the same reason
+        assert "at step 2" in json.loads((run_dir / "failures" / f"rank{rank}.json").read_text())["message"]
+
+
+def test_injected_crash_is_one_line_without_traceback(tmp_path):
+    result = train(["train.steps=4", "parallel.pp=2", "debug.fault='crash@rank=1,step=2'"], tmp_path, tmp_path / "r")
+    assert result.returncode == 1
+    assert sluice_lines(result.stderr) == [
+        "sluice: rank 1: debug.fault: injected crash on rank 1 at step 2 (the other workers were stopped)"]
+
+
+@pytest.mark.parametrize("layout, fault, waiting", [
+    ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1"),
+    ("parallel.dp=2", "stall@rank=1,step=2", "label-token all-reduce over dp"),
+    ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group"),
+], ids=["pipeline", "data-parallel", "start-up"])
+def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, layout, fault, waiting):
+    run_dir = tmp_path / "run"
+    result = train(["train.steps=3", layout, f"parallel.timeout_s={TIMEOUT_S}", f"debug.fault='{fault}'"],
+                   tmp_path, run_dir)
+    assert result.returncode == 1
+    lines = sluice_lines(result.stderr)
+    assert lines[0].startswith(f"sluice: rank 0: no progress for") and waiting in lines[0]
+    summary = result.stderr[result.stderr.index("hang summary"):].splitlines()[1:]
+    assert summary[0].strip().startswith("rank 1 ") and "is the stalled rank: stalled by debug.fault" in summary[0]
+    assert any(line.strip().startswith("rank 0 ") and "waits for rank(s) [1]" in line for line in summary)
+    dumps = {d: json.loads((run_dir / "hang" / f"rank{d}.json").read_text()) for d in (0, 1)}
+    assert dumps[0]["reason"] == "timeout" and dumps[1]["reason"] == "terminated"
+    # Every rank was gone within timeout_s + 15 s of the stall: the stalled rank's dump, written as it was
+    # stopped, says how long it had been stalled.
+    assert dumps[1]["blocked_s"] <= TIMEOUT_S + 15
+
+
+def start_long_run(cmd: list[str], run_dir: Path) -> subprocess.Popen:
+    """A run long enough to interrupt, in its own process group; returns once rank 0 logged a step."""
+    proc = subprocess.Popen([*cmd, *TINY, "train.steps=100000", f"data.cache_dir={run_dir.parent}/cache",
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0 or proc.poll() is not None, 240, "step 1")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return proc
+
+
+def test_ctrl_c_stops_a_four_worker_run_with_one_line_and_exit_130(tmp_path):
+    proc = start_long_run([sys.executable, "train.py", "parallel.tp=2", "parallel.pp=2"], tmp_path / "run")
+    try:
+        assert len(pids_where(3, proc.pid)) >= 4  # the four workers are the launcher's children
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert sluice_lines(stderr) == ["sluice: interrupted; every worker was stopped"]
+        wait_until(lambda: not pids_where(4, proc.pid), 10, "no process of the run's group left")
+    finally:
+        if proc.poll() is None or pids_where(4, proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
+def test_workers_exit_when_their_launcher_is_killed(tmp_path, launcher):
+    torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    cmd = [*torchrun, "train.py"] if launcher == "torchrun" else [sys.executable, "train.py"]
+    proc = start_long_run([*cmd, "parallel.pp=2"], tmp_path / "run")
+    try:
+        workers = pids_where(3, proc.pid)
+        assert len(workers) >= 2
+        proc.kill()  # SIGKILL: the launcher cannot stop anybody
+        proc.communicate(timeout=30)
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and pid in pids_where(4, proc.pid)
+                                   for pid in workers), 15, "every worker to exit after its launcher died")
+    finally:
+        if pids_where(4, proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,72 @@
+"""Fault injection for rehearsals and tests: `debug.fault=KIND@rank=R,step=S[,action=A]`.
+
+KIND is one of
+  crash  global rank R raises InjectedCrash at the start of step S (a known error: one line, exit 1);
+  nan    global rank R's loss and every gradient it holds become NaN in step S, after the gradient sums,
+         so the non-finite check sees a single bad rank (`train.on_nonfinite` decides what happens);
+  stall  global rank R blocks forever (until killed) at the start of step S, or right before compute action
+         A of step S (e.g. `action=F2@s1`); step 0 stalls during start-up, before the process group exists.
+A stall is what the hang doctor (`parallel.timeout_s`) must catch: every other rank times out, dumps where it
+waits and the launcher names the stalled rank. Steps are 1-based, as in metrics.jsonl. On the command line
+quote the value for Hydra: `python train.py parallel.pp=2 "debug.fault='stall@rank=1,step=3,action=F0@s1'"`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from parallel.pipeline.actions import Action
+from training.fault_spec import FaultSpec, parse_fault
+
+
+class InjectedCrash(RuntimeError):
+    """The crash that `debug.fault=crash@...` asked for."""
+
+
+class FaultInjector:
+    """Triggers the configured fault on its rank and step; every method is a no-op elsewhere."""
+
+    def __init__(self, text: str | None, rank: int, on_stall=None):
+        self.spec: FaultSpec | None = parse_fault(text) if text else None
+        self.rank = rank
+        self.on_stall = on_stall  # tells the hang doctor what this rank is (not) doing, before blocking
+        self.step = 0
+
+    def _here(self, kind: str, step: int) -> bool:
+        spec = self.spec
+        return spec is not None and spec.kind == kind and spec.rank == self.rank and spec.step == step
+
+    def start_up(self) -> None:
+        """Before the process group: a start-up stall."""
+        if self._here("stall", 0):
+            self._stall("start-up, before joining the process group")
+
+    def begin_step(self, step: int) -> None:
+        """At the start of 1-based step `step`: crash, or stall when no action was named."""
+        self.step = step
+        if self._here("crash", step):
+            raise InjectedCrash(f"debug.fault: injected crash on rank {self.rank} at step {step}")
+        if self._here("stall", step) and self.spec.action is None:
+            self._stall(f"start of step {step}")
+
+    def before_action(self, action: Action) -> None:
+        """Before each compute action: the stall at `action=A`."""
+        if self._here("stall", self.step) and self.spec.action == action:
+            self._stall(f"step {self.step}, before {action}")
+
+    def poison(self, step: int, loss: float, params: list[torch.nn.Parameter]) -> float:
+        """After the gradient sums of step `step`: NaN gradients and loss on the faulted rank."""
+        if not self._here("nan", step):
+            return loss
+        for param in params:
+            if param.grad is not None:
+                param.grad.fill_(math.nan)
+        return math.nan
+
+    def _stall(self, where: str) -> None:
+        if self.on_stall is not None:
+            self.on_stall(f"stalled by debug.fault ({where})")
+        threading.Event().wait()  # forever: the watchdog or the launcher ends this process

@@ -1,0 +1,58 @@
+"""StepGuard: the trainer loop's reliability hooks in one object (fault injection, hang watch, non-finite policy)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from parallel.grid import ParallelGrid
+from parallel.hang import Watch
+from training.faults import FaultInjector
+from training.nonfinite import SkipPolicy, nonfinite_vote
+
+
+class StepGuard:
+    """Called by the loop at fixed points of every step; `watch` tells the hang doctor where this rank is."""
+
+    def __init__(self, cfg: DictConfig, grid: ParallelGrid, watch: Watch | None = None,
+                 faults: FaultInjector | None = None):
+        self.grid = grid
+        self.watch = watch if watch is not None else Watch(grid.rank)  # nobody reads it without a watchdog
+        self.faults = faults if faults is not None else FaultInjector(OmegaConf.select(cfg, "debug.fault"), grid.rank)
+        train = cfg.train
+        self.policy = SkipPolicy(train.get("on_nonfinite", "stop"), train.get("max_skipped_steps", 3))
+        self.world = dist.group.WORLD if grid.world_size > 1 else None
+
+    @property
+    def skipped(self) -> int:
+        """Optimizer updates skipped so far (train.on_nonfinite=skip)."""
+        return self.policy.skipped
+
+    def begin(self, step: int) -> None:
+        """Start of 1-based `step`: an injected crash or stall, then the engine's first collective."""
+        self.faults.begin_step(step)
+        self.watch.collective(f"step {step}: label-token all-reduce", "dp")
+
+    def after_engine(self, step: int, loss: float, params: list[torch.nn.Parameter]) -> float:
+        """The step's gradients are summed: an injected NaN; the grad-norm collective comes next."""
+        loss = self.faults.poison(step, loss, params)
+        self.watch.collective(f"step {step}: grad-norm all-reduce", "mp")
+        return loss
+
+    def should_step(self, step: int, loss: float, grad_norm: float) -> bool:
+        """One verdict on every rank: update, skip (False) or stop (NonFiniteError)."""
+        self.watch.collective(f"step {step}: non-finite check", "world")
+        what = nonfinite_vote(loss, grad_norm, self.world, self.grid.device)
+        verdict = self.policy.should_step(step, what, loss, grad_norm)
+        self.watch.collective(f"step {step}: optimizer step", "dp")  # ZeRO-1 broadcasts its shards
+        return verdict
+
+    def evaluating(self, step: int) -> None:
+        """Validation after `step`: forward-only pipeline waits and loss sums over the whole grid."""
+        self.watch.collective(f"step {step}: validation", "world")
+
+    def end(self, step: int) -> None:
+        """The step is done: local work (logging, data) until the next one."""
+        self.watch.done(f"step {step}")
+        self.watch.enter(f"after step {step} (logging, data)")

@@ -1,0 +1,77 @@
+"""A watchdog thread per launched worker: bounded waits, no orphans, quiet signals.
+
+Every 0.2 s it checks three things and ends the process itself (os._exit: the main thread may be stuck in
+a C call that never returns, and it must not print a traceback per rank):
+- the launcher died (the parent pid changed): exit at once, so no worker outlives its torchrun agent or
+  self-launching root (polling works whatever the launcher is; PR_SET_PDEATHSIG follows the parent *thread*);
+- this rank has waited for peers (P2P, a collective, the rendezvous) longer than parallel.timeout_s: write
+  the hang dump and a one-line failure, exit 1 (local work is not timed: its peers time out waiting for it);
+- SIGTERM / SIGINT arrived: their Python handlers do nothing, and the C-level handler writes the signal
+  number to a wakeup socket this thread selects on, so it acts even while the main thread sits in a C call
+  (a blocked sigmask does not work: torch starts threads at import that would take the signal). SIGTERM (the
+  launcher stopping the workers after another rank failed) writes a dump if this rank was blocked.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+
+from parallel.hang import Watch
+from training.failures import record_failure
+
+POLL_S = 0.2
+EXIT_INTERRUPTED = 130
+SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def route_signals() -> tuple[socket.socket, socket.socket]:
+    """Route SIGTERM/SIGINT to the watchdog (call in the main thread); returns the wakeup socket pair."""
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    for signo in SIGNALS:
+        signal.signal(signo, lambda *_: None)  # the watchdog acts; the main thread must not raise or die
+    return reader, writer
+
+
+def start_watchdog(watch: Watch, timeout_s: float, announce: bool) -> threading.Thread:
+    """Start the daemon thread watching `watch`; `announce` also prints failures (no launcher of ours)."""
+    sockets = route_signals()
+    thread = threading.Thread(target=_loop, args=(watch, timeout_s, os.getppid(), announce, sockets),
+                              name="sluice-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _loop(watch: Watch, timeout_s: float, parent: int, announce: bool, sockets: tuple) -> None:
+    reader = sockets[0]  # the pair stays referenced here: closing the writer would silence the signals
+    while True:
+        if select.select([reader], [], [], POLL_S)[0]:
+            for signo in reader.recv(64):
+                if signo in SIGNALS:
+                    _on_signal(watch, signo)
+        if os.getppid() != parent:
+            os._exit(1)  # the launcher is gone: nobody will collect this rank's result
+        if watch.state.waits_for and watch.blocked_s() > timeout_s:
+            report_hang(watch, timeout_s, announce)
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def _on_signal(watch: Watch, signo: int) -> None:
+    if signo == signal.SIGTERM and watch.blocked_s() > 1.0:
+        watch.dump("terminated")  # stopped while blocked: part of another rank's hang report
+    os._exit(EXIT_INTERRUPTED if signo == signal.SIGINT else 128 + signo)
+
+
+def report_hang(watch: Watch, timeout_s: float, announce: bool) -> None:
+    """Dump where this rank waits and leave the one-line failure naming it."""
+    path = watch.dump("timeout")
+    message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s (parallel.timeout_s={timeout_s:g}) "
+               f"in: {watch.state.what}; hang dump in {path.parent}")
+    record_failure(path.parent.parent, watch.rank, message, announce)
