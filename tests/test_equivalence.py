@@ -1,57 +1,113 @@
-"""Every layout trains with the numbers of one process doing gradient accumulation (fp32, tiny models)."""
+"""Every layout trains with the numbers of one process doing gradient accumulation (tiny models).
+
+Per step: losses, aux losses and grad norms; after step 1: every gradient; at the end: the parameters of
+every DP replica. Layouts marked `emu` run with parallel.emulate=true (one process plays every pipeline rank
+of its (dp, tp) coordinate: the same stages, lists and runtime loop over in-process channels); the ones with
+world > 1 share one spawn per world size. Real P2P pipelines are covered by the distributed layouts above them.
+"""
+
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from parallel.pipeline.plan import plan_pipeline
-from training.specs import pipeline_spec
 from parallel.pipeline.tables import dump_builtin
-from tests.equivalence import assert_equivalent, baseline, compose_run_config, layout_worker
+from tests.equivalence import (FP32, Tolerances, assert_equivalent, baseline, compose_run_config, layout_worker,
+                               layouts_worker, run_training)
 from tests.spawn import run_workers
 from training.config import model_config
+from training.specs import pipeline_spec
 
 STEPS = ["train.steps=3", "schedule.n_microbatches=4"]
-# (id, model overrides, layout overrides, world size, dp)
-LAYOUTS = [
-    ("tp2", ["model=tiny"], ["parallel.tp=2"], 2, 1),
-    ("pp2-gpipe", ["model=tiny"], ["parallel.pp=2", "schedule=gpipe"], 2, 1),
-    ("pp2-1f1b", ["model=tiny"], ["parallel.pp=2", "schedule=1f1b"], 2, 1),
-    ("pp4-gpipe", ["model=tiny"], ["parallel.pp=4", "schedule=gpipe"], 4, 1),
-    ("pp4-1f1b", ["model=tiny"], ["parallel.pp=4", "schedule=1f1b"], 4, 1),
-    ("dp2", ["model=tiny"], ["parallel.dp=2"], 2, 2),
-    ("tp2-pp2-1f1b", ["model=tiny"], ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b"], 4, 1),
-    ("dp2-pp2-gpipe", ["model=tiny"], ["parallel.dp=2", "parallel.pp=2", "schedule=gpipe"], 4, 2),
-    ("dp2-tp2-pp2-1f1b", ["model=tiny"], ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"], 8, 2),
+EMU = "parallel.emulate=true"
+TABLE = "{table}"  # stands for a CSV dumped from a built-in schedule when the test runs
+TINY, MOE = ["model=tiny"], ["model=tiny-moe"]
+PADDED = ["model=tiny", "data.format=padded", "train.seq_len=128"]  # one document per sample, most shorter
+UNTIED = ["model=tiny", "model.tie_word_embeddings=false"]
+BF16 = ["model=tiny", "train.dtype=bf16"]
+# bf16 autocast against a bf16 single process. Without TP a layout runs the same bf16 kernels on the same
+# micro-batches and only sums fp32 gradients in another order (DP), so the fp32 tolerances hold (measured
+# dp2: grad norm 1.2e-5, parameters 3e-6; pp2 vpp3: 5e-8). TP splits each row-parallel matmul's reduction
+# into partial products rounded to bf16 (8 significant bits, a rounding moves a value by up to 2^-9 ~ 2e-3)
+# before the all-reduce. Measured tp2 (with or without pp2): loss 3.4e-5, grad norm 5e-4, gradients 1.2e-2
+# and parameters 7.6e-3 per tensor, the same size as bf16 against fp32 on one process (gradients 1.3e-2,
+# parameters 7.1e-3, grad norm 5.4e-4): the noise of bf16 itself. The tolerances sit ~2.5x above that,
+# far below the factor-of-two errors this suite exists to catch (relative error 0.5 to 1).
+BF16_TP_TOL = Tolerances(loss=2e-4, grad_norm=2e-3, grad=3e-2, param=2e-2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One equivalence case: `run` overrides the baseline shares, `layout` overrides only the layout has."""
+
+    name: str
+    run: list[str]
+    layout: list[str]
+    world: int  # processes: dp * tp * pp, or dp * tp when emulated
+    dp: int
+    tol: Tolerances = FP32
+
+    @property
+    def emulated(self) -> bool:
+        return EMU in self.layout
+
+
+LAYOUTS = [Layout(*case) for case in [
+    ("tp2", TINY, ["parallel.tp=2"], 2, 1),
+    ("pp2-gpipe", TINY, ["parallel.pp=2", "schedule=gpipe"], 2, 1),
+    ("pp2-1f1b", TINY, ["parallel.pp=2", "schedule=1f1b"], 2, 1),
+    ("pp4-gpipe", TINY, ["parallel.pp=4", "schedule=gpipe"], 4, 1),
+    ("pp4-1f1b", TINY, ["parallel.pp=4", "schedule=1f1b"], 4, 1),
+    ("dp2", TINY, ["parallel.dp=2"], 2, 2),
+    ("tp2-pp2-1f1b", TINY, ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b"], 4, 1),
+    ("dp2-pp2-gpipe", TINY, ["parallel.dp=2", "parallel.pp=2", "schedule=gpipe"], 4, 2),
+    ("dp2-tp2-pp2-1f1b", TINY, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"], 8, 2),
     ("uneven-5-layers-pp2", ["model=tiny", "model.num_hidden_layers=5"], ["parallel.pp=2"], 2, 1),
     ("explicit-1-3-1", ["model=tiny", "model.num_hidden_layers=5"],
      ["parallel.pp=3", "parallel.layers_per_stage=[1,3,1]"], 3, 1),
-    ("moe-tp2-pp2", ["model=tiny-moe"], ["parallel.tp=2", "parallel.pp=2"], 4, 1),
+    ("moe-tp2-pp2", MOE, ["parallel.tp=2", "parallel.pp=2"], 4, 1),
     ("interleaved-pp2-vpp2", ["model=tiny", "model.num_hidden_layers=8"],
      ["parallel.pp=2", "parallel.vpp=2", "schedule=interleaved-1f1b"], 2, 1),
     ("interleaved-pp4-vpp2", ["model=tiny", "model.num_hidden_layers=8"],
      ["parallel.pp=4", "parallel.vpp=2", "schedule=interleaved-1f1b"], 4, 1),
-    ("zb-h1-pp2", ["model=tiny"], ["parallel.pp=2", "schedule=zb-h1"], 2, 1),
-    ("zb-h1-pp4", ["model=tiny"], ["parallel.pp=4", "schedule=zb-h1"], 4, 1),
-    ("tp2-pp2-zb-h1", ["model=tiny"], ["parallel.tp=2", "parallel.pp=2", "schedule=zb-h1"], 4, 1),
-    ("zbv-pp2", ["model=tiny"], ["parallel.pp=2", "parallel.vpp=2", "schedule=zbv"], 2, 1),
-    ("table-zb-h1-pp2", ["model=tiny"], ["parallel.pp=2", "schedule=table", "schedule.path={table}"], 2, 1),
-]
-TABLE = "{table}"  # stands for a CSV dumped from a built-in schedule when the test runs
+    ("zb-h1-pp2", TINY, ["parallel.pp=2", "schedule=zb-h1"], 2, 1),
+    ("zb-h1-pp4", TINY, ["parallel.pp=4", "schedule=zb-h1"], 4, 1),
+    ("tp2-pp2-zb-h1", TINY, ["parallel.tp=2", "parallel.pp=2", "schedule=zb-h1"], 4, 1),
+    ("zbv-pp2", TINY, ["parallel.pp=2", "parallel.vpp=2", "schedule=zbv"], 2, 1),
+    ("table-zb-h1-pp2", TINY, ["parallel.pp=2", "schedule=table", f"schedule.path={TABLE}"], 2, 1),
+    ("padded-dp2", PADDED, ["parallel.dp=2"], 2, 2),
+    # Emulated pipelines: in this process (world 1) or one spawn per world size for all of them.
+    ("padded-pp2-gpipe-emu", PADDED, ["parallel.pp=2", "schedule=gpipe", EMU], 1, 1),
+    ("interleaved-pp2-vpp3-emu", ["model=tiny", "model.num_hidden_layers=6"],
+     ["parallel.pp=2", "parallel.vpp=3", "schedule=interleaved-1f1b", EMU], 1, 1),
+    ("padded-dp2-pp2-1f1b-emu", PADDED, ["parallel.dp=2", "parallel.pp=2", EMU], 2, 2),
+    ("dp2-pp2-zb-h1-emu", TINY, ["parallel.dp=2", "parallel.pp=2", "schedule=zb-h1", EMU], 2, 2),
+    ("dp2-pp2-vpp2-interleaved-emu", ["model=tiny", "model.num_hidden_layers=8"],
+     ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=interleaved-1f1b", EMU], 2, 2),
+    ("dp2-pp2-zbv-emu", TINY, ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU], 2, 2),
+    ("bf16-dp2-pp2-emu", BF16, ["parallel.dp=2", "parallel.pp=2", EMU], 2, 2),
+    ("bf16-tp2-pp2-emu", BF16, ["parallel.tp=2", "parallel.pp=2", EMU], 2, 1, BF16_TP_TOL),
+    ("moe-top1-dp2-tp2-pp2-emu", MOE, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
+    ("moe-top2-dp2-tp2-pp2-emu", [*MOE, "model.num_experts_per_tok=2"],
+     ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
+    ("untied-dp2-tp2-pp2-emu", UNTIED, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
+]]
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A shared tokenizer cache, dense checkpoints per model and memoised baselines."""
-    return {"root": tmp_path_factory.mktemp("equivalence"), "dense": {}, "baselines": {}}
+    """A shared tokenizer cache, dense checkpoints per model, memoised baselines and grouped results."""
+    return {"root": tmp_path_factory.mktemp("equivalence"), "dense": {}, "baselines": {}, "grouped": {}}
 
 
-def dense_checkpoint(workspace, model_args: list[str]) -> str:
+def dense_checkpoint(workspace, run_args: list[str]) -> str:
     """A .pth state_dict from a model with another seed, so loading it visibly replaces the initial weights."""
-    key = tuple(model_args)
+    key = tuple(a for a in run_args if a.startswith("model"))
     if key not in workspace["dense"]:
         from minimind import MiniMindForCausalLM
 
-        cfg = compose_run_config(model_args, workspace["root"] / "cache")
+        cfg = compose_run_config(list(key), workspace["root"] / "cache")
         torch.manual_seed(7)
         path = workspace["root"] / f"dense-{len(workspace['dense'])}.pth"
         torch.save(MiniMindForCausalLM(model_config(cfg)).state_dict(), path)
@@ -59,29 +115,53 @@ def dense_checkpoint(workspace, model_args: list[str]) -> str:
     return workspace["dense"][key]
 
 
-def reference_run(workspace, model_args: list[str], dp: int, load: list[str]) -> dict:
-    key = (tuple(model_args), dp)
+def overrides(workspace, case: Layout) -> list[str]:
+    """The layout's full override list, with its dense checkpoint and schedule table filled in."""
+    layout = [arg.replace(TABLE, schedule_table(workspace)) for arg in case.layout]
+    return [*STEPS, *case.run, *layout, f"checkpoint.load_dense={dense_checkpoint(workspace, case.run)}"]
+
+
+def reference_run(workspace, case: Layout) -> dict:
+    key = (tuple(case.run), case.dp)
     if key not in workspace["baselines"]:
         run_dir = workspace["root"] / f"baseline-{len(workspace['baselines'])}"
-        workspace["baselines"][key] = baseline([*STEPS, *model_args, *load], workspace["root"] / "cache", run_dir, dp)
+        load = f"checkpoint.load_dense={dense_checkpoint(workspace, case.run)}"
+        workspace["baselines"][key] = baseline([*STEPS, *case.run, load], workspace["root"] / "cache", run_dir, case.dp)
     return workspace["baselines"][key]
 
 
-@pytest.mark.parametrize("name, model_args, layout, world, dp", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_layout_equals_single_process(workspace, name, model_args, layout, world, dp):
-    layout = [arg.replace(TABLE, schedule_table(workspace)) if TABLE in arg else arg for arg in layout]
-    load = [f"checkpoint.load_dense={dense_checkpoint(workspace, model_args)}"]
-    reference = reference_run(workspace, model_args, dp, load)
-    results = run_workers(layout_worker, world, [*STEPS, *model_args, *layout, *load],
-                          str(workspace["root"] / "cache"), str(workspace["root"] / name), timeout=300)
-    assert_equivalent(results, reference)
-    cfg = compose_run_config([*STEPS, *model_args, *layout], workspace["root"] / "cache")
-    pp = cfg.parallel.pp
-    if pp > 1 and plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers).placement == "v":
+def layout_results(workspace, case: Layout) -> list[dict]:
+    """Every rank's results: spawned, in this process (emulated, world 1), or from its world size's group."""
+    root, cache = workspace["root"], workspace["root"] / "cache"
+    if not case.emulated:
+        return run_workers(layout_worker, case.world, overrides(workspace, case), str(cache), str(root / case.name),
+                           timeout=300)
+    if case.world == 1:
+        from parallel.grid import ParallelGrid
+
+        cfg = compose_run_config(overrides(workspace, case), cache)
+        return [run_training(cfg, ParallelGrid.single(torch.device("cpu")), root / case.name)]
+    if case.name not in workspace["grouped"]:
+        group = [c for c in LAYOUTS if c.emulated and c.world == case.world]
+        runs = [(overrides(workspace, c), str(root / c.name)) for c in group]
+        by_rank = run_workers(layouts_worker, case.world, runs, str(cache), timeout=480)
+        workspace["grouped"].update({c.name: [r[i] for r in by_rank] for i, c in enumerate(group)})
+    return workspace["grouped"][case.name]
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=[case.name for case in LAYOUTS])
+def test_layout_equals_single_process(workspace, case):
+    reference = reference_run(workspace, case)
+    results = layout_results(workspace, case)
+    assert_equivalent(results, reference, case.tol)
+    cfg = compose_run_config([*STEPS, *case.run, *case.layout], workspace["root"] / "cache")
+    if cfg.parallel.pp == 1 or not cfg.model.tie_word_embeddings:
+        return
+    if plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers).placement == "v":
         # The first and last stage share rank 0: the tie is one Parameter, so no rank holds a second copy.
         assert not any(key == "lm_head.weight" for r in results for _, key, _ in r["tied"])
-    elif pp > 1:
-        assert_tied_copies_bitwise_equal(results, pp)
+    else:
+        assert_tied_copies_bitwise_equal(results, steps=3)
 
 
 def schedule_table(workspace) -> str:
@@ -92,17 +172,26 @@ def schedule_table(workspace) -> str:
     return str(path)
 
 
-def assert_tied_copies_bitwise_equal(results: list[dict], pp: int) -> None:
+def assert_tied_copies_bitwise_equal(results: list[dict], steps: int) -> None:
     """The first stage's embedding and the last stage's lm_head are the same bits after every step."""
-    by_coords = {r["coords"]: r["tied"] for r in results}
-    checked = 0
-    for (pp_rank, dp_rank, tp_rank), copies in by_coords.items():
-        if pp_rank != 0:
-            continue
-        head = by_coords[(pp - 1, dp_rank, tp_rank)]
-        assert [step for step, _, _ in copies] == [step for step, _, _ in head] == [1, 2, 3]
-        for (_, first_name, first), (_, last_name, last) in zip(copies, head):
-            assert (first_name, last_name) == ("model.embed_tokens.weight", "lm_head.weight")
-            assert torch.equal(first, last)
-            checked += 1
-    assert checked > 0
+    copies: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # (dp, tp, step) -> name -> tensor
+    for result in results:
+        _, dp_rank, tp_rank = result["coords"]
+        for step, name, tensor in result["tied"]:
+            copies.setdefault((dp_rank, tp_rank, step), {})[name] = tensor
+    assert copies and {step for _, _, step in copies} == set(range(1, steps + 1))
+    for where, pair in copies.items():
+        assert sorted(pair) == ["lm_head.weight", "model.embed_tokens.weight"], where
+        assert torch.equal(pair["lm_head.weight"], pair["model.embed_tokens.weight"]), where
+
+
+def test_padded_label_counts_differ_per_micro_batch_and_replica(tmp_path):
+    """The padded cases above only prove the global token count if local counts actually differ."""
+    from training.data import build_data
+
+    cfg = compose_run_config([*STEPS, *PADDED], tmp_path / "cache")
+    counts = [[[mb.num_label_tokens() for mb in build_data(cfg, d, 2)[0].batch(step)] for d in range(2)]
+              for step in range(3)]
+    for replicas in counts:
+        assert all(len(set(replica)) > 1 for replica in replicas), counts  # between micro-batches
+        assert sum(replicas[0]) != sum(replicas[1]), counts  # between the DP replicas of one step
