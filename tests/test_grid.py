@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.grid import ParallelGrid
-from spawn import run_workers
+from tests.spawn import run_workers
 
 
 def _grid_worker(rank: int, world_size: int, pp: int, dp: int, tp: int) -> dict:
