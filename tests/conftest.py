@@ -1,15 +1,12 @@
 """Shared fixtures: golden reference files and tiny configs."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # pytest.ini puts it on sys.path (pythonpath = .)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def load_golden(kind: str) -> dict:
