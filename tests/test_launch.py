@@ -11,8 +11,10 @@ import pytest
 from tests.conftest import ROOT
 from tests.spawn import free_port
 
+# No warm-up and a real learning rate: the runs compared below must move (the default warm-up keeps lr ~1e-5).
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
-        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1"]
+        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1", "optim.warmup_steps=0",
+        "optim.lr=1e-3"]
 
 
 def run(cmd: list[str], run_dir, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
