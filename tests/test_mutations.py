@@ -70,10 +70,15 @@ def aux_times_dp(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(engine, "StepPlan", lambda loss_scale, aux_scale, **kw: step_plan(loss_scale, aux_scale * DP, **kw))
 
 
-# name -> (mutation, model, layout): DP bugs need real DP processes, the others an emulated pipeline.
-MUTATIONS = {"dp-average": (dp_average, "dense", DP2), "local-token-count": (local_token_count, "padded", DP2),
-             "aux-scaled-by-dp": (aux_times_dp, "moe", DP2), "tied-average": (tied_average, "dense", PP2),
-             "norm-double-count": (norm_double_count, "dense", PP2)}
+# name -> (mutation, model, layout, what the failure must name): DP bugs need real DP processes, the others an
+# emulated pipeline. The pattern shows the bug is caught by the quantity it corrupts, not by a side effect.
+MUTATIONS = {
+    "dp-average": (dp_average, "dense", DP2, r"grads model\.\S+ dp1"),
+    "local-token-count": (local_token_count, "padded", DP2, r"loss on rank"),
+    "aux-scaled-by-dp": (aux_times_dp, "moe", DP2, r"grads model\.layers\.\d+\.mlp\.gate\.weight"),
+    "tied-average": (tied_average, "dense", PP2, r"grads (model\.embed_tokens|lm_head)\.weight"),
+    "norm-double-count": (norm_double_count, "dense", PP2, r"metrics\.jsonl grad_norm"),
+}
 
 
 def mutant_worker(rank: int, world_size: int, runs: list[tuple[list[str], str, str | None]], cache_dir: str) -> list:
@@ -98,16 +103,16 @@ def runs(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("mutations")
     cache = root / "cache"
-    cases = {(model, tuple(layout)) for _, model, layout in MUTATIONS.values()}
+    cases = {(model, tuple(layout)) for _, model, layout, _ in MUTATIONS.values()}
     out = {"baseline": {model: baseline([*COMMON, *MODELS[model]], cache, root / f"base-{model}", dp=2)
                         for model in {m for m, _ in cases}}}
     spawned = [(model, None) for model, layout in sorted(cases) if list(layout) == DP2]
-    spawned += [(MUTATIONS[name][1], name) for name, (_, _, layout) in MUTATIONS.items() if layout == DP2]
+    spawned += [(MUTATIONS[name][1], name) for name, (_, _, layout, _) in MUTATIONS.items() if layout == DP2]
     runs_ = [([*COMMON, *MODELS[model], *DP2], str(root / f"{model}-{name}"), name) for model, name in spawned]
     by_rank = run_workers(mutant_worker, 2, runs_, str(cache), timeout=480)
     for i, (model, name) in enumerate(spawned):
         out[name or (model, tuple(DP2))] = [r[i] for r in by_rank]
-    for name in [None, *(n for n, (_, _, layout) in MUTATIONS.items() if layout == PP2)]:
+    for name in [None, *(n for n, (_, _, layout, _) in MUTATIONS.items() if layout == PP2)]:
         cfg = compose_run_config([*COMMON, *MODELS["dense"], *PP2], cache)
         with pytest.MonkeyPatch.context() as mp:
             if name is not None:
@@ -119,8 +124,8 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_equivalence_check_catches_injected_bug(runs, name):
-    _, model, layout = MUTATIONS[name]
+    _, model, layout, names = MUTATIONS[name]
     reference = runs["baseline"][model]
     assert_equivalent(runs[(model, tuple(layout))], reference)  # the same layout without the bug passes
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=names):
         assert_equivalent(runs[name], reference)
