@@ -154,7 +154,7 @@ def test_layout_equals_single_process(workspace, case):
     reference = reference_run(workspace, case)
     results = layout_results(workspace, case)
     assert_equivalent(results, reference, case.tol)
-    cfg = compose_run_config([*STEPS, *case.run, *case.layout], workspace["root"] / "cache")
+    cfg = compose_run_config(overrides(workspace, case), workspace["root"] / "cache")
     if cfg.parallel.pp == 1 or not cfg.model.tie_word_embeddings:
         return
     if plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers).placement == "v":
