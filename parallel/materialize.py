@@ -54,7 +54,9 @@ def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int,
         dense = source(name, dense_shape(param, tp))
         if getattr(param, "tensor_parallel", False):
             dense = dense.chunk(tp, dim=param.partition_dim)[tp_rank]
-        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype).contiguous(), param.requires_grad)
+        # copy=True: a source may hand out one tensor twice (a .pth's tied embedding and head share storage),
+        # and two Parameters on one storage would be updated twice per step.
+        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=True).contiguous(), param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
         param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back
     for owner in module.modules():
