@@ -111,3 +111,15 @@ def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeyp
     with pytest.raises(RuntimeError, match="mesh failed"):
         launch.run_worker(OmegaConf.to_container(cfg), "unused")
     assert not dist.is_initialized()
+
+
+def test_materialised_parameters_never_share_storage():
+    from parallel.materialize import materialize_
+
+    shared = torch.ones(3, 4)
+    module = torch.nn.Module()
+    with torch.device("meta"):
+        module.a, module.b = torch.nn.Parameter(torch.empty(3, 4)), torch.nn.Parameter(torch.empty(3, 4))
+    materialize_(module, lambda name, shape: shared, 0, 1, CPU)  # a source handing out one tensor twice
+    assert module.a.untyped_storage().data_ptr() != module.b.untyped_storage().data_ptr()
+    assert shared.untyped_storage().data_ptr() not in {module.a.untyped_storage().data_ptr()}
