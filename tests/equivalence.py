@@ -139,6 +139,12 @@ def dense_copies(results: list[dict], field: str, tied: bool) -> dict[str, dict[
     return copies
 
 
+def dense_params(results: list[dict], tied: bool = True) -> dict[str, torch.Tensor]:
+    """DP replica 0's final parameters by dense name, TP shards joined (a tied lm_head folds into the embedding)."""
+    copies = dense_copies(results, "params", tied)
+    return {name: next(t for where, t in places.items() if where.split()[1] == "dp0") for name, places in copies.items()}
+
+
 def _relative_errors(results: list[dict], reference: dict, field: str, dp: int) -> list[tuple[float, str]]:
     """Per-tensor relative error in norm of every copy of `field` against the single process's tensor."""
     expected = {name: t for name, (t, _) in reference[field].items()}
