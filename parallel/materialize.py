@@ -47,16 +47,21 @@ def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int,
 
     Each Parameter keeps its identity (a tie stays one object) and its attributes (the TP marks): the
     storage is swapped in, not a new Parameter made, as `Module.to_empty` would."""
+    seen: set[int] = set()  # storages already handed to a parameter
     for name, param in module.named_parameters():  # a Parameter shared by two modules is listed once
         if param._backward_hooks:
             raise RuntimeError(f"{name}: gradient hooks on a meta tensor do not survive materialising; "
                                "register them afterwards")
         dense = source(name, dense_shape(param, tp))
-        if getattr(param, "tensor_parallel", False):
+        sliced = getattr(param, "tensor_parallel", False)
+        if sliced:
             dense = dense.chunk(tp, dim=param.partition_dim)[tp_rank]
-        # copy=True: a source may hand out one tensor twice (a .pth's tied embedding and head share storage),
-        # and two Parameters on one storage would be updated twice per step.
-        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=True).contiguous(), param.requires_grad)
+        # Copy a TP block (else it pins the whole dense tensor) and any storage a source hands out twice (a
+        # .pth's tied embedding and head share one: two Parameters on it would be updated twice per step).
+        storage = dense.untyped_storage().data_ptr()
+        copy = sliced or storage in seen
+        seen.add(storage)
+        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=copy).contiguous(), param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
         param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back
     for owner in module.modules():

