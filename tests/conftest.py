@@ -22,3 +22,12 @@ def golden_dense() -> dict:
 @pytest.fixture(scope="session")
 def golden_moe() -> dict:
     return load_golden("moe")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: a second intra-op thread only adds synchronisation (5x slower on a busy 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

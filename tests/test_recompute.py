@@ -21,13 +21,7 @@ from tests.spawn import run_workers
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: a second intra-op thread only adds synchronisation on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(layers: int = 4, moe: bool = False, dropout: float = 0.0) -> MiniMindConfig:

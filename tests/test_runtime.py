@@ -30,13 +30,7 @@ F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: a second intra-op thread only adds synchronisation (5x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(layers: int = 4, moe: bool = False, seed: int = 0) -> MiniMindForCausalLM:
