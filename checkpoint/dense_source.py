@@ -120,4 +120,6 @@ def _open_torch(path: Path) -> tuple[list[str], Reader]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # torch.compile's prefix
-    return list(state), state.__getitem__
+    # A copy per read: a tied model's embedding and head share one storage in the file, and a Parameter must own
+    # its memory (WeightSource's contract), not alias the mapped file or another Parameter.
+    return list(state), lambda name: state[name].clone()

@@ -14,7 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-WeightSource = Callable[[str, tuple[int, ...]], torch.Tensor]  # (dense name, dense shape) -> dense tensor
+# (dense name, dense shape) -> a dense tensor the caller owns: a fresh one per call, never shared with another
+# name (two Parameters on one storage would be updated twice per step).
+WeightSource = Callable[[str, tuple[int, ...]], torch.Tensor]
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
@@ -47,7 +49,6 @@ def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int,
 
     Each Parameter keeps its identity (a tie stays one object) and its attributes (the TP marks): the
     storage is swapped in, not a new Parameter made, as `Module.to_empty` would."""
-    seen: set[int] = set()  # storages already handed to a parameter
     for name, param in module.named_parameters():  # a Parameter shared by two modules is listed once
         if param._backward_hooks:
             raise RuntimeError(f"{name}: gradient hooks on a meta tensor do not survive materialising; "
@@ -56,12 +57,8 @@ def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int,
         sliced = getattr(param, "tensor_parallel", False)
         if sliced:
             dense = dense.chunk(tp, dim=param.partition_dim)[tp_rank]
-        # Copy a TP block (else it pins the whole dense tensor) and any storage a source hands out twice (a
-        # .pth's tied embedding and head share one: two Parameters on it would be updated twice per step).
-        storage = dense.untyped_storage().data_ptr()
-        copy = sliced or storage in seen
-        seen.add(storage)
-        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=copy).contiguous(), param.requires_grad)
+        # A TP block is copied: as a view it would pin the whole dense tensor.
+        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=sliced).contiguous(), param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
         param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back
     for owner in module.modules():

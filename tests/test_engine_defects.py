@@ -113,15 +113,17 @@ def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeyp
     assert not dist.is_initialized()
 
 
-def test_materialised_parameters_never_share_storage():
-    from parallel.materialize import materialize_
+def test_a_tied_pth_gives_every_parameter_its_own_storage(tmp_path):
+    from checkpoint.dense_source import dense_source
 
-    shared = torch.ones(3, 4)
-    module = torch.nn.Module()
-    with torch.device("meta"):
-        module.a, module.b = torch.nn.Parameter(torch.empty(3, 4)), torch.nn.Parameter(torch.empty(3, 4))
-    materialize_(module, lambda name, shape: shared, 0, 1, CPU)  # a source handing out one tensor twice
-    assert module.a.untyped_storage().data_ptr() != module.b.untyped_storage().data_ptr()
+    model = tiny()
+    torch.save(model.state_dict(), tmp_path / "tied.pth")  # embedding and head: one storage in the file
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    source = dense_source(tmp_path / "tied.pth", shapes)
+    embedding, head = source("model.embed_tokens.weight", shapes["model.embed_tokens.weight"]), \
+        source("lm_head.weight", shapes["lm_head.weight"])
+    assert torch.equal(embedding, head)
+    assert embedding.untyped_storage().data_ptr() != head.untyped_storage().data_ptr()
 
 
 def test_a_tp_block_does_not_pin_the_dense_tensor():
