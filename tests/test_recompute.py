@@ -17,6 +17,7 @@ from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import MicroBatch, dense_token_loss, shifted_loss_sum
 from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.spawn import run_workers
+from tests.test_runtime import run_b_and_i
 
 CPU = torch.device("cpu")
 
@@ -153,14 +154,7 @@ def test_recomputation_replays_the_dropout_masks_of_the_forward():
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_input_then_weight_backward_with_recomputation_equals_full_backward_without(mode, moe):
     full, split = tiny(moe=moe), apply_recompute(tiny(moe=moe), mode)
-    a = Stage(full, 0, 1, CPU, torch.float32, dense_token_loss)
-    b = Stage(split, 0, 1, CPU, torch.float32, dense_token_loss, split_backward=True)
-    for mb, batch in enumerate(batches(2)):
-        for stage in (a, b):
-            stage.forward(mb, batch.input_ids, batch.labels, 0.01, 0.5)
-    for mb in range(2):
-        a.backward(mb, None)
-        b.backward_input(mb, None)
+    _, b = run_b_and_i(full, split, batches(2))
     # The recomputed linears ran under SplitLinears: their weight gradients still wait for W.
     waiting = {n for n, p in split.named_parameters() if p.grad is None}
     assert any(".layers." in n and n.endswith("proj.weight") for n in waiting), waiting

@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.engine import ParallelEngine
@@ -66,17 +67,23 @@ def assert_grads_match(engine: ParallelEngine, reference: dict[str, torch.Tensor
 # --- The I/W split. ----------------------------------------------------------------------------------------
 
 
+def run_b_and_i(full: nn.Module, split: nn.Module, data: list[MicroBatch]) -> tuple[Stage, Stage]:
+    """One-stage pipelines of both models after every micro-batch's F, then B (full) or I (split): W pending."""
+    a = Stage(full, 0, 1, CPU, torch.float32, dense_token_loss)
+    b = Stage(split, 0, 1, CPU, torch.float32, dense_token_loss, split_backward=True)
+    for mb, batch in enumerate(data):
+        for stage in (a, b):
+            stage.forward(mb, batch.input_ids, batch.labels, 0.01, 0.5)
+    for mb in range(len(data)):
+        a.backward(mb, None)
+        b.backward_input(mb, None)
+    return a, b
+
+
 @pytest.mark.parametrize("moe", [False, True])
 def test_input_then_weight_backward_equals_full_backward(moe):
     full, split = tiny(moe=moe), tiny(moe=moe)
-    a = Stage(full, 0, 1, CPU, torch.float32, dense_token_loss)
-    b = Stage(split, 0, 1, CPU, torch.float32, dense_token_loss, split_backward=True)
-    for mb, batch in enumerate(batches(2)):
-        for stage in (a, b):
-            stage.forward(mb, batch.input_ids, batch.labels, 0.01, 0.5)
-    for mb in range(2):
-        a.backward(mb, None)
-        b.backward_input(mb, None)
+    a, b = run_b_and_i(full, split, batches(2))
     # After I: the linear layers' weights wait for W; norms and the embedding already have theirs.
     waiting = {n for n, p in split.named_parameters() if p.grad is None}
     assert waiting and all(n.endswith("proj.weight") or n.endswith("gate.weight") for n in waiting), waiting
