@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +43,8 @@ class Watch:
         self.state = State("start-up")
         self.last_done: str | None = None
         self.posted: list[tuple[int, Pending]] = []  # (sender/receiver rank, transfer) not known complete
+        self.report_lock = threading.Lock()  # the main thread and the watchdog may both see the same timeout
+        self.reported = False
 
     def enter(self, what: str, waits_for: list[int] | None = None) -> None:
         """This rank now does (or waits for) `what`; the timeout clock restarts."""
@@ -80,7 +83,7 @@ class Watch:
         state.pop("since")
         record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "coords": self.coords, **state,
                   "last_done": self.last_done, "pending": self.pending()}
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # one per writer: two threads may dump at once
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(path)  # the launcher never reads half a dump
         return path

@@ -77,6 +77,31 @@ def test_hang_summary_names_the_stalled_rank_and_who_waits_for_whom(tmp_path):
     assert any(line.startswith("rank 2") and "over dp" in line and "waits for rank(s) [3]" in line for line in lines)
 
 
+def test_a_timeout_seen_by_the_main_thread_and_the_watchdog_at_once_is_reported_once(tmp_path, capsys):
+    """The rendezvous store times out in the main thread just as the watchdog's clock runs out (seen in CI)."""
+    import threading
+
+    from training.watchdog import report_hang
+
+    watch = Watch(0)
+    watch.run_dir = tmp_path
+    watch.enter("start-up: joining the process group", [1])
+    barrier = threading.Barrier(8)
+
+    def reporter():
+        barrier.wait()
+        report_hang(watch, 10, announce=True)
+
+    threads = [threading.Thread(target=reporter) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert [d["rank"] for d in read_dumps(tmp_path)] == [0]
+    assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["rank0.json"]  # no stray temporary file
+    assert capsys.readouterr().err.count("sluice: rank 0: no progress") == 1
+
+
 def _skip_worker(rank: int, world_size: int, cache_dir: str, run_dir: str) -> dict:
     """dp=2: rank 1 alone gets NaN gradients at step 2 (after the DP sum); both ranks must skip that update."""
     from parallel.grid import ParallelGrid

@@ -70,7 +70,15 @@ def _on_signal(watch: Watch, signo: int) -> None:
 
 
 def report_hang(watch: Watch, timeout_s: float, announce: bool) -> None:
-    """Dump where this rank waits and leave the one-line failure naming it."""
+    """Dump where this rank waits and leave the one-line failure naming it (once per rank)."""
+    with watch.report_lock:  # a store timeout in the main thread and the watchdog's own can coincide
+        if watch.reported:
+            return
+        watch.reported = True
+        _report(watch, timeout_s, announce)
+
+
+def _report(watch: Watch, timeout_s: float, announce: bool) -> None:
     path = watch.dump("timeout")
     message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s (parallel.timeout_s={timeout_s:g}) "
                f"in: {watch.state.what}; hang dump in {path.parent}")
