@@ -72,21 +72,51 @@ Lists = Sequence[Sequence[Action]]  # the same, read-only (a plan's lowered list
 
 @dataclass(frozen=True)
 class Costs:
-    """Durations of each action kind, in arbitrary time units, for lowering and simulation."""
+    """Durations of each action kind, in arbitrary time units, for lowering and simulation.
+
+    The scalars hold for every stage; a non-empty `stage_*` tuple (one entry per global stage) overrides its
+    kind per stage, and `stage_comm` (one entry per boundary s -> s+1) overrides `comm` per boundary."""
 
     f: float = 1.0
     b: float = 2.0
     i: float = 1.0
     w: float = 1.0
     comm: float = 0.0  # one boundary-tensor transfer
+    stage_f: tuple[float, ...] = ()
+    stage_b: tuple[float, ...] = ()
+    stage_i: tuple[float, ...] = ()
+    stage_w: tuple[float, ...] = ()
+    stage_comm: tuple[float, ...] = ()
 
-    def of(self, kind: Kind) -> float:
-        """Duration of one compute action of `kind`."""
-        return self.durations()[kind]
+    def of(self, kind: Kind, stage: int | None = None) -> float:
+        """Duration of one compute action of `kind` (on `stage`, where per-stage durations are given)."""
+        per_stage = self._per_stage()[kind]
+        return per_stage[stage] if per_stage and stage is not None else self.durations()[kind]
 
     def durations(self) -> dict[Kind, float]:
         """Duration of each compute kind (hot loops look them up here rather than call `of`)."""
         return {F: self.f, B: self.b, I: self.i, W: self.w}
+
+    def stage_durations(self, n_stages: int) -> dict[Kind, list[float]]:
+        """Duration of each compute kind on each of `n_stages` stages (the replay's lookup table)."""
+        scalar, per_stage = self.durations(), self._per_stage()
+        table = {}
+        for kind, values in per_stage.items():
+            if values and len(values) != n_stages:
+                raise ValueError(f"Costs has {len(values)} per-stage {kind.value} durations for {n_stages} stages")
+            table[kind] = list(values) if values else [scalar[kind]] * n_stages
+        return table
+
+    def boundary_comm(self, n_stages: int) -> list[float]:
+        """Transfer time across each boundary s -> s+1 (n_stages - 1 entries)."""
+        if not self.stage_comm:
+            return [self.comm] * max(n_stages - 1, 0)
+        if len(self.stage_comm) != n_stages - 1:
+            raise ValueError(f"Costs has {len(self.stage_comm)} boundary comm times for {n_stages} stages")
+        return list(self.stage_comm)
+
+    def _per_stage(self) -> dict[Kind, tuple[float, ...]]:
+        return {F: self.stage_f, B: self.stage_b, I: self.stage_i, W: self.stage_w}
 
 
 # --- Who talks to whom. ---------------------------------------------------------------------------------

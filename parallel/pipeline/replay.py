@@ -79,7 +79,9 @@ class _Replay:
         self.owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
         # Neighbouring stages on one rank (the V placement, or pp=1) hand over locally: only then look.
         self.local = any(self.owner[s] == self.owner[s + 1] for s in range(n_stages - 1))
-        self.duration, self.comm = costs.durations(), costs.comm
+        self.duration = costs.stage_durations(n_stages)  # kind -> per-stage durations
+        self.comm = costs.comm
+        self.boundary = costs.boundary_comm(n_stages) if costs.stage_comm else None  # per boundary, if uneven
         self.start: Times = [[0.0] * len(actions) for actions in lowered]
         self.end: Times = [[0.0] * len(actions) for actions in lowered]
         self.busy, self.clock, self.pos = [0.0] * pp, [0.0] * pp, [0] * pp
@@ -107,7 +109,7 @@ class _Replay:
                     break
                 if ready > clock:
                     t0 = ready
-            cost = duration[a[0]]
+            cost = duration[a[0]][a[2]]
             start[k] = t0
             end[k] = clock = t0 + cost
             busy += cost
@@ -146,13 +148,18 @@ class _Replay:
     def complete(self, batch: list) -> None:
         """A batch is done: its ops end, its RECVs' tensors are there, whoever waits for one moves on."""
         r, first, stop, _, matched, _ = batch
-        actions, done, arrived, blocked = self.lowered[r], matched + self.comm, self.arrived, self.blocked
+        actions, arrived, blocked = self.lowered[r], self.arrived, self.blocked
+        done = matched + (self.comm if self.boundary is None else self.batch_comm(actions[first:stop]))
         self.end[r][first:stop] = [done] * (stop - first)
         for a in actions[first:stop]:
             if a[0] is RECV_F or a[0] is RECV_B:
                 arrived[a] = done
                 if a in blocked:
                     self.sweeps.wake(blocked.pop(a))
+
+    def batch_comm(self, ops: Lists) -> float:
+        """Transfer time of a batch under per-boundary costs: its slowest boundary (the batch ends as a unit)."""
+        return max(self.boundary[min(s, s + MATES[kind][1])] for kind, _, s in ops)
 
     def stuck(self) -> list[str]:
         """Where each rank stopped, if it did not finish, and every op whose counterpart was never posted."""
