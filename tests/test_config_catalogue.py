@@ -93,7 +93,10 @@ BAD = [
     (["train.on_nonfinite=ignore"], "train.on_nonfinite=ignore is not supported; use one of stop, skip"),
     (["train.max_skipped_steps=0"], "train.max_skipped_steps=0 must be positive"),
     (["train.global_batch_size=0"], "train.global_batch_size=0 must be positive"),
-    (["train.global_batch_size=64"], "train.global_batch_size: not implemented yet"),
+    (["train.global_batch_size=20"], "train.global_batch_size=20 is not a multiple of dp 1 x "
+                                     "train.micro_batch_size 8 = 8; change one of them"),
+    (["parallel.dp=2", "train.global_batch_size=24"], "train.global_batch_size=24 is not a multiple of dp 2 x "
+                                                      "train.micro_batch_size 8 = 16"),
     (["train.peak_tflops=0"], "train.peak_tflops=0.0 must be positive"),
     (["train.stpes=5"], "train.stpes: unknown config key; did you mean train.steps?"),
     (["+train.eval_evry=10"], "train.eval_evry: unknown config key; did you mean train.eval_every?"),

@@ -18,6 +18,7 @@ BAD_CONFIGS = [
     (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
     (["train.steps=${nope}"], "train.steps: cannot resolve its interpolation"),
     (["checkpoint.resume=no/such/dir"], "checkpoint.resume=no/such/dir does not exist"),
+    (["train.global_batch_size=20"], "train.global_batch_size=20 is not a multiple of dp 1 x train.micro_batch_size 8"),
     (["+train.eval_evry=10"], "train.eval_evry: unknown config key; did you mean train.eval_every?"),
     (["train.stpes=5"], "train.stpes: unknown config key; did you mean train.steps?"),
     (["+foo=1"], "foo: unknown config key; did you mean "),

@@ -32,3 +32,18 @@ def resolved_dp(cfg: DictConfig, launched: int | None = None) -> int:
     if launched is None or p.dp is not None:
         return p.dp or 1
     return resolve_dp(launched, None, p.tp, process_pp(cfg))
+
+
+def resolve_global_batch(cfg: DictConfig, launched: int | None = None) -> None:
+    """Set schedule.n_microbatches from train.global_batch_size (sequences per optimizer step), when that is set.
+
+    As in Megatron-LM the global batch wins: n_microbatches = global_batch_size / (dp * micro_batch_size)."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        return
+    dp = resolved_dp(cfg, launched)
+    per_microbatch = dp * t.micro_batch_size
+    if t.global_batch_size % per_microbatch:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of dp {dp} x "
+                          f"train.micro_batch_size {t.micro_batch_size} = {per_microbatch}; change one of them")
+    cfg.schedule.n_microbatches = t.global_batch_size // per_microbatch

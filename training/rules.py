@@ -212,7 +212,6 @@ KEY_RULES: dict[str, Check] = {
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
     "parallel.plan": None,
     "parallel.memory_budget_gb": None,
-    "train.global_batch_size": None,
 }
 
 # Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where

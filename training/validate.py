@@ -6,7 +6,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.layout import layout_world_size, resolved_dp
+from training.layout import layout_world_size, resolve_global_batch, resolved_dp
 from training.loggers import check_logger
 from training.rules import ConfigError, check_keys
 from training.schema import model_config
@@ -124,7 +124,9 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
-    """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings."""
+    """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings.
+
+    The one value it sets: schedule.n_microbatches where train.global_batch_size derives it."""
     check_known_keys(cfg)
     check_resolvable(cfg)
     warnings = check_keys(cfg)
@@ -133,6 +135,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     if problem := check_logger(cfg):  # wandb credentials and modes: the logger module's own rule
         raise ConfigError(problem)
     validate_parallel(cfg, world_size)
+    resolve_global_batch(cfg, world_size)
     validate_layout(cfg)
     validate_data(cfg, world_size)
     validate_checkpoint(cfg)
