@@ -1,0 +1,73 @@
+"""Measure (or read from the cache) the costs the planner predicts with, for a run config; print them.
+
+    python scripts/profile.py model.hidden_size=256 train.seq_len=128 train.dtype=fp32 [--refresh] [--world-size=2]
+"""
+
+import sys
+from pathlib import Path
+
+# The repo root replaces this script's folder on the path: this file's name would shadow the stdlib `profile`
+# module that torch imports (through cProfile).
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.core.global_hydra import GlobalHydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from training.cli import explain_compose_error, fail  # noqa: E402
+from training.config import CONF_DIR, ConfigError, register_schema, validate  # noqa: E402
+from training.planner.costs import RECOMPUTE_MODES, MeasuredCosts, cache_path  # noqa: E402
+from training.planner.profile import measured_costs  # noqa: E402
+
+
+def table(costs: MeasuredCosts) -> str:
+    """The measured figures, one per line, in ms and MiB."""
+    ms, mib = 1e3, 1 / (1 << 20)
+    modes = [mode for mode in RECOMPUTE_MODES if mode in costs.layer_b]
+    lines = [f"key: {costs.key}",
+             f"{'piece':<28}{'F ms':>9}{'B ms':>9}{'I ms':>9}{'W ms':>9}{'saved MiB':>11}{'params':>11}"]
+    for mode in modes:
+        f = f"{costs.layer_f * ms:9.2f}" if mode == "none" else f"{'':>9}"
+        w = f"{costs.layer_w * ms:9.2f}" if mode == "none" else f"{'':>9}"
+        lines.append(f"{'layer (recompute ' + mode + ')':<28}{f}{costs.layer_b[mode] * ms:9.2f}"
+                     f"{costs.layer_i[mode] * ms:9.2f}{w}{costs.layer_saved[mode] * mib:11.2f}{costs.layer_params:11,}")
+    for name in ("embed", "head"):
+        lines.append(f"{name:<28}{getattr(costs, name + '_f') * ms:9.2f}{getattr(costs, name + '_b') * ms:9.2f}"
+                     f"{'':>18}{getattr(costs, name + '_saved') * mib:11.2f}{getattr(costs, name + '_params'):11,}")
+    lines += [f"layer bytes held between I and W: {costs.layer_deferred * mib:.2f} MiB; boundary tensor "
+              f"{costs.boundary_bytes * mib:.2f} MiB; {costs.param_bytes} bytes per parameter",
+              f"AdamW step: {costs.optimizer_s_per_param * 1e9:.2f} ns per parameter",
+              f"P2P: {costs.p2p.latency_s * 1e6:.0f} us + {costs.p2p.per_byte_s * 1e9:.3f} ns/byte; all-reduce (2 ranks): "
+              f"{costs.allreduce.latency_s * 1e6:.0f} us + {costs.allreduce.per_byte_s * 1e9:.3f} ns/byte"]
+    return "\n".join(lines)
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The run config train.py would see, validated; exit 2 with one line if it is wrong."""
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose(config_name="config", overrides=overrides)
+        except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
+            fail(explain_compose_error(error, overrides))
+    try:
+        validate(cfg)
+    except ConfigError as error:
+        fail(str(error))
+    return cfg
+
+
+def main(argv: list[str]) -> int:
+    """Compose the config as train.py would, measure or load its costs, print the table and the cache path."""
+    refresh = "--refresh" in argv
+    world = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--world-size=")), None)
+    cfg: DictConfig = compose_config([a for a in argv if not a.startswith("--")])
+    costs = measured_costs(cfg, world_size=world, refresh=refresh)
+    print(table(costs))
+    print(f"cache: {cache_path(cfg, costs.key)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

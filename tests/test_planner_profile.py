@@ -1,0 +1,65 @@
+"""Measured costs: what the profiler counts equals the memory model, the cache round-trips, the CLI runs."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parallel.recompute import deferred_weight_grad_bytes_per_layer, saved_activation_bytes_per_layer
+from tests.conftest import ROOT
+from tests.equivalence import compose_run_config
+from training.config import model_config
+from training.planner.costs import Fit, MeasuredCosts, cache_path, cost_key, load_cached, save
+from training.planner.profile import measure_compute
+
+CPU = torch.device("cpu")
+
+
+def test_measured_pieces_match_the_memory_model_and_the_parameter_counts(tmp_path, one_thread):
+    cfg = compose_run_config(["model=tiny", "train.micro_batch_size=2", "train.seq_len=32"], tmp_path)
+    got = measure_compute(cfg, CPU, torch.float32)
+    config = model_config(cfg)
+    for mode in ("none", "full", "selective"):
+        assert got["layer_saved"][mode] == saved_activation_bytes_per_layer(config, 2, 32, 4, mode), mode
+        assert got["layer_b"][mode] > 0 and got["layer_i"][mode] > 0
+    assert got["layer_deferred"] == deferred_weight_grad_bytes_per_layer(config, 2, 32, 4)
+    h, v = config.hidden_size, config.vocab_size
+    assert got["embed_params"] == v * h and got["head_params"] == h  # tied: the head adds only the final norm
+    assert got["head_saved"] >= 2 * 32 * v * 4  # the logits at least
+    assert got["boundary_bytes"] == 2 * 32 * h * 4 and got["param_bytes"] == 4
+    assert min(got["layer_f"], got["layer_w"], got["head_f"], got["head_b"], got["optimizer_s_per_param"]) > 0
+
+
+def test_fit_is_least_squares_and_never_negative():
+    fit = Fit.of([(0, 1.0), (10, 2.0), (20, 3.0)])
+    assert fit.latency_s == pytest.approx(1.0) and fit.per_byte_s == pytest.approx(0.1)
+    assert fit.time(30) == pytest.approx(4.0)
+    assert Fit.of([(0, 1.0), (10, 0.5)]).per_byte_s == 0.0
+
+
+def test_costs_cache_round_trips_per_key(tmp_path):
+    cfg = compose_run_config(["model=tiny"], tmp_path)
+    key = cost_key(cfg, "cpu", "float32", "gloo", 1)
+    costs = MeasuredCosts(key=key, layer_f=1.0, layer_b={"none": 2.0}, layer_i={"none": 1.0}, layer_w=1.0,
+                          embed_f=0.1, embed_b=0.2, head_f=0.5, head_b=1.0, layer_saved={"none": 10},
+                          layer_deferred=5, embed_saved=1, head_saved=20, layer_params=3, embed_params=4,
+                          head_params=5, param_bytes=4, optimizer_s_per_param=1e-9, boundary_bytes=8,
+                          p2p=Fit(1e-4, 1e-9), allreduce=Fit(2e-4, 2e-9))
+    path = save(cfg, costs)
+    assert path == cache_path(cfg, key) and path.parent == tmp_path / "planner"
+    assert load_cached(cfg, key) == costs
+    assert load_cached(cfg, cost_key(cfg, "cpu", "float32", "gloo", 2)) is None  # another thread count
+    path.write_text("{broken")
+    assert load_cached(cfg, key) is None
+
+
+def test_profile_script_prints_the_table_and_caches(tmp_path):
+    args = ["model=tiny", "train.micro_batch_size=2", "train.seq_len=32", "train.dtype=fp32",
+            f"data.cache_dir={tmp_path}", "--world-size=2"]
+    out = subprocess.run([sys.executable, "scripts/profile.py", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "layer (recompute selective)" in out.stdout and "all-reduce (2 ranks)" in out.stdout
+    cache = out.stdout.strip().splitlines()[-1].removeprefix("cache: ")
+    assert cache.startswith(str(tmp_path / "planner" / "costs-")) and MeasuredCosts.from_json(open(cache).read())

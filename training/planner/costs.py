@@ -1,0 +1,110 @@
+"""What one layout's step is made of, measured once per (model, shape, dtype, device, backend, threads) and
+cached as JSON: compute times and saved bytes per piece of the model, parameter counts, transport timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per parameter
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A linear time model of a transfer: latency + bytes * per_byte (seconds)."""
+
+    latency_s: float
+    per_byte_s: float
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move `nbytes`."""
+        return self.latency_s + nbytes * self.per_byte_s
+
+    @staticmethod
+    def of(points: list[tuple[float, float]]) -> Fit:
+        """Least-squares line through (bytes, seconds) points, clamped to non-negative terms."""
+        n = len(points)
+        mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+        var = sum((x - mx) ** 2 for x, _ in points)
+        slope = max(sum((x - mx) * (y - my) for x, y in points) / var, 0.0) if var > 0 else 0.0
+        return Fit(max(my - slope * mx, 0.0), slope)
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Seconds per micro-batch of each piece (tp=1, this device and dtype), bytes, and transport fits."""
+
+    key: dict
+    layer_f: float  # one decoder layer's forward
+    layer_b: dict[str, float]  # its full backward, per recompute mode (recomputation included)
+    layer_i: dict[str, float]  # its input-gradient backward (I), per recompute mode
+    layer_w: float  # its deferred weight gradients (W)
+    embed_f: float
+    embed_b: float
+    head_f: float  # final norm + lm_head + loss
+    head_b: float
+    layer_saved: dict[str, int]  # bytes one layer saves for backward per micro-batch, per recompute mode
+    layer_deferred: int  # bytes one layer holds between I and W per micro-batch
+    embed_saved: int
+    head_saved: int
+    layer_params: int  # parameter counts (tp=1)
+    embed_params: int
+    head_params: int  # final norm, plus lm_head where it is not tied to the embedding
+    param_bytes: int  # bytes per parameter (its storage dtype)
+    optimizer_s_per_param: float  # AdamW step
+    boundary_bytes: int  # one micro-batch's hidden states between stages
+    p2p: Fit = field(default_factory=lambda: Fit(0.0, 0.0))
+    allreduce: Fit = field(default_factory=lambda: Fit(0.0, 0.0))  # per call, two ranks
+
+    def to_json(self) -> str:
+        """The cache file's text."""
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> MeasuredCosts:
+        """Read what `to_json` wrote."""
+        data = json.loads(text)
+        data["p2p"], data["allreduce"] = Fit(**data["p2p"]), Fit(**data["allreduce"])
+        return MeasuredCosts(**data)
+
+
+def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: int) -> dict:
+    """What the measurements depend on: model dims, micro-batch shape, dtype, device, backend, threads."""
+    m = cfg.model
+    dims = {k: m[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                              "num_key_value_heads", "use_moe", "num_experts", "num_experts_per_tok",
+                              "moe_intermediate_size", "tie_word_embeddings")}
+    return {"model": dims, "micro_batch_size": cfg.train.micro_batch_size, "seq_len": cfg.train.seq_len,
+            "dtype": dtype, "device": device, "backend": backend, "threads": threads}
+
+
+def cache_path(cfg: DictConfig, key: dict) -> Path:
+    """The JSON file of `key` under the data cache dir's planner/ folder."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cfg.data.cache_dir) / "planner" / f"costs-{digest}.json"
+
+
+def load_cached(cfg: DictConfig, key: dict) -> MeasuredCosts | None:
+    """The cached measurement of `key`, or None (absent, or written by another version of this file)."""
+    path = cache_path(cfg, key)
+    try:
+        costs = MeasuredCosts.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return costs if costs.key == key else None
+
+
+def save(cfg: DictConfig, costs: MeasuredCosts) -> Path:
+    """Write `costs` to its cache file (atomically: a rename); return the path."""
+    path = cache_path(cfg, costs.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(costs.to_json())
+    tmp.replace(path)
+    return path
