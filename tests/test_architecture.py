@@ -88,3 +88,11 @@ def test_no_file_over_400_lines_and_no_long_function_in_parallel():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 50:
                 long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not long_functions, long_functions
+
+
+def test_no_script_or_package_shadows_a_standard_library_module():
+    """`python scripts/x.py` puts scripts/ first on sys.path: a scripts/profile.py would replace the stdlib's."""
+    import sys
+
+    names = {p.stem for p in (ROOT / "scripts").rglob("*.py")} | {p.stem for p in ROOT.glob("*.py")} | set(LAYERS)
+    assert not names & sys.stdlib_module_names, sorted(names & sys.stdlib_module_names)

@@ -57,7 +57,7 @@ def test_costs_cache_round_trips_per_key(tmp_path):
 def test_profile_script_prints_the_table_and_caches(tmp_path):
     args = ["model=tiny", "train.micro_batch_size=2", "train.seq_len=32", "train.dtype=fp32",
             f"data.cache_dir={tmp_path}", "--world-size=2"]
-    out = subprocess.run([sys.executable, "scripts/profile.py", *args], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "scripts/profile_costs.py", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "layer (recompute selective)" in out.stdout and "all-reduce (2 ranks)" in out.stdout

@@ -1,6 +1,6 @@
 """Measure (or read from the cache) the costs the planner predicts with, for a run config; print them.
 
-    python scripts/profile.py model.hidden_size=256 train.seq_len=128 train.dtype=fp32 [--refresh] [--world-size=2]
+    python scripts/profile_costs.py model.hidden_size=256 train.seq_len=128 train.dtype=fp32 [--refresh] [--world-size=2]
 """
 
 import sys
