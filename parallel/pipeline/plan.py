@@ -73,5 +73,5 @@ def _plan(spec: PipelineSpec, num_layers: int, source: object) -> PipelinePlan:
     partition = tuple(layer_partition(num_layers, spec.n_stages, layers))
     compute, placement = load_schedule(spec)
     lowered = lower(compute, spec.pp, spec.n_stages, placement)
-    verify(lowered, spec.pp, spec.n_stages, spec.n_microbatches, placement)
-    return PipelinePlan(spec, placement, partition, tuple(map(tuple, lowered)))
+    checked = verify(lowered, spec.pp, spec.n_stages, spec.n_microbatches, placement)  # rank lists as tuples
+    return PipelinePlan(spec, placement, partition, checked)

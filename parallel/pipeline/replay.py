@@ -13,7 +13,7 @@ Both take a schedule that passed `checks.check`, visit ranks with `Sweeps` and r
 
 from __future__ import annotations
 
-from .actions import MATES, RECV_B, RECV_F, Costs, Key, Lists, counterpart, input_of, needs, output_of
+from .actions import MATES, RECV_B, RECV_F, F, W, Costs, Key, Lists, counterpart, input_of, needs, output_of
 from .checks import ScheduleError
 from .partition import stage_to_rank
 from .sweep import Sweeps
@@ -71,8 +71,8 @@ def _blocked(lowered: Lists, first: list[int], open_ops: list[int], posted: dict
 class _Replay:
     """The runtime's model: what `replay` tracks while it visits ranks (see the module docstring).
 
-    Batches are numbered in posting order; per batch: its rank, first and stop slot, when it was posted, the
-    latest time one of its matches had both ends posted, and how many of its ops are not matched yet."""
+    A batch is a list: its rank, first and stop slot, when it was posted, the latest time one of its matches
+    had both ends posted, and how many of its ops are not matched yet."""
 
     def __init__(self, lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs):
         self.lowered, self.pp, self.n_stages = lowered, pp, n_stages
@@ -87,20 +87,24 @@ class _Replay:
         self.busy, self.clock, self.pos = [0.0] * pp, [0.0] * pp, [0] * pp
         self.arrived: dict[Key, float] = {}  # keyed by the RECV that names an input: when it is on its rank
         self.blocked: dict[Key, int] = {}  # an input not there yet -> the rank whose next compute needs it
-        self.waiting: dict[Key, int] = {}  # a posted op whose counterpart is not posted yet -> its batch
-        self.batches: list[list] = []  # [rank, first, stop, posted, matched, open ops]
+        self.waiting: dict[Key, list] = {}  # a posted op whose counterpart is not posted yet -> its batch
         self.sweeps = Sweeps(pp)
 
     def run(self, r: int) -> None:
         """Advance rank r until a compute's input is missing: computes in turn, batches posted without waiting."""
         actions, n_stages, arrived, duration = self.lowered[r], self.n_stages, self.arrived, self.duration
         start, end, clock, busy, k = self.start[r], self.end[r], self.clock[r], self.busy[r], self.pos[r]
-        while k < len(actions):
+        n, last, local, owner = len(actions), n_stages - 1, self.local, self.owner
+        while k < n:
             a = actions[k]
-            if a[0].is_comm:
+            kind = a[0]
+            if kind.is_comm:
                 k = self.post(r, k, clock)
                 continue
-            t0, need = clock, input_of(a, n_stages)
+            # input_of, inline (a call per action is a fifth of the replay at pp=64)
+            need = ((RECV_F, a[1], a[2]) if a[2] > 0 else None) if kind is F else (
+                None if kind is W or a[2] >= last else (RECV_B, a[1], a[2]))
+            t0 = clock
             if need is not None:
                 # Each input has one consumer (checked): dropping it keeps the dictionary small, so fast.
                 ready = arrived.pop(need, None)
@@ -113,36 +117,38 @@ class _Replay:
             start[k] = t0
             end[k] = clock = t0 + cost
             busy += cost
-            if self.local:
+            if local:
                 out = output_of(a, n_stages)
-                if out is not None and self.owner[out[2]] == r:
+                if out is not None and owner[out[2]] == r:
                     arrived[out] = clock  # local hand-over: no comm, the tensor is simply there
             k += 1
         self.clock[r], self.busy[r], self.pos[r] = clock, busy, k
 
     def post(self, r: int, first: int, now: float) -> int:
         """Post the batch starting at slot `first` at time `now`; complete every batch this finishes matching."""
-        actions, waiting, batches = self.lowered[r], self.waiting, self.batches
+        actions, waiting = self.lowered[r], self.waiting
         stop, n = first + 1, len(actions)
         while stop < n and actions[stop][0].is_comm:
             stop += 1
         self.start[r][first:stop] = [now] * (stop - first)
         mine = [r, first, stop, now, now, stop - first]
-        batches.append(mine)
         for a in actions[first:stop]:
             kind, offset = MATES[a[0]]
-            peer = waiting.pop((kind, a[1], a[2] + offset), None)  # the counterpart, as mate_of(a)
-            if peer is None:
-                waiting[a] = len(batches) - 1
+            theirs = waiting.pop((kind, a[1], a[2] + offset), None)  # the counterpart's batch, as mate_of(a)
+            if theirs is None:
+                waiting[a] = mine
                 continue
-            theirs = batches[peer]
             both_posted = now if now > theirs[3] else theirs[3]  # comparisons, not max(): the hot path
-            for batch in (mine, theirs):
-                if both_posted > batch[4]:
-                    batch[4] = both_posted
-                batch[5] -= 1
-                if not batch[5]:
-                    self.complete(batch)
+            if both_posted > mine[4]:
+                mine[4] = both_posted
+            if both_posted > theirs[4]:
+                theirs[4] = both_posted
+            mine[5] -= 1
+            if not mine[5]:
+                self.complete(mine)
+            theirs[5] -= 1
+            if not theirs[5]:
+                self.complete(theirs)
         return stop
 
     def complete(self, batch: list) -> None:
@@ -152,7 +158,8 @@ class _Replay:
         done = matched + (self.comm if self.boundary is None else self.batch_comm(actions[first:stop]))
         self.end[r][first:stop] = [done] * (stop - first)
         for a in actions[first:stop]:
-            if a[0] is RECV_F or a[0] is RECV_B:
+            kind = a[0]
+            if kind is RECV_F or kind is RECV_B:
                 arrived[a] = done
                 if a in blocked:
                     self.sweeps.wake(blocked.pop(a))
@@ -166,8 +173,8 @@ class _Replay:
         lines = [f"rank {r}, slot {k}, {actions[k]} waits for its input {needs(actions[k], self.n_stages)}"
                  for r, (actions, k) in enumerate(zip(self.lowered, self.pos)) if k < len(actions)]
         slots = [{a: k for k, a in enumerate(actions)} for actions in self.lowered] if self.waiting else []
-        return lines + [f"rank {self.batches[b][0]}, slot {slots[self.batches[b][0]][a]}, {a} is never matched"
-                        for a, b in self.waiting.items()]
+        return lines + [f"rank {batch[0]}, slot {slots[batch[0]][a]}, {a} is never matched"
+                        for a, batch in self.waiting.items()]
 
 
 def replay(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs) -> tuple[Times, Times, list[float]]:

@@ -11,7 +11,7 @@ from .checks import ScheduleError, check
 from .collector import collector_paused
 from .replay import replay, run_strict
 
-__all__ = ["Costs", "ScheduleError", "SimResult", "peak_live", "predict", "simulate", "verify"]
+__all__ = ["Costs", "ScheduleError", "SimResult", "Verified", "peak_live", "predict", "simulate", "verify"]
 
 
 @dataclass
@@ -27,19 +27,33 @@ class SimResult:
     actions: Lists = field(default_factory=list)  # the lowered schedule the times belong to
 
 
+class Verified(tuple):
+    """A lowered schedule that passed `verify`, and the (pp, n_stages, n_microbatches, placement) it passed
+    for: rank lists as tuples, so it cannot change after the check, and `simulate` need not check it again."""
+
+    checked_for: tuple[int, int, int, str]
+
+
 @collector_paused
-def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> None:
-    """Raise ScheduleError for the first fault: wrong stage, missing/duplicate work, unmatched P2P, deadlock."""
+def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> Verified:
+    """Raise ScheduleError for the first fault: wrong stage, missing/duplicate work, unmatched P2P, deadlock;
+    else return the schedule as `Verified` (hand that to `simulate`, which then skips the static check)."""
     check(lowered, pp, n_stages, n_microbatches, placement)
     run_strict(lowered, pp, placement)
+    verified = Verified(map(tuple, lowered))
+    verified.checked_for = (pp, n_stages, n_microbatches, placement)
+    return verified
 
 
 @collector_paused
 def simulate(
     lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None
 ) -> SimResult:
-    """Check, then replay the schedule as the runtime runs it with `costs`: times, makespan, bubble, memory."""
-    check(lowered, pp, n_stages, n_microbatches, placement)
+    """Check, then replay the schedule as the runtime runs it with `costs`: times, makespan, bubble, memory.
+
+    The check is the static one of `verify`, skipped for what `verify` returned for the same arguments."""
+    if not (isinstance(lowered, Verified) and lowered.checked_for == (pp, n_stages, n_microbatches, placement)):
+        check(lowered, pp, n_stages, n_microbatches, placement)
     return predict(lowered, pp, n_stages, placement, costs)
 
 
