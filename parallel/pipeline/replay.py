@@ -25,29 +25,35 @@ def run_strict(lowered: Lists, pp: int, placement: str) -> None:
     """Run every rank, each waiting for its whole batch where it posts it; raise ScheduleError on deadlock.
 
     The check guarantees that every compute's input comes before it on its rank (received in an earlier
-    batch, or made by an earlier compute), so here only batches wait."""
+    batch, or made by an earlier compute), so here only batches wait. Posting never holds another rank
+    back, so every order of visits ends in the same state: a stack of ranks to run is the cheapest."""
     pos = [0] * pp  # per rank: the slot to run next (past a posted batch while that is still open)
     first = [0] * pp  # per rank: the first slot of its latest batch
     open_ops = [0] * pp  # per rank: ops of its posted batch whose counterpart is not posted yet
     posted: dict[Key, int] = {}  # such an op -> its rank
-    sweeps = Sweeps(pp)
-    for r in sweeps:
+    ready, mates, pop = list(range(pp)), MATES.get, posted.pop  # locals: this loop runs once per action
+    while ready:
+        r = ready.pop()
         actions, k = lowered[r], pos[r]
-        while k < len(actions) and not open_ops[r]:
+        n = len(actions)
+        while k < n and not open_ops[r]:
             if not actions[k][0].is_comm:
                 k += 1
                 continue
             first[r] = k
-            while k < len(actions) and actions[k][0].is_comm:  # post the whole run of comm actions at once
-                kind, offset = MATES[actions[k][0]]
-                q = posted.pop((kind, actions[k][1], actions[k][2] + offset), None)  # the counterpart (mate_of)
+            while k < n:  # post the whole run of comm actions at once
+                a = actions[k]
+                mate = mates(a[0])
+                if mate is None:
+                    break  # a compute: the batch ends here
+                q = pop((mate[0], a[1], a[2] + mate[1]), None)  # the counterpart (mate_of)
                 if q is None:
-                    posted[actions[k]] = r
+                    posted[a] = r
                     open_ops[r] += 1
                 else:
                     open_ops[q] -= 1
                     if not open_ops[q]:
-                        sweeps.wake(q)
+                        ready.append(q)
                 k += 1
         pos[r] = k
     if any(open_ops):
@@ -88,7 +94,8 @@ class _Replay:
         self.arrived: dict[Key, float] = {}  # keyed by the RECV that names an input: when it is on its rank
         self.blocked: dict[Key, int] = {}  # an input not there yet -> the rank whose next compute needs it
         self.waiting: dict[Key, list] = {}  # a posted op whose counterpart is not posted yet -> its batch
-        self.sweeps = Sweeps(pp)
+        self.ready = list(range(pp))  # ranks to run (a stack); see `replay` for the order
+        self.wake = self.ready.append  # a rank can move again
 
     def run(self, r: int) -> None:
         """Advance rank r until a compute's input is missing: computes in turn, batches posted without waiting."""
@@ -162,7 +169,7 @@ class _Replay:
             if kind is RECV_F or kind is RECV_B:
                 arrived[a] = done
                 if a in blocked:
-                    self.sweeps.wake(blocked.pop(a))
+                    self.wake(blocked.pop(a))
 
     def batch_comm(self, ops: Lists) -> float:
         """Transfer time of a batch under per-boundary costs: its slowest boundary (the batch ends as a unit)."""
@@ -178,11 +185,19 @@ class _Replay:
 
 
 def replay(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs) -> tuple[Times, Times, list[float]]:
-    """Start and end of every slot and busy time per rank, as the runtime runs them; ScheduleError on deadlock."""
+    """Start and end of every slot and busy time per rank, as the runtime runs them; ScheduleError on deadlock.
+
+    Every input and every message has one source, so the times do not depend on the order ranks are visited
+    in: a stack of ranks to run is the cheapest. Only which unmatched op a deadlock names first does, so a
+    deadlock is replayed in the round-robin order of `Sweeps` to name it as it always has."""
     state = _Replay(lowered, pp, n_stages, placement, costs)
-    for r in state.sweeps:
+    while state.ready:
+        state.run(state.ready.pop())
+    if not state.waiting and all(k == len(actions) for actions, k in zip(lowered, state.pos)):
+        return state.start, state.end, state.busy
+    state = _Replay(lowered, pp, n_stages, placement, costs)
+    sweeps = Sweeps(pp)
+    state.wake = sweeps.wake
+    for r in sweeps:
         state.run(r)
-    stuck = state.stuck()
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(stuck))
-    return state.start, state.end, state.busy
+    raise ScheduleError("deadlock: " + "; ".join(state.stuck()))
