@@ -1,5 +1,6 @@
 """The pre-launch plan checks: linear work, one cached plan per pipeline, immutable plans, shared memory count."""
 
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -7,11 +8,13 @@ from pathlib import Path
 import pytest
 
 import parallel.pipeline as pipeline_package
+from parallel.pipeline import checks
 from parallel.pipeline.actions import Action, Kind
+from parallel.pipeline.checks import ScheduleError
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.plan import plan_pipeline
 from parallel.pipeline.schedules import SCHEDULES
-from parallel.pipeline.simulate import peak_live, simulate, verify
+from parallel.pipeline.simulate import Verified, peak_live, simulate, verify
 from parallel.pipeline.tables import dump_builtin
 from parallel.spec import PipelineSpec
 
@@ -89,3 +92,79 @@ def test_peak_live_counts_micro_batches_or_weighs_stages():
     layers = {0: 2, 2: 5}
     assert peak_live(actions, lambda stage: layers[stage]) == 9  # 2 + 2 + 5 layers' activations
     assert peak_live([]) == 0
+
+
+def test_simulate_skips_only_the_check_that_verify_ran():
+    spec, pp, m = SCHEDULES["interleaved-1f1b"], 4, 8
+    lowered = lower(spec.generate(pp, m, 2), pp, 2 * pp, spec.placement)
+    verified = verify(lowered, pp, 2 * pp, m, spec.placement)
+    assert isinstance(verified, Verified) and verified == tuple(map(tuple, lowered))  # immutable, so still checked
+    assert simulate(verified, pp, 2 * pp, m, spec.placement).end == simulate(lowered, pp, 2 * pp, m, spec.placement).end
+    checked = lines_run(lambda: simulate(lowered, pp, 2 * pp, m, spec.placement))
+    skipped = lines_run(lambda: simulate(verified, pp, 2 * pp, m, spec.placement))
+    assert abs(checked - skipped - lines_run(lambda: checks.check(lowered, pp, 2 * pp, m, spec.placement))) < 5
+    with pytest.raises(ScheduleError, match="micro-batch 4 does not exist"):  # verified for m=8, not m=4
+        simulate(verified, pp, 2 * pp, 4, spec.placement)
+
+
+def mutate(lowered: list[list[Action]], rng: random.Random, m: int, n_stages: int) -> list[list[Action]]:
+    """One random fault (or none): swap, drop, duplicate, move to another rank, renumber or re-kind an action."""
+    out = [list(actions) for actions in lowered]
+    r = rng.randrange(len(out))
+    i, j = rng.randrange(len(out[r])), rng.randrange(len(out[r]))
+    kind, mb, stage = out[r][i]
+    match rng.randrange(6):
+        case 0:
+            out[r][i], out[r][j] = out[r][j], out[r][i]
+        case 1:
+            del out[r][i]
+        case 2:
+            out[r].insert(j, out[r][i])
+        case 3:
+            q = rng.randrange(len(out))
+            out[q].insert(rng.randrange(len(out[q]) + 1), out[r].pop(i))
+        case 4:
+            out[r][i] = Action(kind, rng.randrange(m + 1), stage if rng.random() < 0.7 else rng.randrange(n_stages + 1))
+        case _:
+            out[r][i] = Action(rng.choice(list(Kind)), mb, stage)
+    return out
+
+
+def test_the_fast_proof_changes_neither_verdict_nor_message(monkeypatch):
+    # `check` runs its rule-by-rule passes (which name the first fault) only where its fast proof fails, and
+    # `replay` replays a deadlock in round-robin order to name it: both must answer as the slow way alone.
+    def outcomes(schedule, pp, n, m, placement):
+        answers = []
+        for run in (lambda: verify(schedule, pp, n, m, placement), lambda: simulate(schedule, pp, n, m, placement)):
+            try:
+                answers.append(getattr(run(), "end", "verified"))
+            except ScheduleError as err:
+                answers.append(str(err))
+        return answers
+
+    rng, cases = random.Random(0), []
+    for name, spec in SCHEDULES.items():
+        vpp = 2 if spec.needs_vpp else 1
+        for pp, m in ((2, 4), (3, 3), (4, 8)):
+            lowered = lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement)
+            cases += [(mutate(lowered, rng, m, pp * vpp), pp, pp * vpp, m, spec.placement) for _ in range(25)]
+    fast = [outcomes(*case) for case in cases]
+    monkeypatch.setattr(checks, "_holds", lambda *args: False)
+    assert [outcomes(*case) for case in cases] == fast
+    faults = sum(isinstance(answer, str) for answers in fast for answer in answers)
+    assert faults > len(cases)  # most mutations are faults, and not all the same
+
+
+def test_a_deadlock_is_named_in_round_robin_order():
+    # The replay visits ranks in any order (the times do not depend on it), but which op a deadlock lists
+    # first does: it is named as the round-robin replay always named it (here the stack order would list
+    # rank 3's unmatched RECV before rank 2's).
+    rows = ["F0 F1 B0 F2 B1 B2", "F0 F1 F2 B0 B1 B2", "F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
+    lowered = lower([[Action.parse(text, r) for text in row.split()] for r, row in enumerate(rows)], 4, 4, "loop")
+    with pytest.raises(ScheduleError) as err:
+        simulate(lowered, 4, 4, 3, "loop")
+    assert str(err.value) == (
+        "deadlock: rank 0, slot 5, B0@s0 waits for its input RECV_B0@s0; rank 1, slot 8, F2@s1 waits for its input "
+        "RECV_F2@s1; rank 2, slot 11, F2@s2 waits for its input RECV_F2@s2; rank 3, slot 9, F2@s3 waits for its "
+        "input RECV_F2@s3; rank 0, slot 4, RECV_B0@s0 is never matched; rank 1, slot 7, RECV_F2@s1 is never "
+        "matched; rank 2, slot 10, RECV_F2@s2 is never matched; rank 3, slot 8, RECV_F2@s3 is never matched")
