@@ -133,30 +133,33 @@ class _Replay:
 
     def post(self, r: int, first: int, now: float) -> int:
         """Post the batch starting at slot `first` at time `now`; complete every batch this finishes matching."""
-        actions, waiting = self.lowered[r], self.waiting
-        stop, n = first + 1, len(actions)
-        while stop < n and actions[stop][0].is_comm:
-            stop += 1
-        self.start[r][first:stop] = [now] * (stop - first)
-        mine = [r, first, stop, now, now, stop - first]
-        for a in actions[first:stop]:
-            kind, offset = MATES[a[0]]
-            theirs = waiting.pop((kind, a[1], a[2] + offset), None)  # the counterpart's batch, as mate_of(a)
+        actions, waiting, start, mates = self.lowered[r], self.waiting, self.start[r], MATES.get
+        mine = [r, first, first, now, now, 0]  # its stop slot and open ops are counted below
+        k, n = first, len(actions)
+        while k < n:
+            a = actions[k]
+            mate = mates(a[0])
+            if mate is None:
+                break  # a compute: the batch ends here
+            start[k] = now
+            k += 1
+            theirs = waiting.pop((mate[0], a[1], a[2] + mate[1]), None)  # the counterpart's batch, as mate_of(a)
             if theirs is None:
                 waiting[a] = mine
+                mine[5] += 1
                 continue
             both_posted = now if now > theirs[3] else theirs[3]  # comparisons, not max(): the hot path
             if both_posted > mine[4]:
                 mine[4] = both_posted
             if both_posted > theirs[4]:
                 theirs[4] = both_posted
-            mine[5] -= 1
-            if not mine[5]:
-                self.complete(mine)
             theirs[5] -= 1
             if not theirs[5]:
                 self.complete(theirs)
-        return stop
+        mine[2] = k
+        if not mine[5]:
+            self.complete(mine)
+        return k
 
     def complete(self, batch: list) -> None:
         """A batch is done: its ops end, its RECVs' tensors are there, whoever waits for one moves on."""
