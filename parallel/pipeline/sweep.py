@@ -1,4 +1,5 @@
-"""The order in which the lowering and the replays visit ranks: linear time, round-robin results.
+"""The order in which the lowering visits ranks (and the replay, to name a deadlock): linear time, round-robin
+results.
 
 Each of them runs every rank as far as it can and repeats until nothing moves. A plain round-robin
 (`while progress: for r in range(pp): run r until it blocks`) costs sweeps x ranks, superlinear at scale.
