@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_reduce_
-from parallel.grad_sync import Bucket, GradientSync, split_buckets
+from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource
 from parallel.pipeline.actions import Action, Kind, comm_peer
@@ -68,6 +68,21 @@ def choose_transport(spec: EngineSpec, plan: PipelinePlan, grid: ParallelGrid,
                                                          grid.dp_rank, grid.tp_rank)
 
 
+def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid) -> torch.Tensor:
+    """Label tokens of the global batch as a device tensor (the loss scale needs no host sync).
+
+    The data layer stamps the count on every micro-batch (it knows the whole global batch), so a training step
+    needs no collective for it; unstamped micro-batches (tests, benchmarks) are counted with one DP all-reduce.
+    Every replica's data comes from the same layer, so all replicas take the same branch."""
+    stamps = {mb.global_tokens for mb in micro_batches}
+    if None in stamps:
+        local = torch.stack([mb.label_tokens() for mb in micro_batches]).sum()
+        return all_reduce_(local.to(grid.device), grid.dp_group)
+    if len(stamps) != 1:
+        raise ValueError(f"the micro-batches of one step carry different global token counts {sorted(stamps)}")
+    return torch.full((), stamps.pop(), dtype=torch.int64, device=grid.device)  # a fill kernel: no copy to wait on
+
+
 def final_backward_actions(lists: dict[int, list[Action]]) -> dict[int, Action]:
     """Per stage: the compute after which its gradients are final (its last B, or its last W under I/W)."""
     final: dict[int, Action] = {}
@@ -113,7 +128,14 @@ class ParallelEngine:
             tied = [p for p in (self.first, self.head) if p is not None and owner.get(id(p)) == s
                     and id(p) in tied_here and not self.emulated]
             buckets[s] += [Bucket(tied, (grid.embed_group, grid.dp_group))] if tied else []
-        return GradientSync(buckets, final_backward_actions(self.lists), local_tie, grid.dp_group)
+        forwards = sum(a.kind is Kind.F for actions in self.lists.values() for a in actions)
+        return GradientSync(buckets, final_backward_actions(self.lists), local_tie, grid.dp_group,
+                            Rider(self._local_sums, forwards))
+
+    def _local_sums(self) -> torch.Tensor:
+        """This process's loss and aux sums of the step (float64, on the device)."""
+        return torch.stack([sum(s.loss_sum for s in self.stages.values()),
+                            sum(s.aux_sum for s in self.stages.values())])
 
     def _final_position(self, stage: int) -> int:
         """Where in its rank's list the stage's gradients become final."""
@@ -167,8 +189,7 @@ class ParallelEngine:
 
         With `trace`, every rank also times each of its actions and global rank 0 receives them all."""
         grid = self.grid
-        tokens = all_reduce_(torch.stack([mb.label_tokens() for mb in micro_batches]).sum().to(grid.device),
-                             grid.dp_group)  # stays a device tensor: the loss scale needs no host sync
+        tokens = global_label_tokens(micro_batches, grid)
         aux_scale = 1.0 / (len(micro_batches) * grid.dp)
         plan = StepPlan(loss_scale=1.0 / tokens.clamp(min=1).double(), aux_scale=aux_scale, hooks=self.sync)
         for stage in self.stages.values():
@@ -182,10 +203,10 @@ class ParallelEngine:
             execute(self.lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan,
                     None if records is None else records.setdefault(r, []))
         self.sync.finish()
-        sums = torch.stack([sum(s.loss_sum for s in self.stages.values()),
-                            sum(s.aux_sum for s in self.stages.values())])
+        # The loss and aux sums rode over DP in a gradient bucket; without one (dp 1) they are summed here.
+        sums = self.sync.carried
+        sums = all_reduce_(self._local_sums(), grid.dp_group) if sums is None else sums
         all_reduce_(sums, grid.pp_group)  # the loss lives on the last stage, aux on every stage
-        all_reduce_(sums, grid.dp_group)
         loss_sum, aux_sum, count = torch.cat([sums, tokens.double().view(1)]).tolist()  # the step's one read
         result = StepResult(loss_sum / max(count, 1), aux_sum * aux_scale, int(count))
         if records is not None:
@@ -196,8 +217,7 @@ class ParallelEngine:
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches through the same stages, transport and runtime."""
         grid, lists = self.grid, forward_only(self.plan, len(micro_batches))
-        tokens = all_reduce_(torch.stack([mb.label_tokens() for mb in micro_batches]).sum().to(grid.device),
-                             grid.dp_group)
+        tokens = global_label_tokens(micro_batches, grid)
         for stage in self.stages.values():
             stage.reset()
             stage.module.eval()

@@ -10,6 +10,7 @@ bucket the moment its last gradient lands, so the reduction overlaps the rest of
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,21 +32,29 @@ class Bucket:
     pending: set[int] = field(default_factory=set)  # ids of params whose gradient is not final yet
     flat: torch.Tensor | None = None
     work: dist.Work | None = None
+    rider: Callable[[], torch.Tensor] | None = None  # float64 values summed along (the step's loss sums)
+    carried: torch.Tensor | None = None  # the rider's sum, after `unflatten`
 
     def flatten(self) -> torch.Tensor:
         """Every gradient in one tensor; a parameter without one contributes zeros, so ranks stay in step."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+        if self.rider is None:
+            return torch.cat(grads)
+        # With a rider the bucket travels in float64: the loss sums sum as exactly as they always did, and each
+        # gradient is rounded back once (at dp 2 that equals the float32 sum bit for bit).
+        return torch.cat([*(g.double() for g in grads), self.rider().double().reshape(-1)])
 
     def unflatten(self) -> None:
-        """Write the reduced values back into each parameter's gradient."""
+        """Write the reduced values back into each parameter's gradient (and keep the rider's sum)."""
         offset = 0
         for p in self.params:
             part = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
             if p.grad is None:
-                p.grad = part
+                p.grad = part.to(p.dtype)
             else:
                 p.grad.copy_(part)
+        self.carried = self.flat[offset:].clone() if self.rider is not None else None
         self.flat = self.work = None
 
 
@@ -63,15 +72,34 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int, groups: tuple[G
     return buckets
 
 
+@dataclass(frozen=True)
+class Rider:
+    """Values summed over DP inside a gradient bucket (the step's loss and aux sums), final after the step's F's."""
+
+    values: Callable[[], torch.Tensor]
+    forwards: int  # F actions this process runs in a step; the values are final after the last one
+
+
+def carrier_of(order: list[Bucket], dp_group: Group) -> Bucket | None:
+    """The smallest bucket reduced over DP alone: the rider makes it travel in float64, so it costs least there."""
+    plain = [b for b in order if len(b.groups) == 1 and b.groups[0] is dp_group and group_size(dp_group) > 1]
+    return min(plain, key=lambda b: sum(p.numel() for p in b.params), default=None)
+
+
 class GradientSync:
     """Buckets per stage; `before`/`after` are the runtime's compute hooks, `finish` completes the step.
 
     Buckets launch strictly in one fixed order (stages by when their gradients become final, then bucket
     order): collectives match by order on a group, and a replica whose expert got no tokens in the last
-    micro-batch must not launch its buckets in a different order than its peers."""
+    micro-batch must not launch its buckets in a different order than its peers.
+
+    The step's loss and aux sums ride in one DP bucket (the carrier) instead of a collective of their own, so a
+    step issues no DP collective but its buckets. The carrier launches only once this process has run its last
+    F (the sums are final then); in every schedule that is before any stage's final backward, so nothing waits."""
 
     def __init__(self, buckets: dict[int, list[Bucket]], final_actions: dict[int, Action],
-                 local_tie: tuple[nn.Parameter, nn.Parameter] | None = None, dp_group: Group = None):
+                 local_tie: tuple[nn.Parameter, nn.Parameter] | None = None, dp_group: Group = None,
+                 rider: Rider | None = None):
         self.buckets = buckets  # stage -> its buckets; dict order = launch order of the stages
         self.order = [b for stage_buckets in buckets.values() for b in stage_buckets]
         self.final_actions = final_actions  # stage -> the compute after which its gradients are final
@@ -83,13 +111,24 @@ class GradientSync:
         for bucket in self.order:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self.carrier = carrier_of(self.order, dp_group) if rider is not None else None
+        if self.carrier is not None:
+            self.carrier.rider = rider.values
+        self.forwards = rider.forwards if rider is not None else 0
+        self.forwards_left = 0  # F actions still to run this step: the carrier waits for none to be left
         self.first_launch_s: float | None = None  # perf_counter times of the last step, for tests and traces
         self.last_backward_end_s: float | None = None
 
     def start_step(self) -> None:
         """Forget the previous step's launches and timings."""
         self.launched, self.ready, self.armed = 0, set(), {}
+        self.forwards_left = self.forwards
         self.first_launch_s = self.last_backward_end_s = None
+
+    @property
+    def carried(self) -> torch.Tensor | None:
+        """The rider's values summed over DP in the last step (float64), or None without a carrier."""
+        return self.carrier.carried if self.carrier is not None else None
 
     def before(self, action: Action) -> None:
         """Arm the stage's hooks right before its final full backward (an I/W stage launches after its W)."""
@@ -102,6 +141,10 @@ class GradientSync:
         """After a stage's final backward compute every gradient of it is final: launch what is left."""
         if action.kind in (Kind.B, Kind.I, Kind.W):
             self.last_backward_end_s = time.perf_counter()
+        if action.kind is Kind.F:
+            self.forwards_left -= 1
+            if self.forwards_left == 0:
+                self._launch_ready()  # the carrier may be waiting for the sums
         if self.final_actions.get(action.stage) == action:
             self.ready.update(id(b) for b in self.buckets.get(action.stage, []))
             self._launch_ready()
@@ -116,9 +159,12 @@ class GradientSync:
 
     def _launch_ready(self) -> None:
         """Launch, in the fixed order, every bucket up to the first one that is not ready."""
-        while self.launched < len(self.order) and id(self.order[self.launched]) in self.ready:
+        while self.launched < len(self.order) and self._launchable(self.order[self.launched]):
             self._launch(self.order[self.launched])
             self.launched += 1
+
+    def _launchable(self, bucket: Bucket) -> bool:
+        return id(bucket) in self.ready and (bucket is not self.carrier or self.forwards_left <= 0)
 
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's first reduction without waiting (a chain's later groups follow in `finish`)."""
@@ -131,6 +177,7 @@ class GradientSync:
     def finish(self) -> None:
         """Launch anything not yet started, wait for every reduction in order, write the sums back."""
         self.ready.update(id(b) for b in self.order)
+        self.forwards_left = 0
         self._launch_ready()
         for bucket in self.order:
             if bucket.work is not None:

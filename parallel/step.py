@@ -16,16 +16,26 @@ IGNORE_INDEX = -100  # labels with this value do not enter the loss (torch cross
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def target_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Per row of [B, S] labels: how many enter the shifted loss (position 0 is never a target)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+
+
 @dataclass
 class MicroBatch:
-    """One micro-batch: token ids and (unshifted) labels of the same shape."""
+    """One micro-batch: token ids and (unshifted) labels of the same shape.
+
+    `global_tokens` is the label-token count of the whole global step this micro-batch belongs to (every DP
+    replica's micro-batches), when the data layer knows it; with it the engine needs no collective to scale
+    the loss (like transformers' `num_items_in_batch`). Every micro-batch of a step carries the same value."""
 
     input_ids: torch.Tensor  # [B, S] long
     labels: torch.Tensor  # [B, S] long, -100 = ignored, NOT shifted (the model shifts)
+    global_tokens: int | None = None
 
     def label_tokens(self) -> torch.Tensor:
         """Number of labels that enter the shifted loss (position 0 is never a target), as a tensor."""
-        return (self.labels[:, 1:] != IGNORE_INDEX).sum()
+        return target_counts(self.labels).sum()
 
     def num_label_tokens(self) -> int:
         """`label_tokens` as a Python int (a host sync: not for the per-micro-batch hot path)."""

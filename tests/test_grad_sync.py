@@ -1,50 +1,96 @@
-"""Data-parallel gradient sync: few collectives (one per bucket), started during the backward, ZeRO-1 state."""
+"""Data-parallel gradient sync: no DP collective but one per bucket, started during the backward; ZeRO-1 state."""
 
+import contextlib
 import dataclasses
+import inspect
 
+import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
-from parallel.step import MicroBatch
+from parallel.step import LocalEngine, MicroBatch
 from tests.spawn import run_workers
-from tests.test_runtime import batches, layout_cfg, tiny
+from tests.test_runtime import CPU, batches, layout_cfg, tiny
+from training.data import IGNORE_INDEX, Documents, PackedSamples, PaddedSamples, StepBatches, TensorSamples
+
+
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+               "all_gather_object", "reduce_scatter", "reduce_scatter_tensor", "reduce", "broadcast",
+               "broadcast_object_list", "all_to_all", "all_to_all_single", "gather", "gather_object", "scatter",
+               "scatter_object_list", "barrier", "monitored_barrier")
+
+
+@contextlib.contextmanager
+def counting_collectives(calls: list[tuple[str, object]]):
+    """Record (name, group) of every collective issued, whether called as `dist.x` or inside torch.distributed."""
+    patched = []
+    for module in (dist, dist.distributed_c10d):
+        for name in COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+            signature = inspect.signature(original)
+
+            def counted(*args, _name=name, _original=original, _signature=signature, **kwargs):
+                calls.append((_name, _signature.bind_partial(*args, **kwargs).arguments.get("group")))
+                return _original(*args, **kwargs)
+
+            patched.append((module, name, original))
+            setattr(module, name, counted)
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def stamped(micro_batches: list[MicroBatch], tokens: int) -> list[MicroBatch]:
+    """The micro-batches as the data layer hands them: each carries the global batch's label-token count."""
+    return [dataclasses.replace(mb, global_tokens=tokens) for mb in micro_batches]
 
 
 def _dp2_pp2_worker(rank: int, world_size: int, bucket_mb: float) -> dict:
-    """One step of dp2 x pp2 (1F1B), counting the all-reduces issued on this rank's DP group."""
+    """One step of dp2 x pp2 (1F1B, tied embeddings), counting every collective this rank issues, by group."""
     grid = ParallelGrid.build(2, 1, 2, backend="gloo", timeout_s=60)
     spec = dataclasses.replace(layout_cfg("1f1b", 2, 4), emulate=False, bucket_mb=bucket_mb)
     engine = ParallelEngine(spec, tiny(), grid)
-    calls = []
-    original = dist.all_reduce
-
-    def counting(tensor, *args, group=None, **kwargs):
-        calls.append(group)
-        return original(tensor, *args, group=group, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        engine.step(batches(4, seed=1 + grid.dp_rank))
-    finally:
-        dist.all_reduce = original
+    replicas = [batches(4, seed=1 + d) for d in range(2)]
+    tokens = sum(mb.num_label_tokens() for replica in replicas for mb in replica)
+    calls: list[tuple[str, object]] = []
+    with counting_collectives(calls):
+        result = engine.step(stamped(replicas[grid.dp_rank], tokens))
+    grads = {n: p.grad.clone() for n, p in engine.named_parameters().items()}
+    for p in engine.parameters():
+        p.grad = None
+    unstamped = engine.step(replicas[grid.dp_rank])  # the token count by a DP all-reduce instead
+    reference = LocalEngine(tiny(), CPU, torch.float32).step([mb for replica in replicas for mb in replica])
     sync = engine.sync
-    return {"dp_calls": sum(g is grid.dp_group for g in calls), "buckets": len(sync.order),
-            "params": len(engine.parameters()), "dp_buckets": sum(grid.dp_group in b.groups for b in sync.order),
-            "overlap": sync.first_launch_s < sync.last_backward_end_s}
+    return {"dp_calls": sum(g is grid.dp_group for _, g in calls), "world_calls": sum(g is None for _, g in calls),
+            "buckets": len(sync.order), "params": len(engine.parameters()),
+            "dp_buckets": sum(grid.dp_group in b.groups for b in sync.order),
+            "overlap": sync.first_launch_s < sync.last_backward_end_s,
+            "loss": result.loss, "unstamped_loss": unstamped.loss, "reference_loss": reference.loss,
+            "tokens": (result.tokens, tokens), "same_grads": all(torch.equal(g, engine.named_parameters()[n].grad)
+                                                                 for n, g in grads.items())}
 
 
-def test_dp_reductions_are_one_per_bucket_and_start_inside_the_backward():
+def test_a_step_issues_no_dp_collective_but_its_buckets_and_they_start_inside_the_backward():
     results = run_workers(_dp2_pp2_worker, 4, 0.005, timeout=240)  # ~5 KiB buckets: several per stage
     for rank, r in enumerate(results):
         assert 1 < r["buckets"] < r["params"], r
-        # Every bucket sums over DP once (the tied one after its embedding-group sum), never once per parameter;
-        # the only other DP collectives are the step's two scalars: the token count (before the pipeline, it
-        # scales the loss) and the loss/aux sums (after it).
-        assert r["dp_calls"] == r["dp_buckets"] + 2 and r["dp_calls"] < r["params"], (rank, r)
+        # Every DP collective of the step is a bucket's (the tied one after its embedding-group sum): the
+        # global label count comes with the data and the loss/aux sums ride in a bucket.
+        assert r["world_calls"] == 0 and r["dp_calls"] == r["dp_buckets"] <= r["buckets"], (rank, r)
         assert r["overlap"], f"rank {rank}: the first DP reduction started only after the last backward ended"
+        assert r["tokens"][0] == r["tokens"][1], r
+        # The numbers: the stamped count gives bit for bit what the counting all-reduce gives, and both the
+        # loss of one process accumulating over both replicas' micro-batches.
+        assert r["same_grads"] and r["loss"] == r["unstamped_loss"], r
+        assert abs(r["loss"] - r["reference_loss"]) <= 1e-6 * r["reference_loss"], r
 
 
 def _zero_worker(rank: int, world_size: int, zero: int) -> dict:
@@ -76,3 +122,30 @@ def test_zero1_shards_optimizer_state_and_keeps_the_numbers():
         for name, value in plain[rank]["params"].items():
             torch.testing.assert_close(sharded[rank]["params"][name], value, rtol=1e-6, atol=0, msg=name)
         assert sharded[rank]["state_bytes"] <= 0.55 * plain[rank]["state_bytes"], (rank, sharded[rank], plain[rank])
+
+
+def _documents(masked: bool) -> Documents:
+    """60 documents of 3..40 tokens; the pad id 0 occurs inside texts; a random label mask when `masked`."""
+    gen = np.random.default_rng(0)
+    lengths = gen.integers(3, 40, 60)
+    tokens = gen.integers(0, 50, int(lengths.sum())).astype(np.uint16)
+    mask = gen.integers(0, 2, len(tokens)).astype(np.uint8) if masked else None
+    return Documents(tokens, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), mask)
+
+
+@pytest.mark.parametrize("kind", ["packed", "packed-masked", "padded", "padded-masked", "tensor"])
+def test_data_layer_stamps_the_global_label_count_of_every_step(kind):
+    """What the engine no longer all-reduces: every replica's stamp equals the sum of all replicas' label tokens."""
+    docs = _documents(kind.endswith("masked"))
+    if kind.startswith("packed"):
+        samples = PackedSamples(docs, 16)
+    elif kind.startswith("padded"):
+        samples = PaddedSamples(docs, 16, pad_id=0, eos_id=1)
+    else:
+        labels = torch.randint(0, 50, (40, 16), generator=torch.Generator().manual_seed(0))
+        samples = TensorSamples(labels.clone(), labels.masked_fill(labels < 10, IGNORE_INDEX))
+    replicas = [StepBatches(samples, 2, 3, dp_rank=d, dp_size=2, seed=5) for d in range(2)]
+    for step in range(len(samples) // 12 + 2):  # past an epoch boundary
+        steps = [r.batch(step) for r in replicas]
+        counted = sum(mb.num_label_tokens() for micro_batches in steps for mb in micro_batches)
+        assert {mb.global_tokens for micro_batches in steps for mb in micro_batches} == {counted}, (kind, step)

@@ -36,9 +36,11 @@ def dp_average(mp: pytest.MonkeyPatch) -> None:
 
 
 def local_token_count(mp: pytest.MonkeyPatch) -> None:
-    """The loss is scaled by this replica's label tokens: the token count's DP all-reduce is skipped."""
-    all_reduce_ = engine.all_reduce_
-    mp.setattr(engine, "all_reduce_", lambda t, group, *a: t if not t.is_floating_point() else all_reduce_(t, group, *a))
+    """The loss is scaled by this replica's label tokens: the data layer stamps its own share as the global count."""
+    from training.data import StepBatches
+
+    mp.setattr(StepBatches, "global_tokens_at",
+               lambda stream, position: int(stream.samples.label_counts(stream.indices_at(position)).sum()))
 
 
 def tied_average(mp: pytest.MonkeyPatch) -> None:

@@ -128,7 +128,8 @@ def build_val_batches(cfg: Any, dp_rank: int, dp_size: int, n_batches: int) -> l
         start = k * total + dp_rank * replica
         input_ids, labels = splits.val.take(torch.arange(start, start + replica))
         b = geo.micro_batch_size
-        steps.append([MicroBatch(input_ids[i:i + b], labels[i:i + b]) for i in range(0, replica, b)])
+        tokens = int(splits.val.label_counts(torch.arange(k * total, (k + 1) * total)).sum())  # no collective
+        steps.append([MicroBatch(input_ids[i:i + b], labels[i:i + b], tokens) for i in range(0, replica, b)])
     return steps
 
 

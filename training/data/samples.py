@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from parallel.step import IGNORE_INDEX
+from parallel.step import IGNORE_INDEX, target_counts
 from training.data.encode import Documents
 from training.data.spec import PACKED_FORMATS
 
@@ -24,6 +24,8 @@ class Samples(Protocol):
     def __len__(self) -> int: ...
 
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def label_counts(self, index: torch.Tensor) -> torch.Tensor: ...
 
 
 class TensorSamples:
@@ -41,6 +43,10 @@ class TensorSamples:
 
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids[index].long(), self.labels[index].long()
+
+    def label_counts(self, index: torch.Tensor) -> torch.Tensor:
+        """Per sample: the labels that enter the shifted loss."""
+        return target_counts(self.labels[index])
 
 
 def _selection(docs: Documents, doc_ids: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -67,14 +73,26 @@ class PackedSamples:
     def __len__(self) -> int:
         return self.n
 
-    def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sources(self, index: torch.Tensor) -> np.ndarray:
+        """Token-file offsets of every position of the samples, row after row."""
         positions = (index.numpy()[:, None] * self.seq_len + np.arange(self.seq_len)).ravel()
         doc = np.searchsorted(self.ends, positions, side="right")
-        source = self.starts[doc] + positions - self.begins[doc]
+        return self.starts[doc] + positions - self.begins[doc]
+
+    def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        source = self._sources(index)
         ids = np.asarray(self.docs.tokens[source], np.int64)
         mask = None if self.docs.mask is None else np.asarray(self.docs.mask[source])
         shape = (len(index), self.seq_len)
         return torch.from_numpy(ids.reshape(shape)), torch.from_numpy(_labels(ids, mask).reshape(shape))
+
+    def label_counts(self, index: torch.Tensor) -> torch.Tensor:
+        """Per sample: the labels that enter the shifted loss; without a mask every position but the first,
+        read from nothing (so counting the global batch costs a packed pre-training run nothing)."""
+        if self.docs.mask is None:
+            return torch.full((len(index),), self.seq_len - 1, dtype=torch.int64)
+        mask = np.asarray(self.docs.mask[self._sources(index)]).reshape(len(index), self.seq_len)
+        return torch.from_numpy(mask[:, 1:].astype(bool).sum(axis=1).astype(np.int64))
 
 
 class PaddedSamples:
@@ -105,6 +123,10 @@ class PaddedSamples:
         if not chat:
             labels = np.where(ids == self.pad_id, IGNORE_INDEX, ids)  # exactly MiniMind's rule
         return torch.from_numpy(ids), torch.from_numpy(labels)
+
+    def label_counts(self, index: torch.Tensor) -> torch.Tensor:
+        """Per sample: the labels that enter the shifted loss (reads the rows: a pad id may sit inside a text)."""
+        return target_counts(self.take(index)[1])
 
 
 def make_samples(docs: Documents, fmt: str, seq_len: int, pad_id: int, eos_id: int,

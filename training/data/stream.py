@@ -55,19 +55,30 @@ class StepBatches:
             self._perms[epoch] = torch.randperm(self.num_samples, generator=generator)
         return self._perms[epoch]
 
+    def _indices(self, start: int, count: int) -> torch.Tensor:
+        """Indices (into the samples) of the `count` sequences at global stream positions [start, start + count)."""
+        positions = torch.arange(start, start + count)
+        epochs, offsets = positions // self.num_samples, positions % self.num_samples
+        # A step may straddle an epoch boundary (G <= N, so at most two epochs).
+        return torch.cat([self._permutation(int(e))[offsets[epochs == e]] for e in epochs.unique()])
+
     def indices_at(self, position: int) -> torch.Tensor:
         """Indices (into the samples) of the M sequences this replica takes of the step starting at `position`."""
-        start = position + self.dp_rank * self.replica_batch_size
-        positions = torch.arange(start, start + self.replica_batch_size)
-        epochs, offsets = positions // self.num_samples, positions % self.num_samples
-        # A step may straddle an epoch boundary (M <= N, so at most two epochs).
-        return torch.cat([self._permutation(int(e))[offsets[epochs == e]] for e in epochs.unique()])
+        return self._indices(position + self.dp_rank * self.replica_batch_size, self.replica_batch_size)
+
+    def global_tokens_at(self, position: int) -> int:
+        """Label tokens of the whole global step starting at `position`, every replica's share included.
+
+        Every replica knows the global order, so it counts them itself and the engine needs no collective
+        for the loss scale (free for packed text; other formats read the other replicas' rows too)."""
+        return int(self.samples.label_counts(self._indices(position, self.global_batch_size)).sum())
 
     def batch_at(self, position: int) -> list[MicroBatch]:
         """This replica's micro-batches of the step starting at global `position` (does not move the stream)."""
         input_ids, labels = self.samples.take(self.indices_at(position))
-        b = self.micro_batch_size
-        return [MicroBatch(input_ids[i : i + b], labels[i : i + b]) for i in range(0, self.replica_batch_size, b)]
+        b, tokens = self.micro_batch_size, self.global_tokens_at(position)
+        return [MicroBatch(input_ids[i : i + b], labels[i : i + b], tokens)
+                for i in range(0, self.replica_batch_size, b)]
 
     def batch(self, step: int) -> list[MicroBatch]:
         """This replica's micro-batches of `step` counted from the start of the stream (random access)."""
