@@ -45,6 +45,30 @@ def layer_partition(num_layers: int, num_stages: int, layers_per_stage: list[int
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
+def balanced_partition(num_layers: int, num_stages: int, layer: float, first: float = 0.0,
+                       last: float = 0.0) -> list[int]:
+    """Layer counts per stage minimising the costliest stage: `layer` per layer, plus `first` on stage 0 and
+    `last` on the last stage (the embedding; the head and its loss). Ties keep the counts as even as possible."""
+    if not 1 <= num_stages <= num_layers:
+        raise PartitionError(f"cannot split {num_layers} layers into {num_stages} stages of at least one layer")
+    extra = [0.0] * num_stages
+    extra[0] += first
+    extra[-1] += last
+
+    def capacities(limit: float) -> list[int]:
+        return [max(1, min(num_layers, int((limit - e) / layer + 1e-9))) if layer > 0 else num_layers
+                for e in extra]
+
+    # The optimum is one stage's cost exactly: try each candidate bound, smallest first.
+    bounds = sorted({k * layer + e for e in extra for k in range(1, num_layers + 1)})
+    limit = next(b for b in bounds if sum(capacities(b)) >= num_layers)
+    counts = capacities(limit)
+    while sum(counts) > num_layers:  # give back from the fullest stage (the cheapest one on a tie)
+        s = max((s for s in range(num_stages) if counts[s] > 1), key=lambda s: (counts[s], -extra[s], s))
+        counts[s] -= 1
+    return counts
+
+
 def stage_to_rank(stage: int, pp: int, placement: str) -> int:
     """Pipeline rank running `stage`: `loop` puts s on s % pp; `v` puts s and 2pp-1-s on the same rank."""
     if placement == "loop":

@@ -47,12 +47,18 @@ class MeasuredCosts:
     layer_w: float  # its deferred weight gradients (W)
     embed_f: float
     embed_b: float
+    embed_i: float
+    embed_w: float
     head_f: float  # final norm + lm_head + loss
     head_b: float
+    head_i: float
+    head_w: float
     layer_saved: dict[str, int]  # bytes one layer saves for backward per micro-batch, per recompute mode
     layer_deferred: int  # bytes one layer holds between I and W per micro-batch
     embed_saved: int
+    embed_deferred: int
     head_saved: int
+    head_deferred: int  # the lm_head's input and output gradient, between I and W
     layer_params: int  # parameter counts (tp=1)
     embed_params: int
     head_params: int  # final norm, plus lm_head where it is not tied to the embedding

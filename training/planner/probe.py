@@ -79,16 +79,29 @@ def measure_transport(backend: str, threads: int, sizes: list[int], timeout_s: f
     try:
         for p in procs:
             p.start()
-        return results.get(timeout=timeout_s)
-    except queue.Empty:
-        raise TimeoutError(f"the transport probe did not finish within {timeout_s:.0f} s") from None
+        return _result(results, procs, timeout_s)
     finally:
         _restore("OMP_NUM_THREADS", env)
         for p in procs:
+            if p.pid is None:
+                continue  # never started
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _result(results, procs: list, timeout_s: float) -> dict:
+    """Rank 0's figures; an error as soon as a probe process dies, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a transport probe process exited with code {dead[0]}") from None
+    raise TimeoutError(f"the transport probe did not finish within {timeout_s:.0f} s")
 
 
 def _restore(name: str, value: str | None) -> None:

@@ -171,8 +171,8 @@ def measure_compute(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
             out.update(layer_f=times["f"], layer_w=times["w"], layer_deferred=deferred)
     for name, piece, inputs in (("embed", embed, ids), ("head", head, x)):
         times = piece_times(piece, inputs, device, dtype)
-        out[f"{name}_f"], out[f"{name}_b"] = times["f"], times["b"]
-        out[f"{name}_saved"] = saved_bytes(piece, inputs, device, dtype)[0]
+        out.update({f"{name}_{kind}": times[kind] for kind in "fbiw"})
+        out[f"{name}_saved"], out[f"{name}_deferred"] = saved_bytes(piece, inputs, device, dtype)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     out.update(layer_params=_count(layer.params), embed_params=_count(embed.params),
                head_params=_count(model.model.norm.parameters()) + (0 if tied else _count(model.lm_head.parameters())),

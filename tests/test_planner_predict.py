@@ -1,0 +1,90 @@
+"""The planner's model of a layout: simulated step with per-stage costs, communication, memory per rank."""
+
+import dataclasses
+
+import pytest
+
+from parallel.pipeline.partition import balanced_partition
+from tests.equivalence import compose_run_config
+from training.planner.costs import Fit, MeasuredCosts
+from training.planner.predict import Candidate, candidate_of, live_peak, predict
+
+MODES = ("none", "full", "selective")
+
+
+def fake_costs(**changes) -> MeasuredCosts:
+    """Round numbers: a layer F=1 B=2 I=1 W=1 s, no embedding/head time, no communication, 100 B saved."""
+    base = MeasuredCosts(key={"micro_batch_size": 2, "backend": "gloo"}, layer_f=1.0,
+                         layer_b=dict.fromkeys(MODES, 2.0), layer_i=dict.fromkeys(MODES, 1.0), layer_w=1.0,
+                         embed_f=0.0, embed_b=0.0, embed_i=0.0, embed_w=0.0, head_f=0.0, head_b=0.0, head_i=0.0,
+                         head_w=0.0, layer_saved={"none": 100, "full": 10, "selective": 60}, layer_deferred=50,
+                         embed_saved=0, embed_deferred=0, head_saved=0, head_deferred=0, layer_params=1000,
+                         embed_params=0, head_params=0, param_bytes=4, optimizer_s_per_param=0.0,
+                         boundary_bytes=1000, p2p=Fit(0.0, 0.0), allreduce=Fit(0.0, 0.0))
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return compose_run_config(["model=tiny", "model.num_hidden_layers=4", "train.micro_batch_size=2"],
+                              tmp_path_factory.mktemp("cache"))
+
+
+def pp2(schedule: str, m: int = 4, recompute: str = "none", **kw) -> Candidate:
+    return Candidate(dp=1, tp=1, pp=2, vpp=1, schedule=schedule, n_microbatches=m, micro_batch_size=2,
+                     recompute=recompute, **kw)
+
+
+def test_1f1b_step_is_the_textbook_makespan_scaled_by_layers(cfg):
+    got = predict(pp2("1f1b"), cfg, fake_costs())
+    assert got.step_s == pytest.approx(2 * 3.0 * (4 + 2 - 1))  # 2 layers per stage, (F+B)(m+pp-1)
+    # Parameters: 2 layers x 1000 x (param + grad + 2 AdamW states = 16 B); activations: 1F1B holds 2 and 1.
+    assert got.peak_bytes == (2000 * 16 + 2 * 200, 2000 * 16 + 1 * 200)
+
+
+def test_gpipe_holds_every_microbatch_and_recompute_shrinks_it(cfg):
+    assert predict(pp2("gpipe"), cfg, fake_costs()).peak_bytes == (32000 + 4 * 200,) * 2
+    assert predict(pp2("gpipe", recompute="full"), cfg, fake_costs()).peak_bytes == (32000 + 4 * 20,) * 2
+
+
+def test_zero_bubble_counts_what_waits_for_w(cfg):
+    got = predict(pp2("zb-h1"), cfg, fake_costs())
+    ranks = got.sim.actions
+    assert got.peak_bytes == tuple(32000 + live_peak(r, (200, 200), (100, 100)) for r in ranks)
+    assert live_peak([("F",)] * 0, (), ()) == 0
+    assert got.step_s < predict(pp2("1f1b"), cfg, fake_costs()).step_s
+
+
+def test_a_heavy_head_slows_the_last_stage_and_a_lighter_split_recovers(cfg):
+    heavy = fake_costs(head_f=2.0, head_b=4.0, head_i=2.0, head_w=2.0)  # the head costs two layers
+    even = predict(pp2("1f1b", m=8), cfg, heavy).step_s
+    split = balanced_partition(4, 2, 3.0, 0.0, 6.0)
+    assert split == [3, 1] and balanced_partition(4, 2, 3.0, 0.0, 3.0) == [2, 2]  # a tie stays even
+    assert predict(pp2("1f1b", m=8, layers_per_stage=tuple(split)), cfg, heavy).step_s < even
+
+
+def test_tp_halves_compute_and_pays_its_all_reduces(cfg):
+    one = Candidate(1, 1, 1, 1, "1f1b", 4, 2, "none")
+    two = dataclasses.replace(one, tp=2)
+    free = predict(two, cfg, fake_costs()).step_s
+    assert free == pytest.approx(predict(one, cfg, fake_costs()).step_s / 2)
+    paid = predict(two, cfg, fake_costs(allreduce=Fit(0.01, 0.0))).step_s
+    # Per micro-batch, in F and again in B: two per layer, one for the embedding, one for the head.
+    assert paid == pytest.approx(free + 4 * 2 * (2 * 4 + 2) * 0.01)
+
+
+def test_dp_pays_one_gradient_all_reduce_and_the_optimizer_its_step(cfg):
+    one = Candidate(1, 1, 1, 1, "1f1b", 4, 2, "none")
+    base = predict(one, cfg, fake_costs()).step_s
+    dp = predict(dataclasses.replace(one, dp=2), cfg, fake_costs(allreduce=Fit(0.5, 0.0))).step_s
+    assert dp == pytest.approx(base + 0.5)  # 16 KB of gradients: one bucket
+    opt = predict(one, cfg, fake_costs(optimizer_s_per_param=1e-3)).step_s
+    assert opt == pytest.approx(base + 4000 * 1e-3)
+
+
+def test_candidate_overrides_and_the_config_round_trip(cfg):
+    c = pp2("zb-h1", m=8, layers_per_stage=(3, 1))
+    assert c.overrides() == ["parallel.dp=1", "parallel.tp=1", "parallel.pp=2", "parallel.vpp=1", "schedule=zb-h1",
+                             "schedule.n_microbatches=8", "train.micro_batch_size=2", "train.recompute=none",
+                             "parallel.layers_per_stage=[3,1]"]
+    assert candidate_of(cfg) == Candidate(1, 1, 1, 1, "1f1b", 4, 2, "none")

@@ -1,0 +1,181 @@
+"""The model of one layout's optimizer step: the pipeline simulated with measured per-stage costs, plus TP and
+DP communication and the optimizer; and its peak memory per pipeline rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from parallel.pipeline.actions import B, F, I, W, Costs, Lists
+from parallel.pipeline.partition import balanced_partition, rank_stages
+from parallel.pipeline.plan import PipelinePlan, plan_pipeline
+from parallel.pipeline.simulate import SimResult
+from parallel.spec import PipelineSpec
+from training.flops import matmul_params_per_token
+from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
+from training.schema import model_config
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout of a world: sizes, schedule, micro-batching, recomputation and partition."""
+
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    schedule: str
+    n_microbatches: int
+    micro_batch_size: int
+    recompute: str  # none | full | selective
+    layers_per_stage: tuple[int, ...] | None = None  # None: the even split
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that select it."""
+        out = [f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+               f"parallel.vpp={self.vpp}", f"schedule={self.schedule}",
+               f"schedule.n_microbatches={self.n_microbatches}", f"train.micro_batch_size={self.micro_batch_size}",
+               f"train.recompute={self.recompute}"]
+        if self.layers_per_stage is not None:
+            out.append(f"parallel.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}]")
+        return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted optimizer-step time and peak bytes per pipeline rank, with the simulated timeline."""
+
+    step_s: float
+    peak_bytes: tuple[int, ...]  # params + grads + optimizer state + live activations
+    sim: SimResult
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """Seconds and bytes of each global stage of one candidate."""
+
+    costs: Costs  # per-stage F/B/I/W and per-boundary comm, seconds
+    saved: tuple[int, ...]  # bytes saved for backward per micro-batch
+    deferred: tuple[int, ...]  # bytes held between I and W per micro-batch
+    params: tuple[int, ...]  # parameters held (a tied lm_head copy counts on the last stage)
+
+
+def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
+    """The layout `cfg` describes."""
+    p = cfg.parallel
+    layers = tuple(p.layers_per_stage) if isinstance(p.layers_per_stage, (list, tuple)) or (
+        p.layers_per_stage is not None and not isinstance(p.layers_per_stage, str)) else None
+    return Candidate(dp=dp or p.dp or 1, tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=cfg.schedule.name,
+                     n_microbatches=cfg.schedule.n_microbatches, micro_batch_size=cfg.train.micro_batch_size,
+                     recompute=cfg.train.recompute, layers_per_stage=layers)
+
+
+def plan_of(candidate: Candidate, num_layers: int) -> PipelinePlan:
+    """The checked pipeline of a candidate (pp=1: one stage under 1F1B, i.e. gradient accumulation)."""
+    c = candidate
+    spec = PipelineSpec(pp=c.pp, vpp=c.vpp, schedule=c.schedule if c.pp > 1 else "1f1b",
+                        n_microbatches=c.n_microbatches, layers_per_stage=c.layers_per_stage)
+    return plan_pipeline(spec, num_layers)
+
+
+def _tp_allreduce(costs: MeasuredCosts, tp: int, nbytes: float) -> float:
+    """One TP all-reduce of `nbytes` (zero without TP)."""
+    return 0.0 if tp == 1 else costs.allreduce.time(nbytes)
+
+
+def stage_model(candidate: Candidate, plan: PipelinePlan, costs: MeasuredCosts, tied: bool) -> StageModel:
+    """Per-stage durations and bytes: layers x per-layer cost, the embedding on stage 0, the head on the last.
+
+    Measured at tp=1 and the profiled micro-batch: compute and activations scale with the micro-batch and
+    divide by tp; TP adds two activation all-reduces per layer in F and two in B (Megatron's f/g)."""
+    c, n = candidate, plan.n_stages
+    scale = c.micro_batch_size / costs.key["micro_batch_size"]
+    act = costs.boundary_bytes * scale
+    tp_ar = _tp_allreduce(costs, c.tp, act)
+    mode = c.recompute
+    kinds = {"f": [], "b": [], "i": [], "w": []}
+    saved, deferred, params = [], [], []
+    for s, layers in enumerate(plan.partition):
+        k, first, last = len(layers), s == 0, s == n - 1
+        per_layer = {"f": costs.layer_f, "b": costs.layer_b[mode], "i": costs.layer_i[mode], "w": costs.layer_w}
+        for kind, values in kinds.items():
+            t = k * per_layer[kind] + first * getattr(costs, f"embed_{kind}") + last * getattr(costs, f"head_{kind}")
+            comm = 0.0 if kind == "w" else (2 * k + first + last) * tp_ar  # W moves nothing
+            values.append(t * scale / c.tp + comm)
+        saved.append(int((k * costs.layer_saved[mode] + first * costs.embed_saved + last * costs.head_saved)
+                         * scale / c.tp))
+        deferred.append(int((k * costs.layer_deferred + last * costs.head_deferred) * scale / c.tp))
+        copy = last and tied and n > 1 and plan.placement != "v"  # a V placement's last stage sits with stage 0
+        params.append((k * costs.layer_params + first * costs.embed_params + last * costs.head_params
+                       + copy * costs.embed_params) // c.tp)
+    comm = costs.p2p.time(act) if n > 1 else 0.0
+    stage_costs = Costs(stage_f=tuple(kinds["f"]), stage_b=tuple(kinds["b"]), stage_i=tuple(kinds["i"]),
+                        stage_w=tuple(kinds["w"]), stage_comm=(comm,) * (n - 1))
+    return StageModel(stage_costs, tuple(saved), tuple(deferred), tuple(params))
+
+
+def live_peak(actions: Lists, saved: tuple[int, ...], deferred: tuple[int, ...]) -> int:
+    """Most activation bytes one rank holds: F saves its stage's bytes until B (or I) frees them; I keeps
+    the weight-gradient inputs until W."""
+    live = peak = 0
+    for kind, _, stage in actions:
+        if kind is F:
+            live += saved[stage]
+        elif kind is B:
+            live -= saved[stage]
+        elif kind is I:  # the deferred inputs exist before the graph lets go of the saved ones
+            live += deferred[stage]
+            peak = max(peak, live)
+            live -= saved[stage]
+        elif kind is W:
+            live -= deferred[stage]
+        peak = max(peak, live)
+    return peak
+
+
+def _dp_allreduce(costs: MeasuredCosts, dp: int, nbytes: float, bucket_bytes: float) -> float:
+    """Bucketed ring all-reduce of `nbytes` over dp ranks, from the two-rank fit (ring: 2(dp-1)/dp per byte)."""
+    if dp == 1 or nbytes <= 0:
+        return 0.0
+    buckets = max(1, -(-int(nbytes) // int(bucket_bytes)))
+    ring = (dp - 1) / dp * 2  # two ranks: 1, as measured
+    return buckets * costs.allreduce.latency_s * (dp - 1) + nbytes * costs.allreduce.per_byte_s * ring
+
+
+def after_pipeline(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, rank_params: list[int],
+                   tied_copy: bool) -> list[float]:
+    """Seconds each pipeline rank spends after its last action: tied-embedding and DP gradient all-reduces,
+    then AdamW. No overlap with the backward is assumed: with gloo on CPU the reduction competes with compute
+    for the same cores; on NCCL only the last bucket (one bucket's time) stays exposed."""
+    c = candidate
+    grad_bytes = [n * costs.param_bytes for n in rank_params]
+    bucket = cfg.parallel.bucket_mb * (1 << 20)
+    out = []
+    for r, nbytes in enumerate(grad_bytes):
+        dp_time = _dp_allreduce(costs, c.dp, nbytes, bucket)
+        if costs.key["backend"] == "nccl":
+            dp_time = min(dp_time, _dp_allreduce(costs, c.dp, min(nbytes, bucket), bucket))
+        tied = costs.allreduce.time(costs.embed_params * costs.param_bytes / c.tp) if tied_copy and r in (0, c.pp - 1) else 0
+        shard = c.dp if cfg.parallel.zero else 1
+        out.append(dp_time + tied + rank_params[r] / shard * costs.optimizer_s_per_param)
+    return out
+
+
+def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
+    """Predicted step time (simulated pipeline + TP/DP communication + optimizer) and peak bytes per rank."""
+    config = model_config(cfg)
+    plan = plan_of(candidate, config.num_hidden_layers)
+    tied = bool(config.tie_word_embeddings)
+    model = stage_model(candidate, plan, costs, tied)
+    sim = plan.simulate(model.costs)
+    c = candidate
+    rank_params = [sum(model.params[s] for s in rank_stages(r, c.pp, c.vpp, plan.placement)) for r in range(c.pp)]
+    tied_copy = tied and c.pp > 1 and plan.placement != "v"
+    post = after_pipeline(c, cfg, costs, rank_params, tied_copy)
+    ends = [max(row, default=0.0) for row in sim.end]
+    step = max(end + extra for end, extra in zip(ends, post))
+    state = costs.param_bytes * 2 + ADAMW_STATE_BYTES / (c.dp if cfg.parallel.zero else 1)  # param, grad, AdamW
+    peaks = tuple(int(n * state) + live_peak(actions, model.saved, model.deferred)
+                  for n, actions in zip(rank_params, plan.lowered))
+    return Prediction(step_s=step, peak_bytes=peaks, sim=sim)
