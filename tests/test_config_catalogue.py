@@ -66,7 +66,8 @@ BAD = [
     ([*TINY, "parallel.pp=5"], "5 stages but the model has 4 layers; use at most 4 stages"),
     ([*TINY, "parallel.pp=3", "parallel.layers_per_stage=[1,3,1]"], "sums to 5 but the model has 4 layers"),
     ([*PP2, "parallel.layers_per_stage=[4,0]"], "parallel.layers_per_stage[1] = 0"),
-    ([*PP2, "parallel.layers_per_stage=[1.5,2]"], "parallel.layers_per_stage[0]: Value '1.5' of type 'float'"),
+    ([*PP2, "parallel.layers_per_stage=[1.5,2]"], "parallel.layers_per_stage[0] = 1.5 is not an integer layer count"),
+    ([*PP2, "parallel.layers_per_stage=even"], "parallel.layers_per_stage=even: give one layer count per stage"),
     (["parallel.tensor=2"], "parallel.tensor: unknown config key; did you mean parallel."),
     # schedule
     (["schedule=zigzag"], "schedule=zigzag: no such preset"),

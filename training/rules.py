@@ -116,6 +116,13 @@ def fault(key: str, value: Any) -> str | None:
     return None
 
 
+def layer_counts(key: str, value: Any) -> str | None:
+    """null, auto or a list; the counts themselves are checked by parallel.pipeline.partition.layer_partition."""
+    if value is None or value == "auto" or isinstance(value, (list, ListConfig)):
+        return None
+    return f"{key}={value}: give one layer count per stage (e.g. [3,3,2]), auto, or null for the even split"
+
+
 def schedule_name(key: str, value: Any) -> str | None:
     from parallel.pipeline.schedules import SCHEDULES  # the registry is the closed set
 
@@ -149,7 +156,7 @@ KEY_RULES: dict[str, Check] = {
     "parallel.tp": positive,
     "parallel.pp": positive,
     "parallel.vpp": positive,
-    "parallel.layers_per_stage": checked_by("parallel.pipeline.partition.layer_partition"),
+    "parallel.layers_per_stage": layer_counts,
     "parallel.backend": one_of("auto", "gloo", "nccl"),
     "parallel.timeout_s": positive,
     "parallel.emulate": any_of_type,

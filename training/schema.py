@@ -44,7 +44,7 @@ class ParallelSchema:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
-    layers_per_stage: Optional[list[int]] = None
+    layers_per_stage: Any = None  # null (even), a list of layer counts per stage, or auto
     backend: str = "auto"
     timeout_s: float = 300.0
     emulate: bool = False

@@ -75,6 +75,14 @@ def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
         layout_world_size(cfg, world_size)
 
 
+def resolve_partition(cfg: DictConfig) -> None:
+    """parallel.layers_per_stage=auto -> the cost-balanced split (the planner's; imported only when asked)."""
+    if cfg.parallel.layers_per_stage == "auto":
+        from training.planner.balance import resolve_auto_partition
+
+        resolve_auto_partition(cfg)
+
+
 def validate_layout(cfg: DictConfig) -> None:
     """TP divisibility, then the pipeline plan (partition, schedule, vpp; lowered and simulated) before launch."""
     from parallel.pipeline.partition import layer_partition
@@ -126,7 +134,8 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings.
 
-    The one value it sets: schedule.n_microbatches where train.global_batch_size derives it."""
+    The values it sets: schedule.n_microbatches where train.global_batch_size derives it, and
+    parallel.layers_per_stage where it is auto."""
     check_known_keys(cfg)
     check_resolvable(cfg)
     warnings = check_keys(cfg)
@@ -136,6 +145,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
         raise ConfigError(problem)
     validate_parallel(cfg, world_size)
     resolve_global_batch(cfg, world_size)
+    resolve_partition(cfg)
     validate_layout(cfg)
     validate_data(cfg, world_size)
     validate_checkpoint(cfg)
