@@ -176,7 +176,8 @@ def measure_compute(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     out.update(layer_params=_count(layer.params), embed_params=_count(embed.params),
                head_params=_count(model.model.norm.parameters()) + (0 if tied else _count(model.lm_head.parameters())),
-               param_bytes=model.lm_head.weight.element_size(), boundary_bytes=mbs * seq * h * dtype.itemsize,
+               param_bytes=model.lm_head.weight.element_size(),
+               boundary_bytes=mbs * seq * h * 4,  # the residual stream stays fp32 under autocast
                optimizer_s_per_param=_adamw_s_per_param(layer.params, device))
     return out
 
