@@ -116,6 +116,10 @@ class Trainer:
                     record["skipped_lines"] = self.data.skipped_lines
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
+                    if traced:  # the planner's prediction next to the measurement
+                        from training.planner.report import prediction_record
+
+                        record.update(prediction_record(cfg, self.grid, record))
                     metrics.log(step + 1, record)
                 self.checkpoints.after_step(step + 1)
                 guard.end(step + 1)
