@@ -124,10 +124,8 @@ def live_peak(actions: Lists, saved: tuple[int, ...], deferred: tuple[int, ...])
             live += saved[stage]
         elif kind is B:
             live -= saved[stage]
-        elif kind is I:  # the deferred inputs exist before the graph lets go of the saved ones
-            live += deferred[stage]
-            peak = max(peak, live)
-            live -= saved[stage]
+        elif kind is I:  # the linears' saved inputs stay, as W's, with their output gradients
+            live += deferred[stage] - saved[stage]
         elif kind is W:
             live -= deferred[stage]
         peak = max(peak, live)
