@@ -6,9 +6,7 @@
 import sys
 from pathlib import Path
 
-# The repo root replaces this script's folder on the path: this file's name would shadow the stdlib `profile`
-# module that torch imports (through cProfile).
-sys.path[0] = str(Path(__file__).resolve().parent.parent)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402

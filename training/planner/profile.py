@@ -37,22 +37,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(run: Callable[[], Callable[[], object]], device: torch.device, repeats: int = REPEATS) -> float:
-    """Median seconds of the timed part `run()` hands back (its set-up runs untimed), after one warm-up."""
-    times = []
+def alternated(tasks: dict, device: torch.device, repeats: int = REPEATS) -> dict:
+    """Median seconds of each task's timed part (a task is a set-up that returns it), one run of every task per
+    round so that a change in the machine's load falls on all of them alike; the first round warms up."""
+    times: dict = {name: [] for name in tasks}
     for k in range(repeats + 1):
-        timed = run()
-        _sync(device)
-        start = time.perf_counter()
-        timed()
-        _sync(device)
-        if k:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, setup in tasks.items():
+            timed = setup()
+            _sync(device)
+            start = time.perf_counter()
+            timed()
+            _sync(device)
+            if k:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
-def piece_times(piece: Piece, x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Forward, full backward, and the I/W split of `piece` on input `x` (seconds, medians)."""
+def piece_tasks(piece: Piece, x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+    """Set-ups timing forward, full backward and the I/W split of `piece` on input `x` (for `alternated`)."""
     def forward(mode=None):
         with autocast(device, dtype), (mode or nullcontext()):
             out = piece(x)
@@ -80,7 +82,7 @@ def piece_times(piece: Piece, x: torch.Tensor, device: torch.device, dtype: torc
         i()()
         return lambda: store.apply(0)
 
-    return {name: _median(fn, device) for name, fn in (("f", f), ("b", b), ("i", i), ("w", w))}
+    return {"f": f, "b": b, "i": i, "w": w}
 
 
 def saved_bytes(piece: Piece, x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
@@ -161,24 +163,29 @@ def measure_compute(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
     ids = torch.randint(0, model.config.vocab_size, (mbs, seq), device=device)
     x = torch.randn(mbs, seq, h, device=device, requires_grad=True)
     layer, head, embed = _Layer(model, seq), _Head(model, ids), _Embed(model)
+    pieces = {"layer_" + mode: (layer if mode == "none" else
+                                _Layer(apply_recompute(copy.deepcopy(model), mode), seq), x)
+              for mode in RECOMPUTE_MODES}
+    pieces.update(embed=(embed, ids), head=(head, x))
+    tasks = {(name, kind): setup for name, (piece, inputs) in pieces.items()
+             for kind, setup in piece_tasks(piece, inputs, device, dtype).items()}
+    tasks["adamw", "step"] = _adamw_task(layer.params)
+    times = alternated(tasks, device)
     out = {"layer_b": {}, "layer_i": {}, "layer_saved": {}}
     for mode in RECOMPUTE_MODES:
-        piece = layer if mode == "none" else _Layer(apply_recompute(copy.deepcopy(model), mode), seq)
-        times = piece_times(piece, x, device, dtype)
-        out["layer_b"][mode], out["layer_i"][mode] = times["b"], times["i"]
-        out["layer_saved"][mode], deferred = saved_bytes(piece, x, device, dtype)
-        if mode == "none":
-            out.update(layer_f=times["f"], layer_w=times["w"], layer_deferred=deferred)
-    for name, piece, inputs in (("embed", embed, ids), ("head", head, x)):
-        times = piece_times(piece, inputs, device, dtype)
-        out.update({f"{name}_{kind}": times[kind] for kind in "fbiw"})
-        out[f"{name}_saved"], out[f"{name}_deferred"] = saved_bytes(piece, inputs, device, dtype)
+        name = "layer_" + mode
+        out["layer_b"][mode], out["layer_i"][mode] = times[name, "b"], times[name, "i"]
+        out["layer_saved"][mode], deferred = saved_bytes(*pieces[name], device, dtype)
+    out.update(layer_f=times["layer_none", "f"], layer_w=times["layer_none", "w"], layer_deferred=deferred)
+    for name in ("embed", "head"):
+        out.update({f"{name}_{kind}": times[name, kind] for kind in "fbiw"})
+        out[f"{name}_saved"], out[f"{name}_deferred"] = saved_bytes(*pieces[name], device, dtype)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     out.update(layer_params=_count(layer.params), embed_params=_count(embed.params),
                head_params=_count(model.model.norm.parameters()) + (0 if tied else _count(model.lm_head.parameters())),
                param_bytes=model.lm_head.weight.element_size(),
                boundary_bytes=mbs * seq * h * 4,  # the residual stream stays fp32 under autocast
-               optimizer_s_per_param=_adamw_s_per_param(layer.params, device))
+               optimizer_s_per_param=times["adamw", "step"] / _count(layer.params))
     return out
 
 
@@ -186,12 +193,16 @@ def _count(params) -> int:
     return sum(p.numel() for p in params)
 
 
-def _adamw_s_per_param(params: list[nn.Parameter], device: torch.device) -> float:
-    """Seconds per parameter of one AdamW step (the run's optimizer), timed on one layer's parameters."""
-    for p in params:
-        p.grad = torch.randn_like(p)
+def _adamw_task(params: list[nn.Parameter]) -> Callable:
+    """A set-up timing one AdamW step (the run's optimizer) over `params`, with gradients in place."""
+    grads = [torch.randn_like(p) for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    return _median(lambda: optimizer.step, device) / _count(params)
+
+    def setup():
+        for p, g in zip(params, grads):
+            p.grad = g
+        return optimizer.step
+    return setup
 
 
 def transport_sizes(boundary_bytes: int) -> list[int]:
