@@ -64,8 +64,8 @@ class StageModel:
 def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
     """The layout `cfg` describes."""
     p = cfg.parallel
-    layers = tuple(p.layers_per_stage) if isinstance(p.layers_per_stage, (list, tuple)) or (
-        p.layers_per_stage is not None and not isinstance(p.layers_per_stage, str)) else None
+    counts = p.layers_per_stage
+    layers = None if counts is None or isinstance(counts, str) else tuple(counts)  # `auto` not resolved: even
     return Candidate(dp=dp or p.dp or 1, tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=cfg.schedule.name,
                      n_microbatches=cfg.schedule.n_microbatches, micro_batch_size=cfg.train.micro_batch_size,
                      recompute=cfg.train.recompute, layers_per_stage=layers)
