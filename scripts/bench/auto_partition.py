@@ -3,8 +3,9 @@
     python scripts/bench/auto_partition.py [--rounds 7] [--microbatches 8]
 
 Profiles the model (or reads the cached costs), lets the planner choose the split, then runs the even and the
-chosen split alternated on two gloo processes (engine step + AdamW) and prints medians, the ratio and the
-planner's predictions for both."""
+chosen split alternated on two gloo processes (engine step + AdamW) and prints medians, the ratios and the
+planner's predictions for both. On a loaded machine the wall time follows the total work (the same for both
+splits), so the busiest rank's CPU time is printed too: the critical path on a quiet machine."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, alternate, run_workers  # noqa: E402
+from common import ROOT, run_workers  # noqa: E402
+
+import time  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
@@ -61,8 +65,25 @@ def worker(rank: int, world: int, cfg_by_name: dict, rounds: int) -> dict | None
             0, cfg.model.vocab_size, (cfg.schedule.n_microbatches, cfg.train.micro_batch_size, cfg.train.seq_len),
             generator=gen)]
         steps[name] = lambda e=engine, o=optimizer, m=micro: (e.step(m), o.step(), o.zero_grad(set_to_none=True))
-    times = alternate(steps, warmup=1, rounds=rounds)
-    return {name: t.wall for name, t in times.items()} if rank == 0 else None
+    times = alternated(steps, rounds)
+    return times if rank == 0 else None
+
+
+def alternated(steps: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """One warm-up step each, then one step of each split per round: the wall time of the slowest rank, and the
+    CPU time of the busiest rank (the critical path's work, which the machine's other load does not stretch)."""
+    times = {name: {"wall": [], "cpu": []} for name in steps}
+    for k in range(rounds + 1):
+        for name, step in steps.items():
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            spent = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu], dtype=torch.float64)
+            dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+            if k:
+                times[name]["wall"].append(float(spent[0]))
+                times[name]["cpu"].append(float(spent[1]))
+    return times
 
 
 def main(argv: list[str]) -> int:
@@ -77,13 +98,15 @@ def main(argv: list[str]) -> int:
     auto = config([m, "parallel.layers_per_stage=auto"])
     chosen = list(auto.parallel.layers_per_stage)
     times = run_workers(worker, 2, {"even": even, "auto": auto}, args.rounds, timeout=1800)[0]
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = {name: {what: statistics.median(v) for what, v in t.items()} for name, t in times.items()}
     for name, cfg in (("even", even), ("auto", auto)):
         predicted = predict(candidate_of(cfg), cfg, costs).step_s
         split = list(cfg.parallel.layers_per_stage) if cfg.parallel.layers_per_stage else [4, 4]
-        print(f"{name:<5} layers {split}: measured median {med[name]:.3f} s over {len(times[name])} steps "
-              f"(runs {', '.join(f'{t:.3f}' for t in times[name])}); predicted {predicted:.3f} s")
-    print(f"auto chose {chosen}; auto / even measured step time = {med['auto'] / med['even']:.3f}")
+        print(f"{name:<5} layers {split}: measured median {med[name]['wall']:.3f} s wall (runs "
+              f"{', '.join(f'{t:.2f}' for t in times[name]['wall'])}), busiest rank's CPU {med[name]['cpu']:.3f} s; "
+              f"predicted {predicted:.3f} s")
+    print(f"auto chose {chosen}; auto / even: wall {med['auto']['wall'] / med['even']['wall']:.3f}, "
+          f"busiest rank's CPU {med['auto']['cpu'] / med['even']['cpu']:.3f}")
     return 0
 
 
