@@ -1,6 +1,6 @@
 """Measure (or read from the cache) the costs the planner predicts with, for a run config; print them.
 
-    python scripts/profile_costs.py model.hidden_size=256 train.seq_len=128 train.dtype=fp32 [--refresh] [--world-size=2]
+    python scripts/profile_costs.py model.hidden_size=256 train.seq_len=128 [--refresh] [--world-size=2]
 """
 
 import sys
@@ -34,8 +34,9 @@ def table(costs: MeasuredCosts) -> str:
                      f"{'':>18}{getattr(costs, name + '_saved') * mib:11.2f}{getattr(costs, name + '_params'):11,}")
     lines += [f"layer bytes held between I and W: {costs.layer_deferred * mib:.2f} MiB; boundary tensor "
               f"{costs.boundary_bytes * mib:.2f} MiB; {costs.param_bytes} bytes per parameter",
-              f"AdamW step: {costs.optimizer_s_per_param * 1e9:.2f} ns per parameter",
-              f"P2P: {costs.p2p.latency_s * 1e6:.0f} us + {costs.p2p.per_byte_s * 1e9:.3f} ns/byte; all-reduce (2 ranks): "
+              f"gradient clipping + AdamW step: {costs.optimizer_s_per_param * 1e9:.2f} ns per parameter",
+              f"P2P: {costs.p2p.latency_s * 1e6:.0f} us + {costs.p2p.per_byte_s * 1e9:.3f} ns/byte; "
+              "all-reduce (2 ranks): "
               f"{costs.allreduce.latency_s * 1e6:.0f} us + {costs.allreduce.per_byte_s * 1e9:.3f} ns/byte"]
     return "\n".join(lines)
 

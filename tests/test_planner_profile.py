@@ -43,8 +43,8 @@ def test_costs_cache_round_trips_per_key(tmp_path):
     key = cost_key(cfg, "cpu", "float32", "gloo", 1)
     costs = MeasuredCosts(key=key, layer_f=1.0, layer_b={"none": 2.0}, layer_i={"none": 1.0}, layer_w=1.0,
                           embed_f=0.1, embed_b=0.2, embed_i=0.2, embed_w=0.0, head_f=0.5, head_b=1.0,
-                          head_i=0.7, head_w=0.3, layer_saved={"none": 10},
-                          layer_deferred=5, embed_saved=1, embed_deferred=0, head_saved=20, head_deferred=9, layer_params=3, embed_params=4,
+                          head_i=0.7, head_w=0.3, layer_saved={"none": 10}, layer_deferred=5, embed_saved=1,
+                          embed_deferred=0, head_saved=20, head_deferred=9, layer_params=3, embed_params=4,
                           head_params=5, param_bytes=4, optimizer_s_per_param=1e-9, boundary_bytes=8,
                           p2p=Fit(1e-4, 1e-9), allreduce=Fit(2e-4, 2e-9))
     path = save(cfg, costs)

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per parameter
+VERSION = 2  # part of every key: a change in what is measured invalidates older cache files
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class MeasuredCosts:
     embed_params: int
     head_params: int  # final norm, plus lm_head where it is not tied to the embedding
     param_bytes: int  # bytes per parameter (its storage dtype)
-    optimizer_s_per_param: float  # AdamW step
+    optimizer_s_per_param: float  # gradient-norm clipping and the AdamW step
     boundary_bytes: int  # one micro-batch's hidden states between stages
     p2p: Fit = field(default_factory=lambda: Fit(0.0, 0.0))
     allreduce: Fit = field(default_factory=lambda: Fit(0.0, 0.0))  # per call, two ranks
@@ -86,8 +87,8 @@ def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: in
     dims = {k: m[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                               "num_key_value_heads", "use_moe", "num_experts", "num_experts_per_tok",
                               "moe_intermediate_size", "tie_word_embeddings")}
-    return {"model": dims, "micro_batch_size": cfg.train.micro_batch_size, "seq_len": cfg.train.seq_len,
-            "dtype": dtype, "device": device, "backend": backend, "threads": threads}
+    return {"version": VERSION, "model": dims, "micro_batch_size": cfg.train.micro_batch_size,
+            "seq_len": cfg.train.seq_len, "dtype": dtype, "device": device, "backend": backend, "threads": threads}
 
 
 def cache_path(cfg: DictConfig, key: dict) -> Path:

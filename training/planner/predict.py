@@ -154,7 +154,8 @@ def after_pipeline(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, 
         dp_time = _dp_allreduce(costs, c.dp, nbytes, bucket)
         if costs.key["backend"] == "nccl":
             dp_time = min(dp_time, _dp_allreduce(costs, c.dp, min(nbytes, bucket), bucket))
-        tied = costs.allreduce.time(costs.embed_params * costs.param_bytes / c.tp) if tied_copy and r in (0, c.pp - 1) else 0
+        pair = tied_copy and r in (0, c.pp - 1)  # the tied embedding's two copies
+        tied = costs.allreduce.time(costs.embed_params * costs.param_bytes / c.tp) if pair else 0.0
         shard = c.dp if cfg.parallel.zero else 1
         out.append(dp_time + tied + rank_params[r] / shard * costs.optimizer_s_per_param)
     return out

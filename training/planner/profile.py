@@ -194,14 +194,19 @@ def _count(params) -> int:
 
 
 def _adamw_task(params: list[nn.Parameter]) -> Callable:
-    """A set-up timing one AdamW step (the run's optimizer) over `params`, with gradients in place."""
+    """A set-up timing what the trainer does per parameter after the backward: the gradient norm with clipping,
+    then one AdamW step (the run's optimizer), with gradients in place."""
     grads = [torch.randn_like(p) for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def run():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
 
     def setup():
         for p, g in zip(params, grads):
             p.grad = g
-        return optimizer.step
+        return run
     return setup
 
 

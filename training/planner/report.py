@@ -19,8 +19,8 @@ def prediction_record(cfg: DictConfig, grid, record: dict) -> dict:
     costs = measured_costs(cfg, world_size=grid.world_size, cached_only=True)
     if costs is None:
         if grid.rank == 0:
-            log.info("predicted step: no measured costs for this shape and machine; run python scripts/profile_costs.py "
-                     "with this run's overrides to compare predictions with measurements")
+            log.info("predicted step: no measured costs for this shape and machine; run python "
+                     "scripts/profile_costs.py with this run's overrides to compare predictions with measurements")
         return {"predicted_step_s": None, "predicted_peak_mem_bytes": None}
     prediction = predict(candidate_of(cfg, grid.dp), cfg, costs)
     peak = max(prediction.peak_bytes)
