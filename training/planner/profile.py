@@ -7,6 +7,7 @@ timed with two real processes (`probe.py`). Medians of a few repeats, at the thr
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import statistics
 import time
@@ -28,6 +29,7 @@ from training.planner.costs import RECOMPUTE_MODES, Fit, MeasuredCosts, cache_pa
 from training.planner.probe import measure_transport
 from training.specs import resolve_dtype
 
+log = logging.getLogger("sluice")
 REPEATS = 5
 Piece = Callable[[torch.Tensor], torch.Tensor]  # input -> output (the head: -> the loss)
 
@@ -224,6 +226,9 @@ def measure(cfg: DictConfig, key: dict, device: torch.device, dtype: torch.dtype
         compute = measure_compute(cfg, device, dtype)
     finally:
         torch.set_num_threads(before)
+    if backend == "nccl" and torch.cuda.device_count() < 2:  # NCCL needs one device per process
+        log.warning("one CUDA device: transport not measured, communication predicted as free")
+        return MeasuredCosts(key=key, **compute)
     transport = measure_transport(backend, threads, transport_sizes(compute["boundary_bytes"]))
     return MeasuredCosts(key=key, p2p=Fit.of(transport["p2p"]), allreduce=Fit.of(transport["allreduce"]),
                          **compute)
