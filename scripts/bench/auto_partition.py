@@ -39,12 +39,12 @@ MODEL = ["model.num_hidden_layers=8", "model.hidden_size=256", "model.num_attent
          "train.dtype=fp32", "parallel.pp=2", "logger=none", f"data.cache_dir={ROOT / '.cache' / 'sluice'}"]
 
 
-def config(overrides: list[str]):
-    """The run config train.py would compose (validated: `auto` resolved)."""
+def config(overrides: list[str], base: list[str] = MODEL):
+    """The run config train.py would compose from `base` and `overrides` (validated: `auto` resolved)."""
     register_schema()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*MODEL, *overrides])
+        cfg = compose(config_name="config", overrides=[*base, *overrides])
     validate(cfg)
     return cfg
 
