@@ -42,7 +42,10 @@ class Pending(Protocol):
 
 
 class Transport(Protocol):
-    """Posts a batch of sends and receives together, without waiting for any of them."""
+    """Posts a batch of sends and receives together, without waiting for any of them.
+
+    A transport may set `receives_early = True` when a posted receive never holds up another transfer; the
+    runtime then posts receives ahead of the list (absent or False: exactly where the list places them)."""
 
     def post(self, messages: list[Message]) -> list[Pending]: ...
 
@@ -99,12 +102,19 @@ class P2PPending:
     waited: bool = False
 
     def ready(self) -> bool:
-        return self.waited or all(work.is_completed() for work in self.works)
+        # The runtime asks about every posted send before each compute: answer from the flag once known.
+        if not self.waited:
+            for work in self.works:
+                if not work.is_completed():
+                    return False
+            self.waited = True
+        return True
 
     def wait(self) -> None:
-        for work in self.works:
-            self.transport.wait(work, self.message)
-        self.waited = True
+        if not self.waited:
+            for work in self.works:
+                self.transport.wait(work, self.message)
+            self.waited = True
 
 
 class P2PTransport:
@@ -115,34 +125,55 @@ class P2PTransport:
         self.boundary = boundary
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
+        # gloo (CPU tensors) progresses every op on its own; NCCL runs a peer pair's ops on one stream in
+        # posting order, where a receive posted early could hold up a send the peer waits for.
+        self.receives_early = device.type == "cpu"
 
     def post(self, messages: list[Message]) -> list[Pending]:
+        if self.device.type == "cpu":
+            return self._post_each(messages)
         ops, tensors = [], []
         for msg in messages:
-            if msg.action.kind in SENDS:
-                self.boundary.check(msg)
-                tensor = msg.tensor.contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, msg.peer))
-            else:
-                tensor = torch.empty(self.boundary.shape, dtype=self.boundary.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, tensor, msg.peer))
+            tensor = self._tensor(msg)
+            ops.append(dist.P2POp(dist.isend if msg.action.kind in SENDS else dist.irecv, tensor, msg.peer))
             tensors.append(tensor)
         works = dist.batch_isend_irecv(ops)
-        # gloo returns one work per op; NCCL coalesces the batch, and then every op waits for all of it.
+        # NCCL coalesces the batch into one work (or fewer than the ops), and then every op waits for all of it.
         per_op = [[work] for work in works] if len(works) == len(ops) else [list(works)] * len(ops)
         return [P2PPending(msg, tensor, w, self) for msg, tensor, w in zip(messages, tensors, per_op)]
 
+    def _post_each(self, messages: list[Message]) -> list[Pending]:
+        """CPU tensors go over gloo, which has no batched P2P: `batch_isend_irecv` would only loop over
+        isend/irecv, at a few checks per op that add up in schedules with many lone sends. Post each op on the
+        default group directly (its ranks are the global ranks that `peer` names), in list order."""
+        group = dist.group.WORLD
+        posted = []
+        for msg in messages:
+            tensor = self._tensor(msg)
+            if msg.action.kind in SENDS:
+                work = group.send([tensor], msg.peer, 0)
+            else:
+                work = group.recv([tensor], msg.peer, 0)
+            posted.append(P2PPending(msg, tensor, [work], self))
+        return posted
+
+    def _tensor(self, msg: Message) -> torch.Tensor:
+        """A send's tensor (checked against the boundary) or a fresh receive buffer."""
+        if msg.action.kind in SENDS:
+            self.boundary.check(msg)
+            return msg.tensor.contiguous()
+        return torch.empty(self.boundary.shape, dtype=self.boundary.dtype, device=self.device)
+
     def wait(self, work: dist.Work, msg: Message) -> None:
         """Wait for one transfer; on timeout or a dead peer raise naming what we waited for."""
-        what = describe(self.rank, msg)
         try:
             completed = work.wait(timeout=self.timeout)
         except RuntimeError as error:
-            raise TransportTimeout(f"{what} failed after at most {self.timeout.total_seconds():.0f}s: "
-                                   f"{str(error).splitlines()[0]}") from error
+            raise TransportTimeout(f"{describe(self.rank, msg)} failed after at most "
+                                   f"{self.timeout.total_seconds():.0f}s: {str(error).splitlines()[0]}") from error
         if completed is False:
-            raise TransportTimeout(f"{what} did not complete within {self.timeout.total_seconds():.0f}s "
-                                   "(parallel.timeout_s)")
+            raise TransportTimeout(f"{describe(self.rank, msg)} did not complete within "
+                                   f"{self.timeout.total_seconds():.0f}s (parallel.timeout_s)")
 
 
 # --- in-process channels (emulation) ---------------------------------------------------------------------
