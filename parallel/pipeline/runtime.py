@@ -15,6 +15,14 @@ model blocked on the same op. An op completes once both ends are posted (under N
 it on the pair's stream did, an order the batch model already obeyed). Posts can only move earlier and waits
 only later, so by induction over the order in which the batch model completes ops, every op completes here.
 
+Receiving early. Where the transport says posted receives never hold up other transfers (gloo: each op
+progresses on its own; not NCCL, whose ops on a peer pair share one stream in posting order), every RECV is
+posted one compute earlier than the list places it, in the same order among the receives. A receive then
+meets its send while the previous compute runs, instead of starting the transfer's round trip (gloo's
+"ready to receive" notice, then the data) only when its consumer is next. The argument above still holds:
+posts only move earlier, the order of the receives from each peer is kept, waits stay where they were.
+It costs at most one boundary buffer per rank held one compute longer.
+
 `run` is a generator that yields whenever the list must wait for a transfer: `execute` waits on the
 transport (one process per rank); `execute_emulated` switches to another rank (all ranks in one process).
 """
@@ -73,29 +81,61 @@ def comm_runs(actions: list[Action]) -> list[tuple[int, list[Action]]]:
     return runs
 
 
+def early_receive_runs(actions: list[Action]) -> list[tuple[int, list[Action]]]:
+    """`comm_runs`, with each run's receives posted before the compute that precedes the run (see above)."""
+    runs: list[tuple[int, list[Action]]] = []
+    last_compute: int | None = None  # index in `runs` of the latest compute
+    for slot, group in comm_runs(actions):
+        if not group[0].kind.is_comm:
+            last_compute = len(runs)
+            runs.append((slot, group))
+            continue
+        receives = [a for a in group if a.kind not in SENDS]
+        if last_compute is not None and receives:
+            before = runs[last_compute - 1] if last_compute > 0 else None
+            if before is not None and before[1][0].kind.is_comm:
+                before[1].extend(receives)  # after that run's own ops: the receives keep their order
+            else:
+                runs.insert(last_compute, (runs[last_compute][0], receives))
+                last_compute += 1
+            group = [a for a in group if a.kind in SENDS]
+        if group:
+            runs.append((slot, group))
+    return runs
+
+
 def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, peer_of: Callable[[Action], int],
         micro_batches: list[MicroBatch], plan: StepPlan, records: list[Record] | None = None) -> Iterator[Blocked]:
     """Execute one rank's list; gradients accumulate in the stages' parameters. Yields where it must wait."""
     inbox: dict[tuple[str, int, int], torch.Tensor | Pending] = {}  # inputs of local computes, by receiver
     outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # outputs waiting for their SEND, by sender
     sending: list[Pending] = []  # posted sends; each holds its tensor until the wire is done with it
-    for slot, group in comm_runs(actions):
-        start = time.perf_counter()
-        if group[0].kind.is_comm:
+    hooks = plan.hooks
+    early = getattr(transport, "receives_early", False)
+    for slot, group in early_receive_runs(actions) if early else comm_runs(actions):
+        start = time.perf_counter() if records is not None else 0.0
+        action = group[0]
+        if action.kind.is_comm:
             _post(group, transport, peer_of, inbox, outbox, sending)
         else:
-            action = group[0]
-            received = inbox.get(_input_key(action))
-            if received is not None and not isinstance(received, torch.Tensor) and not received.ready():
-                yield Blocked(slot, action, received)  # resumed once it is ready
-            sending[:] = [p for p in sending if not p.ready()]  # release what the wire is done with
-            start = time.perf_counter()
-            if plan.hooks is not None:
-                plan.hooks.before(action)
-            _compute(action, stages, _take_input(action, inbox), micro_batches, plan, inbox, outbox)
-            if plan.hooks is not None:
-                plan.hooks.after(action)
-        _record(records, group, start)
+            key = _input_key(action)
+            received = inbox.pop(key, None) if key is not None else None
+            if received is not None and not isinstance(received, torch.Tensor):
+                if not received.ready():
+                    yield Blocked(slot, action, received)  # resumed once it is ready
+                received = received.tensor
+            if sending:
+                sending[:] = [p for p in sending if not p.ready()]  # release what the wire is done with
+            if records is not None:
+                start = time.perf_counter()
+            if hooks is not None:
+                hooks.before(action)
+            _compute(action, stages, received, micro_batches, plan, inbox, outbox)
+            del received  # a received boundary tensor is the stage's leaf now, or no one's
+            if hooks is not None:
+                hooks.after(action)
+        if records is not None:
+            _record(records, group, start)
     for pending in sending:
         if not pending.ready():
             yield Blocked(len(actions), pending.message.action, pending)
@@ -115,16 +155,9 @@ def _post(group: list[Action], transport: Transport, peer_of: Callable[[Action],
             inbox[_key(pending.message.action)] = pending
 
 
-def _take_input(action: Action, inbox: dict) -> torch.Tensor | None:
-    """Pop a compute's input from a neighbouring stage (a local hand-over or a completed receive), if any."""
-    received = inbox.pop(_input_key(action), None)
-    return received if received is None or isinstance(received, torch.Tensor) else received.tensor
-
-
-def _record(records: list[Record] | None, group: list[Action], start: float) -> None:
-    if records is not None:
-        end = time.perf_counter()
-        records.extend((a, start, end) for a in group)
+def _record(records: list[Record], group: list[Action], start: float) -> None:
+    end = time.perf_counter()
+    records.extend((a, start, end) for a in group)
 
 
 def _key(comm: Action) -> tuple[str, int, int]:

@@ -1,0 +1,75 @@
+"""Receiving early: the runtime posts each RECV one compute ahead of its list place, keeping every order that
+matching depends on, and the numbers stay the single-process ones."""
+
+import random
+
+import pytest
+
+from parallel.engine import ParallelEngine
+from parallel.grid import ParallelGrid
+from parallel.pipeline.actions import SEND_F
+from parallel.pipeline.plan import plan_pipeline
+from parallel.pipeline.runtime import early_receive_runs
+from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec
+from parallel.pipeline.transport import SENDS, LocalEndpoint
+from parallel.spec import PipelineSpec
+from tests.test_runtime import CPU, assert_grads_match, batches, dense_grads, layout_cfg, tiny
+from tests.test_schedules import random_feasible
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def computes_before(order: list) -> dict:
+    """Each comm action -> how many compute actions precede it in `order`."""
+    seen, out = 0, {}
+    for action in order:
+        if action.kind.is_comm:
+            out[action] = seen
+        else:
+            seen += 1
+    return out
+
+
+@pytest.mark.parametrize("name, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
+                                       ("zbv", 2)])
+def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name, vpp):
+    plan = plan_pipeline(PipelineSpec(pp=4, vpp=vpp, schedule=name, n_microbatches=8), 4 * vpp)
+    for actions in plan.lowered:
+        actions = list(actions)
+        posted = [a for _, group in early_receive_runs(actions) for a in group]
+        assert sorted(posted) == sorted(actions)
+        for keep in (lambda a: not a.kind.is_comm or a.kind in SENDS, lambda a: a.kind.is_comm and a.kind not in SENDS):
+            assert [a for a in posted if keep(a)] == [a for a in actions if keep(a)]  # computes+sends; receives
+        before, after = computes_before(actions), computes_before(posted)
+        for action, n in before.items():
+            assert after[action] == (n if action.kind in SENDS else max(n - 1, 0)), action
+
+
+def test_runs_alternate_and_keep_slots_in_order():
+    plan = plan_pipeline(PipelineSpec(pp=4, vpp=2, schedule="interleaved-1f1b", n_microbatches=8), 8)
+    runs = early_receive_runs(list(plan.lowered[1]))
+    assert all(all(a.kind.is_comm for a in group) or len(group) == 1 for _, group in runs)
+    assert not any(runs[i][1][0].kind.is_comm and runs[i + 1][1][0].kind.is_comm for i in range(len(runs) - 1))
+    assert [slot for slot, _ in runs] == sorted(slot for slot, _ in runs)
+    assert any(a.kind is SEND_F for _, group in runs for a in group)
+
+
+def test_emulated_steps_with_early_receives_give_single_process_gradients(monkeypatch):
+    # The emulation's channels match in posting order and name any deadlock: early receives must keep both.
+    monkeypatch.setattr(LocalEndpoint, "receives_early", True, raising=False)
+    rng = random.Random(5)
+    mbs = batches(4)
+    reference = dense_grads(tiny(layers=6), mbs)
+    for name, vpp in [("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)]:
+        engine = ParallelEngine(layout_cfg(name, 3 if vpp == 1 else 2, 4, vpp), tiny(layers=6),
+                                ParallelGrid.single(CPU))
+        engine.step(mbs)
+        assert_grads_match(engine, reference)
+    for trial in range(6):
+        pp = rng.randint(2, 3)
+        placement, vpp = rng.choice([("loop", 1), ("loop", 2), ("v", 2)])
+        compute = random_feasible(rng, pp, 4, vpp, placement, split=trial % 2 == 1)
+        monkeypatch.setitem(SCHEDULES, "random", ScheduleSpec(lambda *_, c=compute: c, placement))
+        engine = ParallelEngine(layout_cfg("random", pp, 4, vpp), tiny(layers=6), ParallelGrid.single(CPU))
+        engine.step(mbs)
+        assert_grads_match(engine, reference)
