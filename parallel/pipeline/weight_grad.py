@@ -111,11 +111,13 @@ class SplitLinears(TorchFunctionMode):
         self.store = store
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every op of the forward passes through here: the common case (not a linear) goes straight on.
+        if func is not F.linear:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            # A parameter with its own gradient hooks must see its gradient inside backward: not deferred.
-            if isinstance(weight, nn.Parameter) and weight.requires_grad and not weight._backward_hooks:
-                return _SplitLinear.apply(x, weight, bias, self.store)
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        # A parameter with its own gradient hooks must see its gradient inside backward: not deferred.
+        if isinstance(weight, nn.Parameter) and weight.requires_grad and not weight._backward_hooks:
+            return _SplitLinear.apply(x, weight, bias, self.store)
         return func(*args, **kwargs)
