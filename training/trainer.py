@@ -78,6 +78,8 @@ class Trainer:
                                 device=self.grid.device)
         losses: list[float] = []
         guard = self.guard
+        # The same Parameter objects all run (resuming loads in place): list them once, not twice per step.
+        params, norm_params = self.engine.parameters(), self.engine.norm_parameters()
         try:
             for step, micro_batches in zip(range(first, steps), self.data):
                 guard.begin(step + 1)
@@ -86,11 +88,11 @@ class Trainer:
                 start = time.perf_counter()
                 traced = step + 1 == cfg.train.trace_step
                 result = self.engine.step(micro_batches, trace=traced)
-                result.loss = guard.after_engine(step + 1, result.loss, self.engine.parameters())
+                result.loss = guard.after_engine(step + 1, result.loss, params)
                 if on_grads is not None:
                     on_grads(step + 1)
-                grad_norm = clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(),
-                                           cfg.train.grad_clip, self.grid.mp_group, self.grid.device)
+                grad_norm = clip_grad_norm(params, norm_params, cfg.train.grad_clip, self.grid.mp_group,
+                                           self.grid.device)
                 if guard.should_step(step + 1, result.loss, grad_norm):  # skip: same on every rank
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -100,21 +102,23 @@ class Trainer:
                     on_step(step + 1)
                 tokens_per_s = self.tokens_per_step / step_time
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
-                record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
-                          "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                          "skipped_steps": guard.skipped}
-                if result.trace is not None:
-                    from parallel.pipeline.trace_files import write_trace
-
-                    record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace, self.engine.planned)
                 evaluated = self.val_batches is not None and ((step + 1) % cfg.train.eval_every == 0
                                                               or step + 1 == steps)
-                if evaluated:
-                    guard.evaluating(step + 1)
-                    record.update(self.evaluate())
-                if step == 0 and self.data.skipped_lines:
-                    record["skipped_lines"] = self.data.skipped_lines
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
+                    # Only a logged step builds its record (and pays the trace files and the memory collective).
+                    record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
+                              "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                              "skipped_steps": guard.skipped}
+                    if result.trace is not None:
+                        from parallel.pipeline.trace_files import write_trace
+
+                        record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace,
+                                                                self.engine.planned)
+                    if evaluated:
+                        guard.evaluating(step + 1)
+                        record.update(self.evaluate())
+                    if step == 0 and self.data.skipped_lines:
+                        record["skipped_lines"] = self.data.skipped_lines
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
                     if traced:  # the planner's prediction next to the measurement
                         from training.planner.report import prediction_record
