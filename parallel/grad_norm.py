@@ -8,21 +8,22 @@ from torch import nn
 from parallel.collectives import all_reduce_
 
 
-# Per-piece norms are taken in float32 over pieces of at most this many elements, then squared and summed in
-# float64: one float32 norm over a large tensor drifts (6e-4 relative at 16M elements), over 64K it stays near
-# 1e-7, and a float64 copy of every gradient costs three times as much as the whole foreach norm.
-NORM_PIECE = 1 << 16
+# The norm is taken in float64 (a float32 norm drifts: 6e-4 relative over 16M elements, and a bf16 run
+# amplifies any drift between layouts). On CPU piece by piece: a float64 copy of a whole gradient costs more
+# than the norm itself, one of at most this many elements stays in cache. (A GPU's foreach kernel upcasts
+# as it reads; there, pieces would only multiply the tensors in the call.)
+CPU_NORM_PIECE = 1 << 16
 
 
 def global_grad_norm(norm_params: list[nn.Parameter], group, device: torch.device) -> torch.Tensor:
     """L2 norm over `norm_params` summed over `group`, as a float64 tensor on the compute `device`.
 
     The accumulator lives on `device` even when this rank holds no gradient (NCCL cannot reduce CPU tensors)."""
-    pieces = [piece for param in norm_params if param.grad is not None
-              for piece in param.grad.detach().reshape(-1).split(NORM_PIECE)]
+    grads = [param.grad.detach() for param in norm_params if param.grad is not None]
+    pieces = [p for g in grads for p in g.reshape(-1).split(CPU_NORM_PIECE)] if device.type == "cpu" else grads
     sum_sq = torch.zeros((), dtype=torch.float64, device=device)
     if pieces:  # one foreach call, as torch.nn.utils.clip_grad_norm_ makes, not a Python loop over parameters
-        sum_sq += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).double().square().sum()
+        sum_sq += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square().sum()
     return all_reduce_(sum_sq, group).sqrt()
 
 
