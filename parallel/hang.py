@@ -27,7 +27,7 @@ DUMP_DIR = "hang"
 class State:
     """One blocking point: a description, the ranks it waits for (empty: not a wait) and when it began."""
 
-    what: str
+    what: object  # a str, or an object whose str() says it (built only for a dump: the hot path stays cheap)
     waits_for: list[int] = field(default_factory=list)
     since: float = field(default_factory=time.monotonic)
 
@@ -41,12 +41,12 @@ class Watch:
         self.groups = groups or {}  # group name ("dp", "pp", "mp", ...) -> its global ranks
         self.run_dir: Path | None = None  # where dumps go (under torchrun known only after the rendezvous)
         self.state = State("start-up")
-        self.last_done: str | None = None
+        self.last_done: object = None  # like State.what: formatted only when dumped
         self.posted: list[tuple[int, Pending]] = []  # (sender/receiver rank, transfer) not known complete
         self.report_lock = threading.Lock()  # the main thread and the watchdog may both see the same timeout
         self.reported = False
 
-    def enter(self, what: str, waits_for: list[int] | None = None) -> None:
+    def enter(self, what: object, waits_for: list[int] | None = None) -> None:
         """This rank now does (or waits for) `what`; the timeout clock restarts."""
         self.state = State(what, list(waits_for or []))
 
@@ -55,7 +55,7 @@ class Watch:
         peers = sorted({r for g in groups for r in self.groups.get(g, [])} - {self.rank})
         self.enter(f"{what} over {'+'.join(groups)}", peers)
 
-    def done(self, what: str) -> None:
+    def done(self, what: object) -> None:
         """`what` completed: progress."""
         self.last_done = what
 
@@ -81,8 +81,9 @@ class Watch:
         state = asdict(self.state)
         state["blocked_s"] = round(self.blocked_s(), 1)
         state.pop("since")
+        state["what"] = str(self.state.what)
         record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "coords": self.coords, **state,
-                  "last_done": self.last_done, "pending": self.pending()}
+                  "last_done": None if self.last_done is None else str(self.last_done), "pending": self.pending()}
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # one per writer: two threads may dump at once
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(path)  # the launcher never reads half a dump
@@ -108,9 +109,9 @@ class WatchedPending:
         return self.inner.ready()
 
     def wait(self) -> None:
-        self.watch.enter("waiting: " + describe(self.watch.rank, self.message), [self.message.peer])
+        self.watch.enter(Waiting(self.watch.rank, self.message), [self.message.peer])
         self.inner.wait()
-        self.watch.done(f"{self.message.action} with rank {self.message.peer}")
+        self.watch.done(Waited(self.message))
 
 
 class WatchedTransport:
@@ -119,11 +120,46 @@ class WatchedTransport:
     def __init__(self, inner, watch: Watch):
         self.inner, self.watch = inner, watch
 
+    def __getattr__(self, name: str) -> Any:  # what the runtime asks of a transport (e.g. receives_early)
+        return getattr(self.inner, name)
+
     def post(self, messages: list[Message]) -> list[WatchedPending]:
         posted = [WatchedPending(p, self.watch) for p in self.inner.post(messages)]
         self.watch.posted = [(r, p) for r, p in self.watch.posted if not p.ready()]
         self.watch.posted += [(self.watch.rank, p) for p in posted]
         return posted
+
+
+@dataclass(frozen=True)
+class Computing:
+    """A compute action in progress, said only when a dump asks (a string per action costs the hot path)."""
+
+    action: Action
+    suffix: str = ""
+
+    def __str__(self) -> str:
+        return f"computing {self.action}{self.suffix}"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A wait for one transfer, said only when a dump asks."""
+
+    rank: int
+    message: Message
+
+    def __str__(self) -> str:
+        return "waiting: " + describe(self.rank, self.message)
+
+
+@dataclass(frozen=True)
+class Waited:
+    """A completed transfer, said only when a dump asks."""
+
+    message: Message
+
+    def __str__(self) -> str:
+        return f"{self.message.action} with rank {self.message.peer}"
 
 
 class WatchedSync:
@@ -132,22 +168,23 @@ class WatchedSync:
     def __init__(self, inner, watch: Watch, before_action=None):
         self.inner, self.watch = inner, watch
         self.before_action = before_action  # fault injection's hook (a stall at one action)
+        self.tp_peers = sorted(set(watch.groups.get("tp", [])) - {watch.rank})
 
     def start_step(self) -> None:
         self.inner.start_step()
 
     def before(self, action: Action) -> None:
-        if len(self.watch.groups.get("tp", [])) > 1:  # its TP collectives wait for the TP peers
-            self.watch.collective(f"computing {action} (with TP collectives)", "tp")
+        if self.tp_peers:  # its TP collectives wait for the TP peers
+            self.watch.enter(Computing(action, " (with TP collectives) over tp"), self.tp_peers)
         else:
-            self.watch.enter(f"computing {action}")
+            self.watch.enter(Computing(action))
         if self.before_action is not None:
             self.before_action(action)
         self.inner.before(action)
 
     def after(self, action: Action) -> None:
         self.inner.after(action)
-        self.watch.done(str(action))
+        self.watch.done(action)
 
     def finish(self) -> None:
         self.watch.collective("gradient all-reduce", "dp", "embed")
