@@ -1,0 +1,191 @@
+"""The layout search: every layout of a world size at a fixed global batch, checked by the pre-launch rules,
+predicted with measured costs, held to the memory budget and ranked by predicted step time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from parallel.pipeline.schedules import SCHEDULES
+from training.planner._standin import Candidate, MeasuredCosts, Prediction, cost_balanced_partition, predict
+from training.rules import ConfigError
+from training.validate import validate_layout, validate_parallel
+
+GIB = 1 << 30
+# Each mode saves memory and costs time over the one before: a later one is tried only where none before fits.
+RECOMPUTE_ORDER = ("none", "selective", "full")
+MICRO_BATCH_DIVISORS = (1, 2, 4)  # micro-batch sizes tried: the config's, its half and its quarter
+VIRTUAL_STAGES = (2, 4)  # vpp tried by the schedules that need virtual stages (the planner refuses what fails)
+
+
+@dataclass(frozen=True)
+class Option:
+    """A valid candidate with its prediction; `fits` is False when its peak exceeds the budget."""
+
+    candidate: Candidate
+    prediction: Prediction
+    fits: bool
+
+    @property
+    def peak(self) -> int:
+        """The largest predicted peak over pipeline ranks (bytes)."""
+        return max(self.prediction.peak_bytes)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A candidate the search refused, and the one-line reason."""
+
+    candidate: Candidate
+    reason: str
+
+
+@dataclass
+class SearchResult:
+    """Every candidate of one search: the predicted ones by step time (fitting first), and the rejected."""
+
+    world_size: int
+    global_batch: int
+    budget_bytes: int | None
+    options: list[Option] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def best(self) -> Option | None:
+        """The fastest candidate within the budget, if any."""
+        return next((o for o in self.options if o.fits), None)
+
+    @property
+    def smallest_peak(self) -> Option | None:
+        """The candidate with the lowest predicted peak (what comes closest to a budget nothing fits)."""
+        return min(self.options, key=lambda o: (o.peak, o.prediction.step_s), default=None)
+
+
+def global_batch(cfg: DictConfig) -> int:
+    """Sequences per optimizer step the search holds fixed: train.global_batch_size, else the config's own."""
+    fixed = OmegaConf.select(cfg, "train.global_batch_size")
+    if fixed is not None:
+        return int(fixed)
+    return cfg.schedule.n_microbatches * cfg.train.micro_batch_size * (cfg.parallel.dp or 1)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(world_size: int) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) whose product is the world size."""
+    return [(world_size // (tp * pp), tp, pp) for tp in divisors(world_size) for pp in divisors(world_size // tp)]
+
+
+def schedule_choices(pp: int) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs to try: one stage per rank needs no schedule; vpp only where a schedule needs it."""
+    if pp == 1:
+        return [("1f1b", 1)]  # a single stage is gradient accumulation whatever the schedule's name
+    return [(name, vpp) for name, spec in sorted(SCHEDULES.items())
+            for vpp in (VIRTUAL_STAGES if spec.needs_vpp else (1,))]
+
+
+def micro_batch_sizes(cfg: DictConfig, per_replica: int) -> list[int]:
+    """The config's micro-batch size and its halves that divide a replica's share of the global batch."""
+    b0 = cfg.train.micro_batch_size
+    sizes = [b0 // k for k in MICRO_BATCH_DIVISORS if b0 % k == 0]
+    return [b for b in sizes if per_replica % b == 0]
+
+
+def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
+    """A copy of cfg with the candidate's layout (what composing with `candidate.overrides()` gives)."""
+    c, out = candidate, cfg.copy()
+    with read_write(out), open_dict(out):
+        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, plan=None,
+                            layers_per_stage=list(c.layers_per_stage) if c.layers_per_stage else None)
+        out.schedule.update(name=c.schedule, n_microbatches=c.n_microbatches)
+        out.train.update(micro_batch_size=c.micro_batch_size, recompute=c.recompute)
+        if OmegaConf.select(out, "train.global_batch_size") is not None:
+            out.train.global_batch_size = c.dp * c.n_microbatches * c.micro_batch_size
+    return out
+
+
+def layout_problem(cfg: DictConfig, candidate: Candidate, world_size: int) -> str | None:
+    """The pre-launch check's one line for this candidate's layout, or None when it is valid."""
+    try:
+        candidate_cfg = apply_candidate(cfg, candidate)
+        validate_parallel(candidate_cfg, world_size)
+        validate_layout(candidate_cfg)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def partitions(cfg: DictConfig, pp: int, vpp: int, costs: MeasuredCosts) -> list[tuple[int, ...] | None]:
+    """The even split, and the cost-balanced one where it differs."""
+    layers, stages = cfg.model.num_hidden_layers, pp * vpp
+    if stages == 1 or stages > layers:
+        return [None]
+    balanced = cost_balanced_partition(layers, stages, embed=1.0, head=2.0)
+    even = tuple(layers * (s + 1) // stages - layers * s // stages for s in range(stages))
+    return [None] if balanced == even else [None, balanced]
+
+
+def structures(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> Iterator[Candidate | Rejected]:
+    """Every candidate shape (recompute none), or its rejection where the global batch does not split."""
+    total = global_batch(cfg)
+    for dp, tp, pp in layouts(world_size):
+        for schedule, vpp in schedule_choices(pp):
+            base = Candidate(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, n_microbatches=1,
+                             micro_batch_size=cfg.train.micro_batch_size, recompute="none")
+            if total % dp:
+                yield Rejected(base, f"the global batch of {total} sequences does not split over dp={dp}")
+                continue
+            sizes = micro_batch_sizes(cfg, total // dp)
+            if not sizes:
+                yield Rejected(base, f"{total // dp} sequences per replica is not a multiple of "
+                                     f"train.micro_batch_size={cfg.train.micro_batch_size} or its halves")
+            for b in sizes:
+                for split in partitions(cfg, pp, vpp, costs):
+                    yield replace(base, micro_batch_size=b, n_microbatches=total // (dp * b), layers_per_stage=split)
+
+
+def budget_reason(option_peak: int, budget: int) -> str:
+    """Why an over-budget candidate was refused."""
+    return (f"predicted peak {option_peak / GIB:.3g} GiB per rank exceeds parallel.memory_budget_gb="
+            f"{budget / GIB:g}")
+
+
+def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, budget: int | None,
+             result: SearchResult) -> None:
+    """Predict a valid shape at each recompute mode in turn until one fits; record options and rejections."""
+    for mode in RECOMPUTE_ORDER:
+        trial = replace(candidate, recompute=mode)
+        prediction = predict(trial, cfg, costs)
+        fits = budget is None or max(prediction.peak_bytes) <= budget
+        option = Option(trial, prediction, fits)
+        result.options.append(option)
+        if fits:
+            return
+        result.rejected.append(Rejected(trial, budget_reason(option.peak, budget)))
+
+
+def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> SearchResult:
+    """Enumerate, check, predict and rank every layout of `world_size` processes at the config's global batch."""
+    budget_gb = OmegaConf.select(cfg, "parallel.memory_budget_gb")
+    budget = int(budget_gb * GIB) if budget_gb is not None else None
+    result = SearchResult(world_size, global_batch(cfg), budget)
+    problems: dict[tuple, str | None] = {}  # layout rules depend on the shape only: check each once
+    for item in structures(cfg, world_size, costs):
+        if isinstance(item, Rejected):
+            result.rejected.append(item)
+            continue
+        c = item
+        key = (c.tp, c.pp, c.vpp, c.schedule, c.n_microbatches, c.layers_per_stage)
+        if key not in problems:
+            problems[key] = layout_problem(cfg, c, world_size)
+        if problems[key]:
+            result.rejected.append(Rejected(c, problems[key]))
+            continue
+        evaluate(c, cfg, costs, budget, result)
+    result.options.sort(key=lambda o: (not o.fits, o.prediction.step_s, o.peak))
+    return result
