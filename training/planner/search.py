@@ -3,7 +3,7 @@ predicted with measured costs, held to the memory budget and ranked by predicted
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
@@ -14,6 +14,7 @@ from training.rules import ConfigError
 from training.validate import validate_layout, validate_parallel
 
 GIB = 1 << 30
+Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `predict`, or a fake in tests
 # Each mode saves memory and costs time over the one before: a later one is tried only where none before fits.
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MICRO_BATCH_DIVISORS = (1, 2, 4)  # micro-batch sizes tried: the config's, its half and its quarter
@@ -48,9 +49,15 @@ class SearchResult:
 
     world_size: int
     global_batch: int
-    budget_bytes: int | None
+    budget_gb: float | None
+    predictor: Predictor = field(repr=False)  # what predicted these (the no-fit advice predicts a few more)
     options: list[Option] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The memory budget per rank in bytes (None: no budget)."""
+        return None if self.budget_gb is None else int(self.budget_gb * GIB)
 
     @property
     def best(self) -> Option | None:
@@ -149,31 +156,24 @@ def structures(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> Iterat
                     yield replace(base, micro_batch_size=b, n_microbatches=total // (dp * b), layers_per_stage=split)
 
 
-def budget_reason(option_peak: int, budget: int) -> str:
-    """Why an over-budget candidate was refused."""
-    return (f"predicted peak {option_peak / GIB:.3g} GiB per rank exceeds parallel.memory_budget_gb="
-            f"{budget / GIB:g}")
-
-
-def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, budget: int | None,
-             result: SearchResult) -> None:
+def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, result: SearchResult) -> None:
     """Predict a valid shape at each recompute mode in turn until one fits; record options and rejections."""
+    budget = result.budget_bytes
     for mode in RECOMPUTE_ORDER:
         trial = replace(candidate, recompute=mode)
-        prediction = predict(trial, cfg, costs)
-        fits = budget is None or max(prediction.peak_bytes) <= budget
-        option = Option(trial, prediction, fits)
+        option = Option(trial, (prediction := result.predictor(trial, cfg, costs)),
+                        budget is None or max(prediction.peak_bytes) <= budget)
         result.options.append(option)
-        if fits:
+        if option.fits:
             return
-        result.rejected.append(Rejected(trial, budget_reason(option.peak, budget)))
+        result.rejected.append(Rejected(trial, f"predicted peak {option.peak / GIB:.3g} GiB per rank exceeds "
+                                               f"parallel.memory_budget_gb={result.budget_gb:g}"))
 
 
-def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> SearchResult:
+def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Predictor = predict) -> SearchResult:
     """Enumerate, check, predict and rank every layout of `world_size` processes at the config's global batch."""
-    budget_gb = OmegaConf.select(cfg, "parallel.memory_budget_gb")
-    budget = int(budget_gb * GIB) if budget_gb is not None else None
-    result = SearchResult(world_size, global_batch(cfg), budget)
+    result = SearchResult(world_size, global_batch(cfg), OmegaConf.select(cfg, "parallel.memory_budget_gb"),
+                          predictor)
     problems: dict[tuple, str | None] = {}  # layout rules depend on the shape only: check each once
     for item in structures(cfg, world_size, costs):
         if isinstance(item, Rejected):
@@ -186,6 +186,7 @@ def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> SearchResu
         if problems[key]:
             result.rejected.append(Rejected(c, problems[key]))
             continue
-        evaluate(c, cfg, costs, budget, result)
+        evaluate(c, cfg, costs, result)
     result.options.sort(key=lambda o: (not o.fits, o.prediction.step_s, o.peak))
+    result.rejected.sort(key=lambda r: r.reason.startswith("predicted peak"))  # broken rules first, stable
     return result

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from omegaconf import DictConfig
 
-from training.planner._standin import Candidate, MeasuredCosts, predict
+from training.planner._standin import Candidate, MeasuredCosts
 from training.planner.search import GIB, Option, SearchResult, layout_problem
 
 TABLE_ROWS = 20  # the ranked table shows the fastest ones; the rest are counted
@@ -62,34 +62,35 @@ def chosen(option: Option) -> str:
             f"peak {gib(option.peak)} per rank)")
 
 
-def _fitting(trial: Candidate, cfg: DictConfig, costs: MeasuredCosts, budget: int, world_size: int) -> int | None:
+def _fitting(trial: Candidate, cfg: DictConfig, costs: MeasuredCosts, result: SearchResult,
+             world_size: int) -> int | None:
     """The trial's predicted peak when it is a valid layout within the budget, else None."""
     if layout_problem(cfg, trial, world_size):
         return None
-    peak = max(predict(trial, cfg, costs).peak_bytes)
-    return peak if peak <= budget else None
+    peak = max(result.predictor(trial, cfg, costs).peak_bytes)
+    return peak if peak <= result.budget_bytes else None
 
 
-def more_ranks(best: Candidate, cfg: DictConfig, costs: MeasuredCosts, budget: int, world_size: int) -> str | None:
+def more_ranks(best: Candidate, cfg: DictConfig, costs: MeasuredCosts, result: SearchResult) -> str | None:
     """The fewest extra ranks (deeper pipeline first, then wider TP) with which the closest candidate fits."""
+    world_size = result.world_size
     for scale in (2, 4, MAX_SCALE):
         for trial in (replace(best, pp=best.pp * scale, layers_per_stage=None),
                       replace(best, tp=best.tp * scale)):
-            peak = _fitting(trial, cfg, costs, budget, world_size * scale)
+            peak = _fitting(trial, cfg, costs, result, world_size * scale)
             if peak is not None:
                 axis = f"parallel.pp={trial.pp}" if trial.pp != best.pp else f"parallel.tp={trial.tp}"
                 return f"world_size={world_size * scale} with {axis} ({gib(peak)})"
     return None
 
 
-def smaller_micro_batch(best: Candidate, cfg: DictConfig, costs: MeasuredCosts, budget: int,
-                        world_size: int) -> str | None:
+def smaller_micro_batch(best: Candidate, cfg: DictConfig, costs: MeasuredCosts, result: SearchResult) -> str | None:
     """The largest smaller micro-batch (same global batch) with which the closest candidate fits."""
     b = best.micro_batch_size // 2
     while b >= 1:
         if (best.micro_batch_size * best.n_microbatches) % b == 0:
             m = best.micro_batch_size * best.n_microbatches // b
-            peak = _fitting(replace(best, micro_batch_size=b, n_microbatches=m), cfg, costs, budget, world_size)
+            peak = _fitting(replace(best, micro_batch_size=b, n_microbatches=m), cfg, costs, result, result.world_size)
             if peak is not None:
                 return f"train.micro_batch_size={b} schedule.n_microbatches={m} ({gib(peak)})"
         b //= 2
@@ -98,17 +99,17 @@ def smaller_micro_batch(best: Candidate, cfg: DictConfig, costs: MeasuredCosts, 
 
 def no_fit_message(result: SearchResult, cfg: DictConfig, costs: MeasuredCosts) -> str:
     """One line: nothing fits the budget, the smallest peak found, and what would fit."""
-    budget, closest = result.budget_bytes, result.smallest_peak
-    head = f"no layout of {result.world_size} ranks fits parallel.memory_budget_gb={budget / GIB:g}"
+    closest = result.smallest_peak
+    head = f"no layout of {result.world_size} ranks fits parallel.memory_budget_gb={result.budget_gb:g}"
     if closest is None:
         return f"{head}: no valid layout at all (see the rejected candidates)"
     c = closest.candidate
     said = f"{head}: the smallest predicted peak is {gib(closest.peak)} per rank ({short(c)})"
     full = replace(c, recompute="full")
-    fixes = [more_ranks(c, cfg, costs, budget, result.world_size),
-             None if c.recompute == "full" else
-             (f"train.recompute=full" if _fitting(full, cfg, costs, budget, result.world_size) else None),
-             smaller_micro_batch(c, cfg, costs, budget, result.world_size)]
+    fixes = [more_ranks(c, cfg, costs, result),
+             "train.recompute=full" if c.recompute != "full" and _fitting(full, cfg, costs, result, result.world_size)
+             else None,
+             smaller_micro_batch(c, cfg, costs, result)]
     fixes = [f for f in fixes if f]
     if fixes:
         return f"{said}; would fit: {' or '.join(fixes)}"
