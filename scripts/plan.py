@@ -75,7 +75,7 @@ def search_main(overrides: list[str], out: Path) -> int:
     overrides, world = search_args(overrides)
     cfg = compose_config(overrides)
     world = world or layout_world_size(cfg)
-    costs = measured_costs(cfg)
+    costs = measured_costs(cfg, world)
     result = search(cfg, world, costs)
     budget = cfg.parallel.memory_budget_gb
     print(f"search: {world} ranks, global batch {result.global_batch} sequences of {cfg.train.seq_len} tokens, "

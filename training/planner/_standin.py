@@ -86,6 +86,6 @@ def cost_balanced_partition(num_layers: int, n_stages: int, embed: float, head: 
     return tuple(counts)
 
 
-def measured_costs(cfg: DictConfig) -> MeasuredCosts:
+def measured_costs(cfg: DictConfig, world_size: int | None = None) -> MeasuredCosts:
     """Stand-in for the cached profile."""
     return MeasuredCosts(micro_batch_size=cfg.train.micro_batch_size)

@@ -18,7 +18,7 @@ from training.rules import ConfigError
 
 def choose(cfg: DictConfig, world_size: int) -> tuple[Candidate, str]:
     """The fastest candidate within the budget and the line announcing it; ConfigError when none fits."""
-    costs = measured_costs(cfg)
+    costs = measured_costs(cfg, world_size)
     result = search(cfg, world_size, costs)
     if result.best is None:
         raise ConfigError(no_fit_message(result, cfg, costs))
