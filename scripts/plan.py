@@ -33,7 +33,7 @@ from parallel.recompute import saved_activation_bytes_per_layer  # noqa: E402
 from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
 from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
 from training.layout import layout_world_size  # noqa: E402
-from training.planner._standin import measured_costs  # noqa: E402
+from training.planner.profile import measured_costs  # noqa: E402
 from training.planner.search import search  # noqa: E402
 from training.planner.search_report import chosen, no_fit_message, rejections, table  # noqa: E402
 from training.specs import pipeline_spec  # noqa: E402

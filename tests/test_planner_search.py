@@ -1,5 +1,6 @@
 """The layout search (fake predictor, in-process), `scripts/plan.py --search` and `parallel.plan=auto` at launch."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +15,8 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from training.config import CONF_DIR, register_schema
-from training.planner._standin import Candidate, MeasuredCosts, Prediction
+from training.planner._standin import Candidate, Prediction
+from training.planner.costs import MeasuredCosts
 from training.planner.search import GIB, apply_candidate, search
 from training.planner.search_report import no_fit_message
 
@@ -22,6 +24,16 @@ from training.planner.search_report import no_fit_message
 TINY = ["model=tiny", "schedule.n_microbatches=3", "train.micro_batch_size=2", "train.seq_len=32"]
 EXTRA_TIME = {"none": 1.0, "selective": 1.1, "full": 1.3}
 KEPT = {"none": 1.0, "selective": 0.5, "full": 0.25}
+
+
+def fake_costs() -> MeasuredCosts:
+    """Costs of nothing in particular (the fake predictor ignores them): every field filled by its type."""
+    def value(f: dataclasses.Field):
+        if f.name == "key":
+            return {"micro_batch_size": 2}
+        return dict.fromkeys(("none", "selective", "full"), 1) if "dict" in str(f.type) else 1
+    return MeasuredCosts(**{f.name: value(f) for f in dataclasses.fields(MeasuredCosts)
+                            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING})
 
 
 def compose_cfg(*overrides: str):
@@ -48,7 +60,7 @@ def reasons(result) -> dict[str, str]:
 
 
 def test_search_ranks_the_valid_layouts_and_rejects_the_rest_with_reasons():
-    result = search(compose_cfg("parallel.memory_budget_gb=4"), 4, MeasuredCosts(), fake_predict)
+    result = search(compose_cfg("parallel.memory_budget_gb=4"), 4, fake_costs(), fake_predict)
     assert result.global_batch == 6
     for option in result.options:  # the global batch is held and the world filled
         c = option.candidate
@@ -75,22 +87,22 @@ def test_search_ranks_the_valid_layouts_and_rejects_the_rest_with_reasons():
 
 
 def test_recompute_is_tried_only_where_the_cheaper_mode_does_not_fit():
-    result = search(compose_cfg(), 2, MeasuredCosts(), fake_predict)  # no budget: everything fits
+    result = search(compose_cfg(), 2, fake_costs(), fake_predict)  # no budget: everything fits
     assert result.rejected == [] or all(not r.reason.startswith("predicted") for r in result.rejected)
     assert {o.candidate.recompute for o in result.options} == {"none"}
 
 
 def test_a_budget_nothing_fits_gives_one_line_with_the_closest_peak_and_what_would_fit():
     cfg = compose_cfg("parallel.memory_budget_gb=2")
-    result = search(cfg, 2, MeasuredCosts(), fake_predict)
+    result = search(cfg, 2, fake_costs(), fake_predict)
     assert result.best is None
-    assert no_fit_message(result, cfg, MeasuredCosts()) == (
+    assert no_fit_message(result, cfg, fake_costs()) == (
         "no layout of 2 ranks fits parallel.memory_budget_gb=2: the smallest predicted peak is 2.5 GiB per rank "
         "(dp=1 tp=2 pp=1 vpp=1 1f1b m=6 b=1 recompute=full layers=even); would fit: world_size=4 with "
         "parallel.pp=2 (1.5 GiB)")
     cfg = compose_cfg("parallel.memory_budget_gb=0.1")
-    result = search(cfg, 2, MeasuredCosts(), fake_predict)
-    assert no_fit_message(result, cfg, MeasuredCosts()) == (
+    result = search(cfg, 2, fake_costs(), fake_predict)
+    assert no_fit_message(result, cfg, fake_costs()) == (
         "no layout of 2 ranks fits parallel.memory_budget_gb=0.1: the smallest predicted peak is 2.5 GiB per rank "
         "(dp=1 tp=2 pp=1 vpp=1 1f1b m=6 b=1 recompute=full layers=even); neither up to 8x the ranks, "
         "recompute=full nor a smaller micro-batch fits: raise parallel.memory_budget_gb to at least 2.5")

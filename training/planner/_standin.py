@@ -11,16 +11,9 @@ from parallel.pipeline.plan import plan_pipeline
 from parallel.pipeline.simulate import SimResult, peak_live
 from parallel.recompute import saved_activation_bytes_per_layer
 from parallel.spec import PipelineSpec
+from training.planner.costs import MeasuredCosts
+
 from training.schema import model_config
-
-
-@dataclass(frozen=True)
-class MeasuredCosts:
-    """Seconds per decoder layer forward at the measured micro-batch; bytes per layer of parameters."""
-
-    layer_f_s: float = 1e-3
-    layer_param_bytes: int = 1 << 20
-    micro_batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -65,7 +58,7 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
     plan = plan_pipeline(spec, layers)
     extra = 1.0 if c.recompute == "full" else 0.2 if c.recompute == "selective" else 0.0
     sim = plan.simulate(Costs(f=1.0, b=2.0 + extra, i=1.0 + extra, w=1.0))
-    scale = costs.layer_f_s * layers / plan.n_stages * c.micro_batch_size / costs.micro_batch_size / c.tp
+    scale = costs.layer_f * layers / plan.n_stages * c.micro_batch_size / costs.key["micro_batch_size"] / c.tp
     per_layer = saved_activation_bytes_per_layer(model_config(cfg), c.micro_batch_size, cfg.train.seq_len, 4,
                                                  c.recompute, tp=c.tp)
     peaks = []
@@ -73,7 +66,7 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
         stages = {a.stage for a in actions}
         owned = sum(len(plan.partition[s]) for s in stages)
         acts = peak_live(actions, lambda s: len(plan.partition[s])) * per_layer
-        peaks.append(owned * costs.layer_param_bytes * 4 // c.tp + acts)
+        peaks.append(owned * costs.layer_params * 16 // c.tp + acts)
     return Prediction(step_s=sim.makespan * scale, peak_bytes=tuple(peaks), sim=sim)
 
 
@@ -85,7 +78,3 @@ def cost_balanced_partition(num_layers: int, n_stages: int, embed: float, head: 
         counts[0 if counts[0] <= counts[-2] else -2] += 1
     return tuple(counts)
 
-
-def measured_costs(cfg: DictConfig, world_size: int | None = None) -> MeasuredCosts:
-    """Stand-in for the cached profile."""
-    return MeasuredCosts(micro_batch_size=cfg.train.micro_batch_size)
