@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from parallel.pipeline.schedules import SCHEDULES
 from training.planner._standin import Candidate, MeasuredCosts, Prediction, cost_balanced_partition, predict
+from training.layout import resolve_global_batch
 from training.rules import ConfigError
 from training.validate import validate_layout, validate_parallel
 
@@ -121,6 +122,7 @@ def layout_problem(cfg: DictConfig, candidate: Candidate, world_size: int) -> st
     try:
         candidate_cfg = apply_candidate(cfg, candidate)
         validate_parallel(candidate_cfg, world_size)
+        resolve_global_batch(candidate_cfg, world_size)
         validate_layout(candidate_cfg)
     except ConfigError as error:
         return str(error)
@@ -132,25 +134,31 @@ def partitions(cfg: DictConfig, pp: int, vpp: int, costs: MeasuredCosts) -> list
     layers, stages = cfg.model.num_hidden_layers, pp * vpp
     if stages == 1 or stages > layers:
         return [None]
-    balanced = cost_balanced_partition(layers, stages, embed=1.0, head=2.0)
+    layer = costs.layer_f + costs.layer_b["none"]  # the embedding's and the head's cost in layer units
+    embed, head = (costs.embed_f + costs.embed_b) / layer, (costs.head_f + costs.head_b) / layer
+    balanced = cost_balanced_partition(layers, stages, embed=embed, head=head)
     even = tuple(layers * (s + 1) // stages - layers * s // stages for s in range(stages))
     return [None] if balanced == even else [None, balanced]
 
 
+def batch_problem(total: int, dp: int, b0: int) -> str | None:
+    """Why a replica count cannot hold the global batch at the config's micro-batch size or its halves."""
+    if total % dp:
+        return f"the global batch of {total} sequences does not split over dp={dp}"
+    return f"{total // dp} sequences per replica is not a multiple of train.micro_batch_size={b0} or its halves"
+
+
 def structures(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> Iterator[Candidate | Rejected]:
-    """Every candidate shape (recompute none), or its rejection where the global batch does not split."""
-    total = global_batch(cfg)
+    """Every candidate shape (recompute none), or one rejection per layout whose replicas cannot share the batch."""
+    total, b0 = global_batch(cfg), cfg.train.micro_batch_size
     for dp, tp, pp in layouts(world_size):
+        sizes = micro_batch_sizes(cfg, total // dp) if total % dp == 0 else []
         for schedule, vpp in schedule_choices(pp):
-            base = Candidate(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, n_microbatches=1,
-                             micro_batch_size=cfg.train.micro_batch_size, recompute="none")
-            if total % dp:
-                yield Rejected(base, f"the global batch of {total} sequences does not split over dp={dp}")
-                continue
-            sizes = micro_batch_sizes(cfg, total // dp)
+            base = Candidate(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, n_microbatches=max(total // dp, 1),
+                             micro_batch_size=b0, recompute="none")
             if not sizes:
-                yield Rejected(base, f"{total // dp} sequences per replica is not a multiple of "
-                                     f"train.micro_batch_size={cfg.train.micro_batch_size} or its halves")
+                yield Rejected(base, batch_problem(total, dp, b0))
+                break  # the same reason for every schedule of this layout: say it once
             for b in sizes:
                 for split in partitions(cfg, pp, vpp, costs):
                     yield replace(base, micro_batch_size=b, n_microbatches=total // (dp * b), layers_per_stage=split)
