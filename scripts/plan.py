@@ -90,7 +90,7 @@ def search_main(overrides: list[str], out: Path) -> int:
     print(f"best: {chosen(best)}")
     c = best.candidate
     title = f"best: {c.schedule}, dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp}, {c.n_microbatches} micro-batches"
-    print(f"timeline: {draw_timeline(best.prediction.sim, out, title)}")
+    print(f"timeline: {draw_timeline(result.timeline(best, cfg, costs).sim, out, title, unit='s')}")
     return 0
 
 

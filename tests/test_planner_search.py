@@ -66,7 +66,7 @@ def test_search_ranks_the_valid_layouts_and_rejects_the_rest_with_reasons():
         c = option.candidate
         assert (c.dp * c.n_microbatches * c.micro_batch_size, c.dp * c.tp * c.pp) == (6, 4)
     fitting = [o for o in result.options if o.fits]
-    assert fitting and [o.prediction.step_s for o in fitting] == sorted(o.prediction.step_s for o in fitting)
+    assert fitting and [o.step_s for o in fitting] == sorted(o.step_s for o in fitting)
     assert result.best is fitting[0] and all(o.peak <= 4 * GIB for o in fitting)
     why = list(result.rejected)
     assert any(r.reason == "the global batch of 6 sequences does not split over dp=4" for r in why)

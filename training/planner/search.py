@@ -24,16 +24,19 @@ VIRTUAL_STAGES = (2, 4)  # vpp tried by the schedules that need virtual stages (
 
 @dataclass(frozen=True)
 class Option:
-    """A valid candidate with its prediction; `fits` is False when its peak exceeds the budget."""
+    """A valid candidate with its predicted step and peaks; `fits` is False when its peak exceeds the budget.
+
+    The simulated timeline is not kept (at pp=64, m=1024 each holds millions of times): `timeline` redoes it."""
 
     candidate: Candidate
-    prediction: Prediction
+    step_s: float
+    peak_bytes: tuple[int, ...]
     fits: bool
 
     @property
     def peak(self) -> int:
         """The largest predicted peak over pipeline ranks (bytes)."""
-        return max(self.prediction.peak_bytes)
+        return max(self.peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,11 @@ class SearchResult:
     @property
     def smallest_peak(self) -> Option | None:
         """The candidate with the lowest predicted peak (what comes closest to a budget nothing fits)."""
-        return min(self.options, key=lambda o: (o.peak, o.prediction.step_s), default=None)
+        return min(self.options, key=lambda o: (o.peak, o.step_s), default=None)
+
+    def timeline(self, option: Option, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
+        """The full prediction of one option, simulated timeline included (for its picture)."""
+        return self.predictor(option.candidate, cfg, costs)
 
 
 def global_batch(cfg: DictConfig) -> int:
@@ -169,7 +176,8 @@ def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, result
     budget = result.budget_bytes
     for mode in RECOMPUTE_ORDER:
         trial = replace(candidate, recompute=mode)
-        option = Option(trial, (prediction := result.predictor(trial, cfg, costs)),
+        prediction = result.predictor(trial, cfg, costs)
+        option = Option(trial, prediction.step_s, prediction.peak_bytes,
                         budget is None or max(prediction.peak_bytes) <= budget)
         result.options.append(option)
         if option.fits:
@@ -195,6 +203,6 @@ def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Pr
             result.rejected.append(Rejected(c, problems[key]))
             continue
         evaluate(c, cfg, costs, result)
-    result.options.sort(key=lambda o: (not o.fits, o.prediction.step_s, o.peak))
+    result.options.sort(key=lambda o: (not o.fits, o.step_s, o.peak))
     result.rejected.sort(key=lambda r: r.reason.startswith("predicted peak"))  # broken rules first, stable
     return result

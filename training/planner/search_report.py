@@ -41,7 +41,7 @@ def table(result: SearchResult) -> list[str]:
     for option in result.options[:TABLE_ROWS]:
         rank += option.fits
         label = str(rank) if option.fits else "-"
-        lines.append(f"{label:>4}  {short(option.candidate):<{width}}  {option.prediction.step_s:>9.4g}  "
+        lines.append(f"{label:>4}  {short(option.candidate):<{width}}  {option.step_s:>9.4g}  "
                      f"{gib(option.peak):>11}  {'yes' if option.fits else 'no'}")
     if len(result.options) > TABLE_ROWS:
         lines.append(f"  ... and {len(result.options) - TABLE_ROWS} more predicted candidates")
@@ -58,7 +58,7 @@ def rejections(result: SearchResult) -> list[str]:
 
 def chosen(option: Option) -> str:
     """What the best candidate is and what it is predicted to do."""
-    return (f"{override_line(option.candidate)} (predicted {option.prediction.step_s:.4g} s/step, "
+    return (f"{override_line(option.candidate)} (predicted {option.step_s:.4g} s/step, "
             f"peak {gib(option.peak)} per rank)")
 
 
