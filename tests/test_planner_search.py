@@ -139,14 +139,14 @@ def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(tmp_path):
     proc = plan_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=tmp_path)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith("sluice: no layout of 2 ranks fits parallel.memory_budget_gb=1e-06: the smallest "
-                                  "predicted peak is ")
+    assert proc.stderr.startswith("sluice: config error: no layout of 2 ranks fits parallel.memory_budget_gb=1e-06: "
+                                  "the smallest predicted peak is ")
 
 
 # --- parallel.plan=auto end to end: two processes of the tiny model. ---------------------------------------
 
 RUN = ["train.steps=2", "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1",
-       "parallel.plan=auto", "parallel.memory_budget_gb=8"]
+       "optim.warmup_steps=0", "parallel.plan=auto", "parallel.memory_budget_gb=8"]
 
 
 def train(launcher: list[str], tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -174,6 +174,17 @@ def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(tmp_path)
     assert layout == chosen_layout(proc.stdout)
     assert layout["dp"] * layout["tp"] * layout["pp"] == 2
     assert layout["dp"] * layout["n_microbatches"] * layout["micro_batch_size"] == 12  # as written: dp=2 x 3 x 2
+
+
+def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path):
+    cmd = [sys.executable, "train.py", *TINY, *RUN[:-1], "parallel.memory_budget_gb=1e-6",
+           f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("sluice: config error: no layout of 1 rank fits parallel.memory_budget_gb=1e-06: the "
+                           "smallest predicted peak is ")
+    assert "raise parallel.memory_budget_gb to at least " in line
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")

@@ -100,7 +100,8 @@ def smaller_micro_batch(best: Candidate, cfg: DictConfig, costs: MeasuredCosts, 
 def no_fit_message(result: SearchResult, cfg: DictConfig, costs: MeasuredCosts) -> str:
     """One line: nothing fits the budget, the smallest peak found, and what would fit."""
     closest = result.smallest_peak
-    head = f"no layout of {result.world_size} ranks fits parallel.memory_budget_gb={result.budget_gb:g}"
+    ranks = f"{result.world_size} rank{'s' if result.world_size > 1 else ''}"
+    head = f"no layout of {ranks} fits parallel.memory_budget_gb={result.budget_gb:g}"
     if closest is None:
         return f"{head}: no valid layout at all (see the rejected candidates)"
     c = closest.candidate
