@@ -90,6 +90,11 @@ def test_recompute_is_tried_only_where_the_cheaper_mode_does_not_fit():
     result = search(compose_cfg(), 2, fake_costs(), fake_predict)  # no budget: everything fits
     assert result.rejected == [] or all(not r.reason.startswith("predicted") for r in result.rejected)
     assert {o.candidate.recompute for o in result.options} == {"none"}
+    # dp2 x b1, tp2 x b2 and tp2 x b1 all predict 12 s: the tie goes to the larger micro-batch.
+    tied = [o.candidate for o in result.options if o.step_s == 12]
+    assert len(tied) == 3 and tied[0] == result.best.candidate
+    assert result.best.candidate == Candidate(dp=1, tp=2, pp=1, vpp=1, schedule="1f1b", n_microbatches=3,
+                                              micro_batch_size=2, recompute="none")
 
 
 def test_a_budget_nothing_fits_gives_one_line_with_the_closest_peak_and_what_would_fit():

@@ -186,6 +186,14 @@ def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, result
                                                f"parallel.memory_budget_gb={result.budget_gb:g}"))
 
 
+def rank_key(option: Option) -> tuple:
+    """Fitting first, then faster; equal predictions (to 6 digits) prefer the larger micro-batch, then less memory.
+
+    Costs scale linearly with the micro-batch from the measured one, so m x b = constant predicts a tie; a real
+    device runs fewer, larger kernels no slower (per-kernel overheads), so the tie goes to the larger b."""
+    return not option.fits, float(f"{option.step_s:.6g}"), -option.candidate.micro_batch_size, option.peak
+
+
 def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Predictor = predict) -> SearchResult:
     """Enumerate, check, predict and rank every layout of `world_size` processes at the config's global batch."""
     result = SearchResult(world_size, global_batch(cfg), OmegaConf.select(cfg, "parallel.memory_budget_gb"),
@@ -203,6 +211,6 @@ def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Pr
             result.rejected.append(Rejected(c, problems[key]))
             continue
         evaluate(c, cfg, costs, result)
-    result.options.sort(key=lambda o: (not o.fits, o.step_s, o.peak))
+    result.options.sort(key=rank_key)
     result.rejected.sort(key=lambda r: r.reason.startswith("predicted peak"))  # broken rules first, stable
     return result
