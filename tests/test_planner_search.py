@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from training.config import CONF_DIR, register_schema
-from training.planner._standin import Candidate, Prediction
 from training.planner.costs import MeasuredCosts
+from training.planner.predict import Candidate, Prediction
 from training.planner.search import GIB, apply_candidate, search
 from training.planner.search_report import no_fit_message
 

@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 from training.config import CONF_DIR, register_schema  # noqa: E402
-from training.planner._standin import Candidate, predict  # noqa: E402
+from training.planner.predict import Candidate, predict  # noqa: E402
 from training.planner.profile import measured_costs  # noqa: E402
 from training.planner.search import search  # noqa: E402
 from training.planner.search_report import short  # noqa: E402

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from parallel.collectives import broadcast_object
 from parallel.grid import resolve_backend
-from training.planner._standin import Candidate
+from training.planner.predict import Candidate
 from training.planner.profile import measured_costs
 from training.planner.search import apply_candidate, search
 from training.planner.search_report import chosen, no_fit_message

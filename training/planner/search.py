@@ -9,7 +9,9 @@ from dataclasses import dataclass, field, replace
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from parallel.pipeline.schedules import SCHEDULES
-from training.planner._standin import Candidate, MeasuredCosts, Prediction, cost_balanced_partition, predict
+from training.planner.balance import cost_balanced_partition, measured_weights
+from training.planner.costs import MeasuredCosts
+from training.planner.predict import Candidate, Prediction, predict
 from training.layout import resolve_global_batch
 from training.rules import ConfigError
 from training.validate import validate_layout, validate_parallel
@@ -141,8 +143,7 @@ def partitions(cfg: DictConfig, pp: int, vpp: int, costs: MeasuredCosts) -> list
     layers, stages = cfg.model.num_hidden_layers, pp * vpp
     if stages == 1 or stages > layers:
         return [None]
-    layer = costs.layer_f + costs.layer_b["none"]  # the embedding's and the head's cost in layer units
-    embed, head = (costs.embed_f + costs.embed_b) / layer, (costs.head_f + costs.head_b) / layer
+    embed, head = measured_weights(costs, "none")
     balanced = cost_balanced_partition(layers, stages, embed=embed, head=head)
     even = tuple(layers * (s + 1) // stages - layers * s // stages for s in range(stages))
     return [None] if balanced == even else [None, balanced]

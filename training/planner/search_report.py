@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from omegaconf import DictConfig
 
-from training.planner._standin import Candidate, MeasuredCosts
+from training.planner.costs import MeasuredCosts
+from training.planner.predict import Candidate
 from training.planner.search import GIB, Option, SearchResult, layout_problem
 
 TABLE_ROWS = 20  # the ranked table shows the fastest ones; the rest are counted
