@@ -198,3 +198,19 @@ def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(tmp_path):
     proc, layout = train([torchrun, "--standalone", "--nproc-per-node", "2"], tmp_path)
     assert proc.stdout.count("sluice: parallel.plan=auto chose ") == 1  # rank 0 chose, once
     assert layout == chosen_layout(proc.stdout)
+
+
+def test_accuracy_bench_candidates_are_valid_two_process_layouts_at_one_global_batch(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import planner_accuracy as bench
+
+    from training.planner.search import global_batch, layout_problem
+
+    cfg = bench.compose_cfg(tmp_path)
+    assert (cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.train.seq_len) == (8, 256, 128)
+    assert len(set(bench.CANDIDATES)) >= 6 and {c.schedule for c in bench.CANDIDATES} >= {"1f1b", "gpipe", "zb-h1"}
+    for c in bench.CANDIDATES:
+        assert layout_problem(cfg, c, bench.WORLD) is None, c
+        assert c.dp * c.n_microbatches * c.micro_batch_size == global_batch(cfg)
+    assert bench.spearman([1.0, 2.0, 3.0, 4.0], [10.0, 30.0, 20.0, 40.0]) == pytest.approx(0.8)
+    assert bench.ranks([2.0, 1.0, 2.0]) == [2.5, 1.0, 2.5]
