@@ -1,8 +1,11 @@
-"""Show what a run config would do, without launching anything: partition, schedule grid, bubble, memory, PNG.
+"""Show what a run config would do, without launching anything: partition, schedule grid, bubble, memory, PNG;
+or, with `--search`, every layout of a world size ranked by predicted step time under a memory budget.
 
     python scripts/plan.py model=tiny parallel.pp=4 schedule=1f1b schedule.n_microbatches=8 [--out=plan.png]
+    python scripts/plan.py --search world_size=8 parallel.memory_budget_gb=16 model=minimind3
 
-Arguments are the Hydra overrides of train.py, plus `--out=PATH` (or `--out PATH`) for the timeline PNG.
+Arguments are the Hydra overrides of train.py, plus `--out=PATH` (or `--out PATH`) for the timeline PNG, and
+for the search `world_size=N` (default: the processes of the config as written).
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from parallel.recompute import saved_activation_bytes_per_layer  # noqa: E402
 from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
 from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
+from training.layout import layout_world_size  # noqa: E402
+from training.planner.profile import measured_costs  # noqa: E402
+from training.planner.search import search  # noqa: E402
+from training.planner.search_report import chosen, no_fit_message, rejections, table  # noqa: E402
 from training.specs import pipeline_spec  # noqa: E402
 
 MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-batch, stage) of layers(stage) "
@@ -47,6 +54,43 @@ def split_args(argv: list[str]) -> tuple[list[str], Path]:
         else:
             overrides.append(arg)
     return overrides, out
+
+
+def search_args(overrides: list[str]) -> tuple[list[str], int | None]:
+    """The search's own `world_size=N` taken out of the Hydra overrides."""
+    world, rest = None, []
+    for arg in overrides:
+        if arg.startswith("world_size="):
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                fail(f"world_size={value} must be a positive number of processes")
+            world = int(value)
+        else:
+            rest.append(arg)
+    return rest, world
+
+
+def search_main(overrides: list[str], out: Path) -> int:
+    """Rank every layout of the world size; print the table, the rejections, the best and its PNG."""
+    overrides, world = search_args(overrides)
+    cfg = compose_config(overrides)
+    world = world or layout_world_size(cfg)
+    costs = measured_costs(cfg, world)
+    result = search(cfg, world, costs)
+    budget = cfg.parallel.memory_budget_gb
+    print(f"search: {world} ranks, global batch {result.global_batch} sequences of {cfg.train.seq_len} tokens, "
+          f"memory budget {f'{budget:g} GiB' if budget is not None else 'none'} per rank")
+    print("\n".join(table(result)))
+    print(f"rejected ({len(result.rejected)}):")
+    print("\n".join(rejections(result)))
+    best = result.best
+    if best is None:
+        fail(no_fit_message(result, cfg, costs))  # one line, exit 2, as plan=auto says it at launch
+    print(f"best: {chosen(best)}")
+    c = best.candidate
+    title = f"best: {c.schedule}, dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp}, {c.n_microbatches} micro-batches"
+    print(f"timeline: {draw_timeline(result.timeline(best, cfg, costs).sim, out, title, unit='s')}")
+    return 0
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -105,6 +149,8 @@ def human(n: float) -> str:
 def main(argv: list[str]) -> int:
     """Print the plan of the composed config and write its timeline PNG."""
     overrides, out = split_args(argv)
+    if "--search" in overrides:
+        return search_main([o for o in overrides if o != "--search"], out)
     cfg = compose_config(overrides)
     p, m = cfg.parallel, cfg.schedule.n_microbatches
     pp, vpp = p.pp, p.vpp

@@ -148,9 +148,6 @@ BAD = [
     (["debug.fault='crash@rank=0'"], "debug.fault=crash@rank=0: rank= and step= are both required"),
     (["debug.fault='stall@rank=1,step=2,action=X9'"], "debug.fault=stall@rank=1,step=2,action=X9: action:"),
     (["debug.fault='stall@rank=1,step=-1'"], "debug.fault=stall@rank=1,step=-1: rank must be >= 0 and step >= 0"),
-    # features not built yet: any value but the default is refused
-    (["parallel.plan=auto"], "parallel.plan: not implemented yet"),
-    (["parallel.memory_budget_gb=40"], "parallel.memory_budget_gb: not implemented yet"),
     # the whole config: unknown sections, interpolations, output directories
     (["+foo=1"], "foo: unknown config key; did you mean"),
     (["train.steps=${nope}"], "train.steps: cannot resolve its interpolation"),
@@ -260,6 +257,13 @@ def test_synthetic_only_key_under_jsonl_warns(tmp_path, capsys):
     assert code == 0
     assert lines == ["sluice: config warning: data.num_docs=300 is read only when data.name=synthetic "
                      "(here data.name=jsonl); it is ignored"]
+
+
+def test_memory_budget_without_the_planner_warns(capsys):
+    code, lines = run_preflight(["model=tiny", "parallel.memory_budget_gb=40"], capsys)
+    assert code == 0
+    assert lines == ["sluice: config warning: parallel.memory_budget_gb=40.0 is read only when parallel.plan=auto "
+                     "(here parallel.plan=None); it is ignored"]
 
 
 def test_corrupt_tokenizer_through_preflight(tmp_path, capsys):

@@ -40,6 +40,10 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     """Validate, then train here (one process or torchrun rank) or start the local workers."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
     try:
+        if cfg.parallel.plan == "auto" and not under_torchrun():  # under torchrun the ranks agree in run_worker
+            from training.planner.auto import plan_layout
+
+            cfg = plan_layout(cfg, world_size)
         validate(cfg, world_size)
         if is_launch_leader(os.environ) and (problem := check_run_dir(run_dir, cfg.checkpoint.resume)):
             raise ConfigError(problem)
@@ -92,6 +96,9 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
         else:
             world = range(int(os.environ.get("WORLD_SIZE", 1)))
             watch.enter("start-up: joining the process group", [r for r in world if r != watch.rank])
+            if p.plan == "auto":
+                cfg = agreed_layout(cfg, watch)
+                p = cfg.parallel
             grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend, timeout_s=p.timeout_s)
         watch_grid(watch, grid)
         watch.collective("start-up: agreeing on the run directory", "world")
@@ -107,6 +114,15 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
         if dist.is_initialized():
             dist.destroy_process_group()
     return losses
+
+
+def agreed_layout(cfg: DictConfig, watch: Watch) -> DictConfig:
+    """parallel.plan=auto under torchrun: rank 0's choice, applied and checked on every rank."""
+    from training.planner.auto import agree_on_layout
+
+    cfg = agree_on_layout(cfg, watch.rank)
+    validate(cfg, int(os.environ["WORLD_SIZE"]))
+    return cfg
 
 
 def configure_worker_logging(run_dir: Path, rank: int) -> None:

@@ -217,8 +217,6 @@ KEY_RULES: dict[str, Check] = {
 # Keys whose feature is not built yet: a value other than the schema default (or, with a test, one the test
 # refuses) gets "<key>: not implemented yet". The team that builds a feature deletes its entry.
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
-    "parallel.plan": None,
-    "parallel.memory_budget_gb": None,
 }
 
 # Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where
@@ -235,6 +233,7 @@ SCOPES: dict[str, tuple[str, tuple[Any, ...], bool]] = {  # key -> (switch, valu
     "model.norm_topk_prob": ("model.use_moe", (True,), True),
     "model.router_aux_loss_coef": ("model.use_moe", (True,), True),
     "train.max_skipped_steps": ("train.on_nonfinite", ("skip",), True),
+    "parallel.memory_budget_gb": ("parallel.plan", ("auto",), False),  # scripts/plan.py --search reads it too
 }
 
 

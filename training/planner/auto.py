@@ -1,0 +1,56 @@
+"""`parallel.plan=auto`: search the layouts of the launched world on measured costs and run the best one."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from parallel.collectives import broadcast_object
+from parallel.grid import resolve_backend
+from training.planner.predict import Candidate
+from training.planner.profile import measured_costs
+from training.planner.search import apply_candidate, search
+from training.planner.search_report import chosen, no_fit_message
+from training.rules import ConfigError
+
+
+def choose(cfg: DictConfig, world_size: int) -> tuple[Candidate, str]:
+    """The fastest candidate within the budget and the line announcing it; ConfigError when none fits."""
+    costs = measured_costs(cfg, world_size)
+    result = search(cfg, world_size, costs)
+    if result.best is None:
+        raise ConfigError(no_fit_message(result, cfg, costs))
+    return result.best.candidate, f"parallel.plan=auto chose {chosen(result.best)}"
+
+
+def plan_layout(cfg: DictConfig, world_size: int) -> DictConfig:
+    """The config with the chosen layout applied (and parallel.plan cleared); prints what was chosen."""
+    candidate, line = choose(cfg, world_size)
+    print(f"sluice: {line}", flush=True)
+    return apply_candidate(cfg, candidate)
+
+
+def agree_on_layout(cfg: DictConfig, rank: int) -> DictConfig:
+    """Under torchrun: rank 0 chooses and every rank applies its choice, so no two ranks run different layouts.
+
+    Joins the default process group (the grid reuses it); a rank-0 failure reaches every rank as its message."""
+    backend, device = resolve_backend(cfg.parallel.backend)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    decision: tuple[Candidate | None, str] = (None, "")
+    if rank == 0:
+        try:
+            decision = choose(cfg, dist.get_world_size())
+            print(f"sluice: {decision[1]}", flush=True)
+        except Exception as error:  # any failure, not only a config error: the others wait on this broadcast
+            decision = (None, str(error) if isinstance(error, ConfigError) else f"parallel.plan=auto failed on "
+                        f"rank 0: {type(error).__name__}: {error}")
+    candidate, message = broadcast_object(decision, dist.group.WORLD, src=0)
+    if candidate is None:
+        raise ConfigError(message)
+    return apply_candidate(cfg, candidate)
