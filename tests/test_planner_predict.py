@@ -88,3 +88,17 @@ def test_candidate_overrides_and_the_config_round_trip(cfg):
                              "schedule.n_microbatches=8", "train.micro_batch_size=2", "train.recompute=none",
                              "parallel.layers_per_stage=[3,1]"]
     assert candidate_of(cfg) == Candidate(1, 1, 1, 1, "1f1b", 4, 2, "none")
+
+
+def test_the_fixed_part_of_a_piece_does_not_scale_with_the_micro_batch(cfg):
+    """t(b) = a + c b from times at b and 2b: a pipeline of half-size micro-batches pays a in full."""
+    from training.planner.costs import fixed_parts
+
+    assert fixed_parts({"layer_f": 1.0}, {"layer_f": 1.6}) == {"layer_f": pytest.approx(0.4)}
+    assert fixed_parts({"layer_f": 1.0}, {"layer_f": 2.5}) == {"layer_f": 0.0}  # superlinear: clamped
+    costs = fake_costs(fixed={"layer_f": 0.5, "layer_b.none": 1.0})
+    half = dataclasses.replace(pp2("1f1b", m=8), micro_batch_size=1)
+    got = predict(half, cfg, costs)
+    f, b = 0.5 + 0.5 * 0.5, 1.0 + 1.0 * 0.5  # fixed + scaled rest, per layer
+    assert got.step_s == pytest.approx(2 * (f + b) * (8 + 2 - 1))
+    assert predict(half, cfg, fake_costs()).step_s == pytest.approx(2 * 1.5 * (8 + 2 - 1))  # linear without

@@ -3,7 +3,7 @@
 The model is 8 layers x hidden 256 at seq 128, fp32, gloo, at a fixed global batch. Each candidate runs as
 `python train.py <its overrides>` for a few steps; rounds alternate the candidates (A B C ... A B C ...) so
 that a noisy neighbour slows all of them alike; the median step time after the warm-up steps is compared
-with `predict` on the costs measured for this shape (scripts/profile.py's cache). Prints the table, the
+with `predict` on the costs measured for this shape (scripts/profile_costs.py's cache). Prints the table, the
 Spearman rank correlation, the largest relative error and plan=auto's choice against the fastest measured.
 
     python scripts/bench/planner_accuracy.py [--rounds 2] [--steps 6] [--warmup 2] [--results PATH]

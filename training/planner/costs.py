@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per parameter
-VERSION = 2  # part of every key: a change in what is measured invalidates older cache files
+VERSION = 3  # part of every key: a change in what is measured invalidates older cache files
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,14 @@ class MeasuredCosts:
     boundary_bytes: int  # one micro-batch's hidden states between stages
     p2p: Fit = field(default_factory=lambda: Fit(0.0, 0.0))
     allreduce: Fit = field(default_factory=lambda: Fit(0.0, 0.0))  # per call, two ranks
+    # Seconds of each timed piece that do not grow with the micro-batch (kernel launches, Python, small-matmul
+    # inefficiency), from timing it at two micro-batch sizes; keyed like `timed_fields`. Empty: linear scaling.
+    fixed: dict[str, float] = field(default_factory=dict)
+
+    def scaled(self, name: str, value: float, ratio: float) -> float:
+        """`value` (the time of piece `name` at the profiled micro-batch) at `ratio` times that micro-batch."""
+        fixed = min(self.fixed.get(name, 0.0), value)
+        return fixed + (value - fixed) * ratio
 
     def to_json(self) -> str:
         """The cache file's text."""
@@ -79,6 +87,24 @@ class MeasuredCosts:
         data = json.loads(text)
         data["p2p"], data["allreduce"] = Fit(**data["p2p"]), Fit(**data["allreduce"])
         return MeasuredCosts(**data)
+
+
+def timed_fields(compute: dict) -> dict[str, float]:
+    """Every per-micro-batch time of a `measure_compute` result, by name (`layer_b.full` for a per-mode one)."""
+    out = {}
+    for name, value in compute.items():
+        if name.endswith("_saved") or not name.startswith(("layer_", "embed_", "head_")):
+            continue
+        if isinstance(value, dict):
+            out.update({f"{name}.{mode}": v for mode, v in value.items()})
+        elif isinstance(value, float):
+            out[name] = value
+    return out
+
+
+def fixed_parts(at_one: dict[str, float], at_two: dict[str, float]) -> dict[str, float]:
+    """Per piece, the intercept a of t(b) = a + c b from its times at b and 2b (clamped to [0, t(b)])."""
+    return {name: min(max(2 * t - at_two[name], 0.0), t) for name, t in at_one.items()}
 
 
 def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: int) -> dict:

@@ -84,10 +84,17 @@ def _tp_allreduce(costs: MeasuredCosts, tp: int, nbytes: float) -> float:
     return 0.0 if tp == 1 else costs.allreduce.time(nbytes)
 
 
+def _piece(costs: MeasuredCosts, name: str, scale: float) -> float:
+    """Seconds of one piece (`layer_b.full`, `head_f`, ...) at `scale` times the profiled micro-batch."""
+    field, _, mode = name.partition(".")
+    value = getattr(costs, field)
+    return costs.scaled(name, value[mode] if mode else value, scale)
+
+
 def stage_model(candidate: Candidate, plan: PipelinePlan, costs: MeasuredCosts, tied: bool) -> StageModel:
     """Per-stage durations and bytes: layers x per-layer cost, the embedding on stage 0, the head on the last.
 
-    Measured at tp=1 and the profiled micro-batch: compute and activations scale with the micro-batch and
+    Measured at tp=1 and the profiled micro-batch: compute (past its fixed part) and activations scale with it and
     divide by tp; TP adds two activation all-reduces per layer in F and two in B (Megatron's f/g)."""
     c, n = candidate, plan.n_stages
     scale = c.micro_batch_size / costs.key["micro_batch_size"]
@@ -98,11 +105,11 @@ def stage_model(candidate: Candidate, plan: PipelinePlan, costs: MeasuredCosts, 
     saved, deferred, params = [], [], []
     for s, layers in enumerate(plan.partition):
         k, first, last = len(layers), s == 0, s == n - 1
-        per_layer = {"f": costs.layer_f, "b": costs.layer_b[mode], "i": costs.layer_i[mode], "w": costs.layer_w}
         for kind, values in kinds.items():
-            t = k * per_layer[kind] + first * getattr(costs, f"embed_{kind}") + last * getattr(costs, f"head_{kind}")
+            t = (k * _piece(costs, "layer_" + kind + (f".{mode}" if kind in "bi" else ""), scale)
+                 + first * _piece(costs, "embed_" + kind, scale) + last * _piece(costs, "head_" + kind, scale))
             comm = 0.0 if kind == "w" else (2 * k + first + last) * tp_ar  # W moves nothing
-            values.append(t * scale / c.tp + comm)
+            values.append(t / c.tp + comm)
         saved.append(int((k * costs.layer_saved[mode] + first * costs.embed_saved + last * costs.head_saved)
                          * scale / c.tp))
         deferred.append(int((k * costs.layer_deferred + last * costs.head_deferred) * scale / c.tp))

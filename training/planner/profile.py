@@ -25,7 +25,8 @@ from parallel.step import autocast, shifted_loss_sum
 from training.cluster import omp_threads
 from training.schema import model_config
 from training.layout import layout_world_size
-from training.planner.costs import RECOMPUTE_MODES, Fit, MeasuredCosts, cache_path, cost_key, load_cached, save
+from training.planner.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cache_path, cost_key, fixed_parts,
+                                    load_cached, save, timed_fields)
 from training.planner.probe import measure_transport
 from training.specs import resolve_dtype
 
@@ -224,6 +225,9 @@ def measure(cfg: DictConfig, key: dict, device: torch.device, dtype: torch.dtype
     torch.set_num_threads(threads)
     try:
         compute = measure_compute(cfg, device, dtype)
+        doubled = copy.deepcopy(cfg)  # the same pieces at twice the micro-batch: what does not scale with it
+        doubled.train.micro_batch_size = 2 * cfg.train.micro_batch_size
+        compute["fixed"] = fixed_parts(timed_fields(compute), timed_fields(measure_compute(doubled, device, dtype)))
     finally:
         torch.set_num_threads(before)
     if backend == "nccl" and torch.cuda.device_count() < 2:  # NCCL needs one device per process
