@@ -70,7 +70,7 @@ def test_injected_crash_is_one_line_without_traceback(tmp_path):
 
 @pytest.mark.parametrize("layout, fault, waiting", [
     ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1"),
-    ("parallel.dp=2", "stall@rank=1,step=2", "label-token all-reduce over dp"),
+    ("parallel.dp=2", "stall@rank=1,step=2", "gradient all-reduce over dp"),
     ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group"),
 ], ids=["pipeline", "data-parallel", "start-up"])
 def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, layout, fault, waiting):

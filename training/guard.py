@@ -30,9 +30,9 @@ class StepGuard:
         return self.policy.skipped
 
     def begin(self, step: int) -> None:
-        """Start of 1-based `step`: an injected crash or stall, then the engine's first collective."""
+        """Start of 1-based `step`: an injected crash or stall; the engine's waits are recorded as they come."""
         self.faults.begin_step(step)
-        self.watch.collective(f"step {step}: label-token all-reduce", "dp")
+        self.watch.enter(f"step {step}: starting")  # no collective here: the data carries the token count
 
     def after_engine(self, step: int, loss: float, params: list[torch.nn.Parameter]) -> float:
         """The step's gradients are summed: an injected NaN; the grad-norm collective comes next."""
