@@ -18,8 +18,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from minimind.model import MiniMindForCausalLM  # noqa: E402
@@ -30,8 +28,8 @@ from parallel.pipeline.render import plan_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from parallel.recompute import saved_activation_bytes_per_layer  # noqa: E402
-from training.cli import CONF_DIR, explain_compose_error, fail  # noqa: E402
-from training.config import ConfigError, model_config, register_schema, validate  # noqa: E402
+from training.cli import compose_validated, fail  # noqa: E402
+from training.config import model_config  # noqa: E402
 from training.layout import layout_world_size  # noqa: E402
 from training.planner.profile import measured_costs  # noqa: E402
 from training.planner.search import search  # noqa: E402
@@ -73,7 +71,7 @@ def search_args(overrides: list[str]) -> tuple[list[str], int | None]:
 def search_main(overrides: list[str], out: Path) -> int:
     """Rank every layout of the world size; print the table, the rejections, the best and its PNG."""
     overrides, world = search_args(overrides)
-    cfg = compose_config(overrides)
+    cfg = compose_validated(overrides)
     world = world or layout_world_size(cfg)
     costs = measured_costs(cfg, world)
     result = search(cfg, world, costs)
@@ -91,22 +89,6 @@ def search_main(overrides: list[str], out: Path) -> int:
     title = f"best: {c.schedule}, dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp}, {c.n_microbatches} micro-batches"
     print(f"timeline: {draw_timeline(result.timeline(best, cfg, costs).sim, out, title, unit='s')}")
     return 0
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The run config train.py would see, validated; exit 2 with one line if it is wrong."""
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose(config_name="config", overrides=overrides)
-        except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
-            fail(explain_compose_error(error, overrides))
-    try:
-        validate(cfg)
-    except ConfigError as error:
-        fail(str(error))
-    return cfg
 
 
 def stage_parameters(cfg: DictConfig, partition: list[range]) -> tuple[list[int], int, bool]:
@@ -151,7 +133,7 @@ def main(argv: list[str]) -> int:
     overrides, out = split_args(argv)
     if "--search" in overrides:
         return search_main([o for o in overrides if o != "--search"], out)
-    cfg = compose_config(overrides)
+    cfg = compose_validated(overrides)
     p, m = cfg.parallel, cfg.schedule.n_microbatches
     pp, vpp = p.pp, p.vpp
     n_stages = pp * vpp

@@ -8,12 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from training.cli import explain_compose_error, fail  # noqa: E402
-from training.config import CONF_DIR, ConfigError, register_schema, validate  # noqa: E402
+from training.cli import compose_validated  # noqa: E402
 from training.planner.costs import RECOMPUTE_MODES, MeasuredCosts, cache_path  # noqa: E402
 from training.planner.profile import measured_costs  # noqa: E402
 
@@ -41,27 +38,11 @@ def table(costs: MeasuredCosts) -> str:
     return "\n".join(lines)
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The run config train.py would see, validated; exit 2 with one line if it is wrong."""
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose(config_name="config", overrides=overrides)
-        except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
-            fail(explain_compose_error(error, overrides))
-    try:
-        validate(cfg)
-    except ConfigError as error:
-        fail(str(error))
-    return cfg
-
-
 def main(argv: list[str]) -> int:
     """Compose the config as train.py would, measure or load its costs, print the table and the cache path."""
     refresh = "--refresh" in argv
     world = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("--world-size=")), None)
-    cfg: DictConfig = compose_config([a for a in argv if not a.startswith("--")])
+    cfg: DictConfig = compose_validated([a for a in argv if not a.startswith("--")])
     costs = measured_costs(cfg, world_size=world, refresh=refresh)
     print(table(costs))
     print(f"cache: {cache_path(cfg, costs.key)}")

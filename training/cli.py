@@ -32,6 +32,22 @@ def fail(message: str) -> None:
     sys.exit(EXIT_CONFIG_ERROR)
 
 
+def compose_validated(overrides: list[str]) -> DictConfig:
+    """The run config train.py would see, validated (for scripts); exit 2 with one line if it is wrong."""
+    register_schema()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            cfg = compose(config_name="config", overrides=overrides)
+        except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
+            fail(explain_compose_error(error, overrides))
+    try:
+        validate(cfg)
+    except ConfigError as error:
+        fail(str(error))
+    return cfg
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split argv into Hydra flags (with their values) and key=value overrides."""
     flags, overrides, expect_value = [], [], False

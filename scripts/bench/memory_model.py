@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT  # noqa: E402
+from common import ROOT, ActivationMeter, _Held  # noqa: E402
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -49,45 +49,18 @@ def config(overrides: list[str]):
     return cfg
 
 
-class LiveBytes:
+class LiveBytes(ActivationMeter):
     """Activation bytes alive at once on one pipeline rank (each storage once; parameters never)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__()
         self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.refs: dict[int, list[int]] = {}  # storage -> [bytes, holders]
-        self.live = self.peak = 0
         self.deferred: dict[int, list[int]] = {}  # micro-batch -> storages held for W
-
-    def hold(self, t: torch.Tensor) -> int:
-        key = t.untyped_storage().data_ptr()
-        entry = self.refs.setdefault(key, [t.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-        entry[1] += 1
-        return key
-
-    def release(self, key: int) -> None:
-        entry = self.refs[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.refs[key]
 
     def pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() in self.params:
             return t
         return _Held(t, self)
-
-
-class _Held:
-    """A saved tensor; autograd dropping it releases its storage in the meter."""
-
-    def __init__(self, tensor: torch.Tensor, meter: LiveBytes):
-        self.tensor, self.meter, self.key = tensor, meter, meter.hold(tensor)
-
-    def __del__(self) -> None:
-        self.meter.release(self.key)
 
 
 def _unpack(held):
