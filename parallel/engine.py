@@ -129,8 +129,8 @@ class ParallelEngine:
                     and id(p) in tied_here and not self.emulated]
             buckets[s] += [Bucket(tied, (grid.embed_group, grid.dp_group))] if tied else []
         forwards = sum(a.kind is Kind.F for actions in self.lists.values() for a in actions)
-        return GradientSync(buckets, final_backward_actions(self.lists), local_tie, grid.dp_group,
-                            Rider(self._local_sums, forwards))
+        rider = Rider(self._local_sums, forwards, grid.pp_group, pp_early=grid.device.type == "cpu")
+        return GradientSync(buckets, final_backward_actions(self.lists), rider, local_tie, grid.dp_group)
 
     def _local_sums(self) -> torch.Tensor:
         """This process's loss and aux sums of the step (float64, on the device)."""
@@ -203,10 +203,7 @@ class ParallelEngine:
             execute(self.lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan,
                     None if records is None else records.setdefault(r, []))
         self.sync.finish()
-        # The loss and aux sums rode over DP in a gradient bucket; without one (dp 1) they are summed here.
-        sums = self.sync.carried
-        sums = all_reduce_(self._local_sums(), grid.dp_group) if sums is None else sums
-        all_reduce_(sums, grid.pp_group)  # the loss lives on the last stage, aux on every stage
+        sums = self.sync.step_sums()  # the loss lives on the last stage, aux on every stage
         loss_sum, aux_sum, count = torch.cat([sums, tokens.double().view(1)]).tolist()  # the step's one read
         result = StepResult(loss_sum / max(count, 1), aux_sum * aux_scale, int(count))
         if records is not None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.collectives import group_size
+from parallel.collectives import all_reduce_, group_size
 from parallel.pipeline.actions import Action, Kind
 
 Group = dist.ProcessGroup | None
@@ -74,10 +74,14 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int, groups: tuple[G
 
 @dataclass(frozen=True)
 class Rider:
-    """Values summed over DP inside a gradient bucket (the step's loss and aux sums), final after the step's F's."""
+    """The step's loss and aux sums: summed over DP (inside a gradient bucket) and over the pipeline group."""
 
-    values: Callable[[], torch.Tensor]
-    forwards: int  # F actions this process runs in a step; the values are final after the last one
+    values: Callable[[], torch.Tensor]  # this process's float64 sums, final after its last F
+    forwards: int  # F actions this process runs in a step
+    pp_group: Group = None
+    # Whether the pipeline sum may start mid-step, beside the boundary transfers. gloo runs each op on its
+    # own; NCCL would queue it among P2P kernels in an order that differs between ranks, so it waits there.
+    pp_early: bool = False
 
 
 def carrier_of(order: list[Bucket], dp_group: Group) -> Bucket | None:
@@ -95,11 +99,12 @@ class GradientSync:
 
     The step's loss and aux sums ride in one DP bucket (the carrier) instead of a collective of their own, so a
     step issues no DP collective but its buckets. The carrier launches only once this process has run its last
-    F (the sums are final then); in every schedule that is before any stage's final backward, so nothing waits."""
+    F (the sums are final then); in every schedule that is before any stage's final backward, so nothing waits.
+    Over the pipeline group the sums need a collective of their own; at dp 1 on gloo it too starts after the
+    last F and is done by the step's end, elsewhere it runs in `step_sums`."""
 
-    def __init__(self, buckets: dict[int, list[Bucket]], final_actions: dict[int, Action],
-                 local_tie: tuple[nn.Parameter, nn.Parameter] | None = None, dp_group: Group = None,
-                 rider: Rider | None = None):
+    def __init__(self, buckets: dict[int, list[Bucket]], final_actions: dict[int, Action], rider: Rider,
+                 local_tie: tuple[nn.Parameter, nn.Parameter] | None = None, dp_group: Group = None):
         self.buckets = buckets  # stage -> its buckets; dict order = launch order of the stages
         self.order = [b for stage_buckets in buckets.values() for b in stage_buckets]
         self.final_actions = final_actions  # stage -> the compute after which its gradients are final
@@ -111,24 +116,35 @@ class GradientSync:
         for bucket in self.order:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self.carrier = carrier_of(self.order, dp_group) if rider is not None else None
+        self.rider = rider
+        self.carrier = carrier_of(self.order, dp_group)
         if self.carrier is not None:
             self.carrier.rider = rider.values
-        self.forwards = rider.forwards if rider is not None else 0
+        # Without a DP carrier (dp 1) the sums start over the pipeline group once final, where that may run
+        # beside the transfers; the step's end then finds them summed instead of waiting for a collective.
+        self.pp_early = (rider.pp_early and self.carrier is None and group_size(dp_group) == 1
+                         and group_size(rider.pp_group) > 1)
+        self.pp_sums: tuple[torch.Tensor, dist.Work] | None = None
+        self.forwards = rider.forwards
         self.forwards_left = 0  # F actions still to run this step: the carrier waits for none to be left
         self.first_launch_s: float | None = None  # perf_counter times of the last step, for tests and traces
         self.last_backward_end_s: float | None = None
+        self.sums_launch_s: float | None = None  # when the pipeline sum of the loss sums started early
 
     def start_step(self) -> None:
         """Forget the previous step's launches and timings."""
-        self.launched, self.ready, self.armed = 0, set(), {}
+        self.launched, self.ready, self.armed, self.pp_sums = 0, set(), {}, None
         self.forwards_left = self.forwards
-        self.first_launch_s = self.last_backward_end_s = None
+        self.first_launch_s = self.last_backward_end_s = self.sums_launch_s = None
 
-    @property
-    def carried(self) -> torch.Tensor | None:
-        """The rider's values summed over DP in the last step (float64), or None without a carrier."""
-        return self.carrier.carried if self.carrier is not None else None
+    def step_sums(self) -> torch.Tensor:
+        """The rider's values summed over DP and the pipeline (float64); call after `finish`."""
+        if self.pp_sums is not None:
+            sums, work = self.pp_sums
+            work.wait()
+            return sums
+        sums = self.carrier.carried if self.carrier is not None else all_reduce_(self.rider.values(), self.dp_group)
+        return all_reduce_(sums, self.rider.pp_group)
 
     def before(self, action: Action) -> None:
         """Arm the stage's hooks right before its final full backward (an I/W stage launches after its W)."""
@@ -145,6 +161,10 @@ class GradientSync:
             self.forwards_left -= 1
             if self.forwards_left == 0:
                 self._launch_ready()  # the carrier may be waiting for the sums
+                if self.pp_early:
+                    sums = self.rider.values()
+                    self.pp_sums = sums, dist.all_reduce(sums, group=self.rider.pp_group, async_op=True)
+                    self.sums_launch_s = time.perf_counter()
         if self.final_actions.get(action.stage) == action:
             self.ready.update(id(b) for b in self.buckets.get(action.stage, []))
             self._launch_ready()

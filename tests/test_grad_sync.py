@@ -149,3 +149,29 @@ def test_data_layer_stamps_the_global_label_count_of_every_step(kind):
         steps = [r.batch(step) for r in replicas]
         counted = sum(mb.num_label_tokens() for micro_batches in steps for mb in micro_batches)
         assert {mb.global_tokens for micro_batches in steps for mb in micro_batches} == {counted}, (kind, step)
+
+
+def _dp1_pp2_worker(rank: int, world_size: int) -> dict:
+    """One 1F1B step at pp2 (dp 1), counting the collectives this rank issues, by group."""
+    grid = ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
+    engine = ParallelEngine(dataclasses.replace(layout_cfg("1f1b", 2, 4), emulate=False), tiny(), grid)
+    micro = batches(4, seed=3)
+    calls: list[tuple[str, object]] = []
+    with counting_collectives(calls):
+        result = engine.step(stamped(micro, sum(mb.num_label_tokens() for mb in micro)))
+    reference = LocalEngine(tiny(), CPU, torch.float32).step(micro)
+    sync = engine.sync
+    groups = {id(grid.pp_group): "pp", id(grid.embed_group): "embed"}
+    return {"calls": sorted((name, groups.get(id(g), str(g))) for name, g in calls), "loss": result.loss,
+            "reference_loss": reference.loss, "early": sync.sums_launch_s is not None
+            and sync.sums_launch_s < sync.last_backward_end_s}
+
+
+def test_at_dp1_the_loss_sums_cross_the_pipeline_while_the_backward_still_runs():
+    """gloo: the one pipeline all-reduce of the loss and aux sums starts after a rank's last F, so the step's
+    end does not wait for a collective; the loss is the single process's."""
+    for rank, r in enumerate(run_workers(_dp1_pp2_worker, 2, timeout=180)):
+        # The tied embedding's gradient sum, and the loss sums: nothing else.
+        assert r["calls"] == [("all_reduce", "embed"), ("all_reduce", "pp")], (rank, r)
+        assert r["early"], f"rank {rank}: the loss sums went over the pipeline only after the last backward"
+        assert abs(r["loss"] - r["reference_loss"]) <= 1e-6 * r["reference_loss"], r

@@ -39,9 +39,10 @@ class Stage:
         self.weight_grads = WeightGradStore() if split_backward else None
         self.saved: dict[int, Saved] = {}
         self.peak_live = 0  # most micro-batches holding saved state at once during the step
-        # Sums stay on the compute device and are read once per step: no host sync per micro-batch.
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # Each micro-batch's detached loss and aux sums, summed once when the step reads them: a forward then
+        # adds no op of its own on the critical path, and nothing syncs with the host per micro-batch.
+        self.loss_parts: list[torch.Tensor] = []
+        self.aux_parts: list[torch.Tensor] = []
 
     def reset(self) -> None:
         """Forget the previous step's sums and peak; nothing may still be saved."""
@@ -49,9 +50,19 @@ class Stage:
         if self.saved or pending:
             raise RuntimeError(f"stage {self.index}: micro-batches {sorted(self.saved)} never ran backward and "
                                f"{sorted(pending)} never ran W in the last step (a broken schedule)")
-        self.loss_sum.zero_()
-        self.aux_sum.zero_()
+        self.loss_parts.clear()
+        self.aux_parts.clear()
         self.peak_live = 0
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The step's LM loss sum so far (float64, on the device)."""
+        return _sum64(self.loss_parts, self.device)
+
+    @property
+    def aux_sum(self) -> torch.Tensor:
+        """The step's aux-loss sum so far (float64, on the device)."""
+        return _sum64(self.aux_parts, self.device)
 
     def live(self) -> int:
         """Micro-batches whose activations (or, after I, W's inputs) this stage holds now."""
@@ -75,16 +86,17 @@ class Stage:
                 loss_sum = shifted_loss_sum(self.module.lm_head(hidden), labels, self.token_loss)
         if not torch.is_grad_enabled():
             if self.is_last:
-                self.loss_sum += loss_sum.double()
+                self.loss_parts.append(loss_sum)
             return None if self.is_last else hidden
-        self.aux_sum += aux.detach().double()
-        scalars = [aux * aux_scale] if aux.requires_grad else []
+        self.aux_parts.append(aux.detach())
+        # Backward starts at the scalars themselves, seeded with their scale: the gradient a multiply by the
+        # scale would have passed down, bit for bit, without the multiply.
+        scalars, seeds = ([aux], [_seed(aux_scale, aux)]) if aux.requires_grad else ([], [])
         if self.is_last:
-            self.loss_sum += loss_sum.detach().double()
-            scalars.insert(0, loss_sum * loss_scale)
-            self._save(microbatch, leaf, scalars, [torch.ones_like(s) for s in scalars])
+            self.loss_parts.append(loss_sum.detach())
+            self._save(microbatch, leaf, [loss_sum, *scalars], [_seed(loss_scale, loss_sum), *seeds])
             return None
-        self._save(microbatch, leaf, [hidden, *scalars], [None, *(torch.ones_like(s) for s in scalars)])
+        self._save(microbatch, leaf, [hidden, *scalars], [None, *seeds])
         return hidden.detach()
 
     def _save(self, microbatch: int, leaf: torch.Tensor | None, outputs: list[torch.Tensor],
@@ -112,3 +124,18 @@ class Stage:
         seeds = [grad_output if s is None else s for s in saved.seeds]
         torch.autograd.backward(saved.edges, seeds)
         return None if saved.inputs is None else saved.inputs.grad
+
+
+def _seed(scale: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """`scale` in `like`'s dtype and shape: what d(x * scale)/dx rounds to in x's dtype."""
+    if isinstance(scale, torch.Tensor):
+        return scale.to(like.dtype).expand_as(like)
+    return torch.full_like(like, scale)
+
+
+def _sum64(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum in float64, in order (the same rounding as adding each part as it came)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for part in parts:
+        total += part.double()
+    return total
