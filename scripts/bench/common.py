@@ -16,7 +16,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,13 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results.json"
+
+
+def stamped(micro_batches: list) -> list:
+    """The micro-batches as Sluice's data layer hands them to a step: each carries the global label-token count
+    (torch's side gets the same count, computed once outside its timed steps)."""
+    tokens = sum(mb.num_label_tokens() for mb in micro_batches)
+    return [replace(mb, global_tokens=tokens) for mb in micro_batches]
 
 
 # --- Worker processes ----------------------------------------------------------------------------------

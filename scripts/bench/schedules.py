@@ -1,9 +1,12 @@
 """Sleep benchmark: every schedule's measured step against the simulator's ideal makespan for the same costs.
 
-Each stage is one `SleepLayer` (F, I and W sleep a fixed time, no CPU), so the distance to the ideal is what
-scheduling, transport and Python cost. pp=4 gloo processes; Sluice and torch.distributed.pipelining's
-counterpart of each schedule run alternately, one step each per round. Writes the "sleep" section of
-results.json and, for m=8, a measured-vs-planned PNG per Sluice schedule.
+Each stage is one `SleepLayer` (F, I and W sleep a fixed time, no CPU). The ideal is the simulator's makespan
+for the stage costs as measured alone, one stage at a time in one process with plain autograd: the sleep plus
+the model code around it (embedding, head, loss; on this machine a 40 ms F costs about 41.5 ms). So the
+distance to the ideal is what scheduling and transport cost, not the stages themselves. The nominal ideal
+(every action exactly its sleep) is reported beside it. pp=4 gloo processes; Sluice and
+torch.distributed.pipelining's counterpart of each schedule run alternately, one step each per round. Writes
+the "sleep" section of results.json and, for m=8, a measured-vs-planned PNG per Sluice schedule.
 
     python scripts/bench/schedules.py [--smoke] [--rounds N] [--f-ms MS] [--results PATH] [--png-dir DIR]
 """
@@ -18,10 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, alternate, run_workers, timed, update_results  # noqa: E402
-from sleep_model import sleep_model  # noqa: E402
+from common import ROOT, RESULTS, alternate, run_workers, stamped, timed, update_results  # noqa: E402
+from sleep_model import measured_costs, sleep_model  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
@@ -55,8 +59,8 @@ def costs(setup: Setup, vpp: int) -> Costs:
 
 def batches(m: int) -> list[MicroBatch]:
     gen = torch.Generator().manual_seed(m)
-    return [MicroBatch(torch.randint(0, VOCAB, (1, SEQ), generator=gen), torch.randint(0, VOCAB, (1, SEQ), generator=gen))
-            for _ in range(m)]
+    return stamped([MicroBatch(torch.randint(0, VOCAB, (1, SEQ), generator=gen),
+                               torch.randint(0, VOCAB, (1, SEQ), generator=gen)) for _ in range(m)])
 
 
 def worker(rank: int, world: int, setup: Setup) -> dict | None:
@@ -65,31 +69,46 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
 
     grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo")
     out: dict = {}
+    stage_costs: dict[int, Costs] = {}  # by chunks per rank: the model differs only in that
     for m in setup.microbatches:
         micro = batches(m)
         tokens = sum(mb.num_label_tokens() for mb in micro)
-        variants, ideal, engines = {}, {}, {}
+        variants, ideal, nominal, engines = {}, {}, {}, {}
         for name in setup.schedules:
             vpp = SCHEDULES[name]
             c = costs(setup, vpp)
             model = sleep_model(PP * vpp, HIDDEN, VOCAB, c.f, c.i, c.w)
+            if vpp not in stage_costs:
+                stage_costs[vpp] = measured_alone(model, PP * vpp, micro[0], rank)
             pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
             engines[name] = build_engine(EngineSpec(pipeline, 1, SEQ, timeout_s=120), model, grid)
-            ideal[name] = plan_pipeline(pipeline, PP * vpp).simulate(c).makespan
+            plan = plan_pipeline(pipeline, PP * vpp)
+            ideal[name] = plan.simulate(stage_costs[vpp]).makespan
+            nominal[name] = plan.simulate(c).makespan
             variants[f"sluice {name}"] = lambda e=engines[name]: e.step(micro)
             torch_pipe = build(name, model, PP, m, grid.pp_rank, tokens, None)
             variants[f"torch {name}"] = lambda t=torch_pipe: t.step(micro, tokens)
         times = alternate(variants, setup.warmup, setup.rounds)
-        traced = {name: traced_step(engine, name, setup, m, rank) for name, engine in engines.items()}
-        out[m] = {name: {"ideal_s": ideal[name], **times[f"sluice {name}"].summary("sluice"),
+        traced = {name: traced_step(engine, name, setup, m, rank, stage_costs[SCHEDULES[name]])
+                  for name, engine in engines.items()}
+        out[m] = {name: {"ideal_s": ideal[name], "nominal_ideal_s": nominal[name],
+                         "stage_f_s": stage_costs[SCHEDULES[name]].stage_f,
+                         "stage_b_s": stage_costs[SCHEDULES[name]].stage_b, **times[f"sluice {name}"].summary("sluice"),
                          **times[f"torch {name}"].summary("torch"), **traced[name]} for name in setup.schedules}
     return out if rank == 0 else None
 
 
-def traced_step(engine, name: str, setup: Setup, m: int, rank: int) -> dict:
-    """One traced Sluice step: its actions' measured durations give a calibrated ideal (the simulator's makespan
-    had every action taken as long as it took here), which separates slow sleeps from slow scheduling. At the
-    smallest m, also the measured step drawn under the planned one (PNG)."""
+def measured_alone(model, n_stages: int, batch: MicroBatch, rank: int) -> Costs:
+    """Every stage's costs timed by rank 0 while the other ranks wait (so nothing else runs), sent to all."""
+    box = [measured_costs(model, n_stages, batch) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def traced_step(engine, name: str, setup: Setup, m: int, rank: int, ideal: Costs) -> dict:
+    """One traced Sluice step: its mean action durations inside the pipeline (beside the ones measured alone,
+    they show what sharing the machine with the other ranks adds) and, at the smallest m, the measured step
+    drawn under the ideal one (PNG)."""
     from parallel.pipeline.timeline import draw_measured_vs_planned
 
     _, _, result = timed(lambda: engine.step(batches(m), trace=True))
@@ -103,17 +122,14 @@ def traced_step(engine, name: str, setup: Setup, m: int, rank: int) -> dict:
         if kind in "FBIW":
             spans.setdefault(kind, []).append(end - start)
     span = max(end for _, _, end in records) - min(start for _, start, _ in records)
-    nominal = costs(setup, vpp)
     mean = {k: statistics.fmean(v) for k, v in spans.items()}
-    measured = Costs(f=mean["F"], b=mean.get("B", nominal.b), i=mean.get("I", nominal.i), w=mean.get("W", nominal.w))
-    plan = plan_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m), PP * vpp)
-    calibrated = plan.simulate(measured).makespan
     if setup.png_dir and m == min(setup.microbatches):
+        plan = plan_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m), PP * vpp)
         path = Path(setup.png_dir) / f"sleep_{name}_pp{PP}_m{m}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        draw_measured_vs_planned(plan.simulate(nominal), result.trace, path, title=f"{name}, pp={PP}, m={m} (seconds)")
-    return {"traced_span_s": span, "calibrated_ideal_s": calibrated, "traced_over_calibrated": span / calibrated,
-            "measured_action_s": mean}
+        draw_measured_vs_planned(plan.simulate(ideal), result.trace, path,
+                                 title=f"{name}, pp={PP}, m={m} (seconds)")
+    return {"traced_span_s": span, "traced_action_s": mean}
 
 
 def summarise(by_m: dict) -> dict:
@@ -122,9 +138,12 @@ def summarise(by_m: dict) -> dict:
     section = {}
     for name in next(iter(by_m.values())):
         rows = {str(m): {**r[name], "sluice_over_ideal": r[name]["sluice_s"] / r[name]["ideal_s"],
-                         "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"]} for m, r in by_m.items()}
-        section[name] = {"sluice_over_ideal": rows[str(first)]["sluice_over_ideal"],
-                         "torch_over_ideal": rows[str(first)]["torch_over_ideal"], "m": first, "by_m": rows}
+                         "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"],
+                         "sluice_over_nominal": r[name]["sluice_s"] / r[name]["nominal_ideal_s"],
+                         "torch_over_nominal": r[name]["torch_s"] / r[name]["nominal_ideal_s"]} for m, r in by_m.items()}
+        top = rows[str(first)]
+        section[name] = {key: top[key] for key in ("sluice_over_ideal", "torch_over_ideal", "sluice_over_nominal",
+                                                   "torch_over_nominal")} | {"m": first, "by_m": rows}
     return section
 
 
@@ -150,11 +169,12 @@ def main(argv: list[str]) -> dict:
     setup = replace(setup, png_dir=None)  # where they went is in "timelines", relative to the repository
     update_results("sleep", {**section, "setup": asdict(setup), "timelines": timelines}, args.results)
     print(f"{'schedule':18s} {'m':>3s} {'ideal s':>8s} {'sluice s':>9s} {'torch s':>8s} {'sluice/ideal':>13s} "
-          f"{'torch/ideal':>12s}")
+          f"{'torch/ideal':>12s} {'sluice/nominal':>15s} {'torch/nominal':>14s}")
     for name in setup.schedules:
         for m, r in section[name]["by_m"].items():
             print(f"{name:18s} {m:>3s} {r['ideal_s']:8.3f} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} "
-                  f"{r['sluice_over_ideal']:13.3f} {r['torch_over_ideal']:12.3f}")
+                  f"{r['sluice_over_ideal']:13.3f} {r['torch_over_ideal']:12.3f} {r['sluice_over_nominal']:15.3f} "
+                  f"{r['torch_over_nominal']:14.3f}")
     return section
 
 

@@ -11,6 +11,7 @@ So B costs i + w under both frameworks, and I / W cost i / w where a schedule sp
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
+from parallel.pipeline.actions import Costs
+from parallel.pipeline.partition import layer_partition
+from parallel.pipeline.prune import prune_to_stage
+from parallel.step import MicroBatch, shifted_loss_sum
 
 
 class _SleepInput(torch.autograd.Function):
@@ -104,3 +109,34 @@ def sleep_model(n_layers: int, hidden: int, vocab: int, f: float, i: float, w: f
     for key in list(model.model.layers.keys()):
         model.model.layers[key] = SleepLayer(hidden, f, i, w)
     return model
+
+
+def measured_costs(model: MiniMindForCausalLM, n_stages: int, batch: MicroBatch, repeats: int = 10) -> Costs:
+    """Each stage's F and B timed alone in this process with plain autograd (no pipeline runtime of either
+    framework): what a stage action costs here, sleep plus the model code around it. B splits into I and W
+    as its sleeps do (i and w are equal in this benchmark). Medians over `repeats` after two warm-ups."""
+    partition = layer_partition(model.config.num_hidden_layers, n_stages)
+    hidden = model.config.hidden_size
+    f_s, b_s = [], []
+    for s in range(n_stages):
+        first, last = s == 0, s == n_stages - 1
+        chunk = prune_to_stage(model, partition[s], first, last)
+        shape = (*batch.input_ids.shape, hidden)
+        grad = torch.ones(shape) if not last else None
+        times: list[tuple[float, float]] = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            if first:
+                out, _ = chunk.model(input_ids=batch.input_ids)
+            else:
+                out, _ = chunk.model(inputs_embeds=torch.zeros(shape, requires_grad=True))
+            if last:
+                out = shifted_loss_sum(chunk.lm_head(out), batch.labels)
+            middle = time.perf_counter()
+            out.backward(grad)
+            times.append((middle - start, time.perf_counter() - middle))
+        f_s.append(statistics.median(t[0] for t in times[2:]))
+        b_s.append(statistics.median(t[1] for t in times[2:]))
+    halves = tuple(b / 2 for b in b_s)
+    return Costs(f=statistics.fmean(f_s), b=statistics.fmean(b_s), i=statistics.fmean(halves),
+                 w=statistics.fmean(halves), stage_f=tuple(f_s), stage_b=tuple(b_s), stage_i=halves, stage_w=halves)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, ActivationMeter, alternate, run_workers, update_results, watch_outputs  # noqa: E402
+from common import (RESULTS, ActivationMeter, alternate, run_workers, stamped, update_results,  # noqa: E402
+                    watch_outputs)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -58,8 +59,8 @@ def dense_model(setup: Setup) -> MiniMindForCausalLM:
 def batches(setup: Setup, vocab: int) -> list[MicroBatch]:
     gen = torch.Generator().manual_seed(1)
     shape = (setup.micro_batch_size, setup.seq)
-    return [MicroBatch(ids, ids.clone()) for ids in
-            (torch.randint(0, vocab, shape, generator=gen) for _ in range(setup.microbatches))]
+    return stamped([MicroBatch(ids, ids.clone()) for ids in
+                    (torch.randint(0, vocab, shape, generator=gen) for _ in range(setup.microbatches))])
 
 
 def worker(rank: int, world: int, setup: Setup) -> dict | None:
