@@ -126,6 +126,7 @@ class LocalEngine:
                 out = self.model(input_ids=mb.input_ids.to(self.device))
             ce = shifted_loss_sum(out.logits, mb.labels.to(self.device))
             aux = out["aux_loss"]
+            del out  # the logits die with the backward, not when the next forward rebinds `out` (peak memory)
             (ce / max(tokens, 1) + aux / len(micro_batches)).backward()
             sums += torch.stack([ce.detach(), aux.detach()]).double()
         loss_sum, aux_sum = sums.tolist()

@@ -4,7 +4,8 @@ It holds no schedule-specific branch: warm-up, steady state and cool-down exist 
 
 Communication. A run of consecutive SEND_*/RECV_* actions is posted as one batch, in list order, and the loop
 moves on at once: a receive is waited for only right before the compute that consumes it, a send only at
-the end of the step (its tensor is dropped as soon as the transfer is done). So a RECV that the lowering
+the end of the step (its tensor is dropped once the transport reports the transfer done: under NCCL as soon
+as it is; gloo reports a send done only when waited for, so there at the end of the step). So a RECV that the lowering
 placed ahead of its consumer overlaps the computes in between, and every send overlaps what follows it.
 
 Why this stays deadlock-free wherever the lowering's model (wait for a whole batch before posting the next)
@@ -28,6 +29,7 @@ transport (one process per rank); `execute_emulated` switches to another rank (a
 """
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -109,7 +111,7 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
     """Execute one rank's list; gradients accumulate in the stages' parameters. Yields where it must wait."""
     inbox: dict[tuple[str, int, int], torch.Tensor | Pending] = {}  # inputs of local computes, by receiver
     outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # outputs waiting for their SEND, by sender
-    sending: list[Pending] = []  # posted sends; each holds its tensor until the wire is done with it
+    sending: deque[Pending] = deque()  # posted sends, oldest first; each holds its tensor until the wire is done
     hooks = plan.hooks
     early = getattr(transport, "receives_early", False)
     for slot, group in early_receive_runs(actions) if early else comm_runs(actions):
@@ -124,8 +126,8 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
                 if not received.ready():
                     yield Blocked(slot, action, received)  # resumed once it is ready
                 received = received.tensor
-            if sending:
-                sending[:] = [p for p in sending if not p.ready()]  # release what the wire is done with
+            while sending and sending[0].ready():  # release what the wire is done with; checking from the oldest
+                sending.popleft()  # only keeps this O(1) per compute where sends never report done early (gloo)
             if records is not None:
                 start = time.perf_counter()
             if hooks is not None:
@@ -144,7 +146,7 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
 
 
 def _post(group: list[Action], transport: Transport, peer_of: Callable[[Action], int], inbox: dict, outbox: dict,
-          sending: list[Pending]) -> None:
+          sending: deque[Pending]) -> None:
     """Post one run of comm actions as one batch: sends take their tensor from the outbox, receives file a
     Pending in the inbox. A function of its own, so no local outlives the post and pins a sent tensor."""
     messages = [Message(a, peer_of(a), outbox.pop(_key(a)) if a.kind in SENDS else None) for a in group]

@@ -1,7 +1,11 @@
 """Overhead of the single-process path: a Sluice step (pp=1, tp=1: LocalEngine plus the trainer's learning
 rate, grad-norm clipping and AdamW) against a minimal hand-written PyTorch loop on the same model,
-micro-batches and optimizer settings. Steps alternate (A B A B) after a warm-up; the ratio of medians.
-Writes the "overhead" section of results.json.
+micro-batches and optimizer settings; the ratio of medians. Writes the "overhead" section of results.json.
+
+Each variant runs in a process of its own and they take turns, one step each per round (A B A B) after a
+warm-up, so only one computes at a time and the machine's drift hits both alike. Separate processes because
+in one, the two models' allocations interleave in one heap: which variant then pays more page faults for its
+fresh activations is luck of the layout, and it moved the ratio by several percent between runs.
 
     python scripts/bench/overhead.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
 """
@@ -17,10 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, alternate, update_results  # noqa: E402
+from common import RESULTS, Times, init_gloo, run_workers, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from parallel.engine import build_engine  # noqa: E402
@@ -99,6 +104,28 @@ def clip_costs(sluice: SluiceStep, repeats: int = 5) -> dict:
     return spent
 
 
+def worker(rank: int, world: int, setup: Setup) -> dict:
+    """Rank 0 runs Sluice's step, rank 1 the hand-written loop; a barrier passes the turn, so one runs at a time."""
+    init_gloo()
+    torch.set_num_threads(1)  # the machine's other core belongs to whoever else runs
+    optim_cfg = OmegaConf.structured(OptimSchema)  # the run config's optimizer defaults
+    step = (SluiceStep if rank == 0 else PlainStep)(setup, optim_cfg)
+    micro = batches(setup, dense_model(setup).config.vocab_size)
+    first_loss = step(micro)  # same weights, same data: the same first loss in both
+    times = Times()
+    for k in range(setup.warmup + setup.rounds):
+        for turn in range(world):
+            dist.barrier()
+            if rank == turn:
+                wall, cpu = time.perf_counter(), time.process_time()
+                step(micro)
+                if k >= setup.warmup:
+                    times.wall.append(time.perf_counter() - wall)
+                    times.cpu.append(time.process_time() - cpu)
+    dist.barrier()
+    return {"times": times, "first_loss": first_loss, "clip_cpu_s": clip_costs(step) if rank == 0 else None}
+
+
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round: checks the script works")
@@ -110,21 +137,16 @@ def main(argv: list[str]) -> dict:
         setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
     else:
         setup = Setup(8, 256, 128, 1, 8, args.warmup, args.rounds)
-    torch.set_num_threads(1)  # the machine's other core belongs to whoever else runs
-    optim_cfg = OmegaConf.structured(OptimSchema)  # the run config's optimizer defaults
-    sluice, plain = SluiceStep(setup, optim_cfg), PlainStep(setup, optim_cfg)
-    micro = batches(setup, sluice.engine.model.config.vocab_size)
-    first = (sluice(micro), plain(micro))  # same weights, same data: the same first loss
-    times = alternate({"sluice": lambda: sluice(micro), "plain": lambda: plain(micro)}, setup.warmup, setup.rounds)
-    sluice_t, plain_t = times["sluice"].summary("sluice"), times["plain"].summary("plain")
+    ours, plain = run_workers(worker, 2, setup, timeout=1800)
+    sluice_t, plain_t = ours["times"].summary("sluice"), plain["times"].summary("plain")
     section = {"ratio": sluice_t["sluice_s"] / plain_t["plain_s"],
                "cpu_ratio": sluice_t["sluice_cpu_s"] / plain_t["plain_cpu_s"], **sluice_t, **plain_t,
-               "first_loss": {"sluice": first[0], "plain": first[1]}, "clip_cpu_s": clip_costs(sluice),
-               "setup": asdict(setup)}
+               "first_loss": {"sluice": ours["first_loss"], "plain": plain["first_loss"]},
+               "clip_cpu_s": ours["clip_cpu_s"], "setup": asdict(setup)}
     update_results("overhead", section, args.results)
     print(f"sluice {section['sluice_s']:.3f} s, plain {section['plain_s']:.3f} s, ratio {section['ratio']:.3f}, "
-          f"CPU ratio {section['cpu_ratio']:.3f} (first loss {first[0]:.6f} vs {first[1]:.6f}); grad-norm clipping "
-          f"CPU s: {section['clip_cpu_s']}")
+          f"CPU ratio {section['cpu_ratio']:.3f} (first loss {ours['first_loss']:.6f} vs {plain['first_loss']:.6f}); "
+          f"grad-norm clipping CPU s: {section['clip_cpu_s']}")
     return section
 
 
