@@ -114,30 +114,39 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
     sending: deque[Pending] = deque()  # posted sends, oldest first; each holds its tensor until the wire is done
     hooks = plan.hooks
     early = getattr(transport, "receives_early", False)
+    finished: Action | None = None  # the last compute; its `after` hook waits until its outputs are sent
     for slot, group in early_receive_runs(actions) if early else comm_runs(actions):
         start = time.perf_counter() if records is not None else 0.0
         action = group[0]
         if action.kind.is_comm:
             _post(group, transport, peer_of, inbox, outbox, sending)
-        else:
-            key = _input_key(action)
-            received = inbox.pop(key, None) if key is not None else None
-            if received is not None and not isinstance(received, torch.Tensor):
-                if not received.ready():
-                    yield Blocked(slot, action, received)  # resumed once it is ready
-                received = received.tensor
-            while sending and sending[0].ready():  # release what the wire is done with; checking from the oldest
-                sending.popleft()  # only keeps this O(1) per compute where sends never report done early (gloo)
             if records is not None:
-                start = time.perf_counter()
-            if hooks is not None:
-                hooks.before(action)
-            _compute(action, stages, received, micro_batches, plan, inbox, outbox)
-            del received  # a received boundary tensor is the stage's leaf now, or no one's
-            if hooks is not None:
-                hooks.after(action)
+                _record(records, group, start)
+        if finished is not None and hooks is not None:
+            # After the sends: a hook's work (launching reductions) must not delay the next stage's input.
+            hooks.after(finished)
+        finished = None
+        if action.kind.is_comm:
+            continue
+        key = _input_key(action)
+        received = inbox.pop(key, None) if key is not None else None
+        if received is not None and not isinstance(received, torch.Tensor):
+            if not received.ready():
+                yield Blocked(slot, action, received)  # resumed once it is ready
+            received = received.tensor
+        while sending and sending[0].ready():  # release what the wire is done with; checking from the oldest
+            sending.popleft()  # only keeps this O(1) per compute where sends never report done early (gloo)
+        if records is not None:
+            start = time.perf_counter()
+        if hooks is not None:
+            hooks.before(action)
+        _compute(action, stages, received, micro_batches, plan, inbox, outbox)
+        del received  # a received boundary tensor is the stage's leaf now, or no one's
         if records is not None:
             _record(records, group, start)
+        finished = action
+    if finished is not None and hooks is not None:
+        hooks.after(finished)
     for pending in sending:
         if not pending.ready():
             yield Blocked(len(actions), pending.message.action, pending)
