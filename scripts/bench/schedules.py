@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, RESULTS, alternate, run_workers, stamped, timed, update_results  # noqa: E402
-from sleep_model import measured_costs, sleep_model  # noqa: E402
+from sleep_model import sleep_model, stage_costs_alone  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -100,7 +100,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
 
 def measured_alone(model, n_stages: int, batch: MicroBatch, rank: int) -> Costs:
     """Every stage's costs timed by rank 0 while the other ranks wait (so nothing else runs), sent to all."""
-    box = [measured_costs(model, n_stages, batch) if rank == 0 else None]
+    box = [stage_costs_alone(model, n_stages, batch) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

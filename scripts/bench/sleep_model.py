@@ -111,7 +111,7 @@ def sleep_model(n_layers: int, hidden: int, vocab: int, f: float, i: float, w: f
     return model
 
 
-def measured_costs(model: MiniMindForCausalLM, n_stages: int, batch: MicroBatch, repeats: int = 10) -> Costs:
+def stage_costs_alone(model: MiniMindForCausalLM, n_stages: int, batch: MicroBatch, repeats: int = 10) -> Costs:
     """Each stage's F and B timed alone in this process with plain autograd (no pipeline runtime of either
     framework): what a stage action costs here, sleep plus the model code around it. B splits into I and W
     as its sleeps do (i and w are equal in this benchmark). Medians over `repeats` after two warm-ups."""
