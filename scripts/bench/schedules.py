@@ -140,7 +140,8 @@ def summarise(by_m: dict) -> dict:
         rows = {str(m): {**r[name], "sluice_over_ideal": r[name]["sluice_s"] / r[name]["ideal_s"],
                          "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"],
                          "sluice_over_nominal": r[name]["sluice_s"] / r[name]["nominal_ideal_s"],
-                         "torch_over_nominal": r[name]["torch_s"] / r[name]["nominal_ideal_s"]} for m, r in by_m.items()}
+                         "torch_over_nominal": r[name]["torch_s"] / r[name]["nominal_ideal_s"]}
+                for m, r in by_m.items()}
         top = rows[str(first)]
         section[name] = {key: top[key] for key in ("sluice_over_ideal", "torch_over_ideal", "sluice_over_nominal",
                                                    "torch_over_nominal")} | {"m": first, "by_m": rows}
