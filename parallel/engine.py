@@ -24,7 +24,7 @@ from parallel.pipeline.actions import Action, Kind, comm_peer
 from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
 from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
-from parallel.pipeline.runtime import Record, StepPlan, execute, execute_emulated
+from parallel.pipeline.runtime import Program, Record, StepPlan, execute, execute_emulated, prepare
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
@@ -68,19 +68,32 @@ def choose_transport(spec: EngineSpec, plan: PipelinePlan, grid: ParallelGrid,
                                                          grid.dp_rank, grid.tp_rank)
 
 
-def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid) -> torch.Tensor:
-    """Label tokens of the global batch as a device tensor (the loss scale needs no host sync).
+def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid) -> int | torch.Tensor:
+    """Label tokens of the global batch: the data layer's stamp as a host int, else a device tensor.
 
     The data layer stamps the count on every micro-batch (it knows the whole global batch), so a training step
-    needs no collective for it; unstamped micro-batches (tests, benchmarks) are counted with one DP all-reduce.
-    Every replica's data comes from the same layer, so all replicas take the same branch."""
+    needs no collective and no device op for it; unstamped micro-batches (tests, benchmarks) are counted with
+    one DP all-reduce, on the device (no host sync). Every replica's data comes from the same layer, so all
+    replicas take the same branch."""
     stamps = {mb.global_tokens for mb in micro_batches}
     if None in stamps:
         local = torch.stack([mb.label_tokens() for mb in micro_batches]).sum()
         return all_reduce_(local.to(grid.device), grid.dp_group)
     if len(stamps) != 1:
         raise ValueError(f"the micro-batches of one step carry different global token counts {sorted(stamps)}")
-    return torch.full((), stamps.pop(), dtype=torch.int64, device=grid.device)  # a fill kernel: no copy to wait on
+    return stamps.pop()
+
+
+def loss_scale_of(tokens: int | torch.Tensor) -> float | torch.Tensor:
+    """1 / tokens (at least 1) in float64; a host float and the device tensor round the same (IEEE division)."""
+    return 1.0 / max(tokens, 1) if isinstance(tokens, int) else 1.0 / tokens.clamp(min=1).double()
+
+
+def read_back(sums: torch.Tensor, tokens: int | torch.Tensor) -> list[float]:
+    """The step's one host read: the float64 `sums`, then the token count (a host int needs no read)."""
+    if isinstance(tokens, int):
+        return [*sums.tolist(), tokens]
+    return torch.cat([sums, tokens.double().view(1)]).tolist()
 
 
 def final_backward_actions(lists: dict[int, list[Action]]) -> dict[int, Action]:
@@ -102,16 +115,33 @@ class ParallelEngine:
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
-        self.lists = {r: list(self.plan.lowered[r]) for r in ranks}
+        self._lists = {r: list(self.plan.lowered[r]) for r in ranks}
         how = StageBuild(spec.dtype, choose_token_loss(grid, model.config.vocab_size), spec.recompute, weights)
         self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.plan, grid, model.config.hidden_size)
+        self.programs = self._prepare(self.lists)
         self.tied = bool(model.config.tie_word_embeddings)
         self.first = self.stages[0].module.model.embed_tokens.weight if 0 in self.stages else None
         last = self.stages.get(self.plan.n_stages - 1)
         self.head = last.module.lm_head.weight if last is not None else None
         self.sync = self._gradient_sync()
+
+    @property
+    def lists(self) -> dict[int, list[Action]]:
+        """This process's ranks' lowered action lists, by pipeline rank."""
+        return self._lists
+
+    @lists.setter
+    def lists(self, lists: dict[int, list[Action]]) -> None:
+        """Replace the lists (tests inject broken ones); the runtime's programs follow."""
+        self._lists = lists
+        self.programs = self._prepare(lists)
+
+    def _prepare(self, lists: dict[int, list[Action]] | list[list[Action]]) -> dict[int, Program]:
+        """This process's ranks' lists as the runtime loop executes them (peers resolved, receives placed)."""
+        early = getattr(self.transport, "receives_early", False)
+        return {r: prepare(list(lists[r]), self.peer_of, early) for r in self.lists}
 
     def _gradient_sync(self) -> GradientSync:
         """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP."""
@@ -191,20 +221,20 @@ class ParallelEngine:
         grid = self.grid
         tokens = global_label_tokens(micro_batches, grid)
         aux_scale = 1.0 / (len(micro_batches) * grid.dp)
-        plan = StepPlan(loss_scale=1.0 / tokens.clamp(min=1).double(), aux_scale=aux_scale, hooks=self.sync)
+        plan = StepPlan(loss_scale=loss_scale_of(tokens), aux_scale=aux_scale, hooks=self.sync)
         for stage in self.stages.values():
             stage.reset()
         self.sync.start_step()
         records, origin = self._trace_start(trace)
         if self.emulated:
-            execute_emulated(self.lists, self.stages_of, self.transport, self.peer_of, micro_batches, plan, records)
+            execute_emulated(self.programs, self.stages_of, self.transport, micro_batches, plan, records)
         else:
             r = grid.pp_rank
-            execute(self.lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan,
+            execute(self.programs[r], self.stages_of[r], self.transport, micro_batches, plan,
                     None if records is None else records.setdefault(r, []))
         self.sync.finish()
         sums = self.sync.step_sums()  # the loss lives on the last stage, aux on every stage
-        loss_sum, aux_sum, count = torch.cat([sums, tokens.double().view(1)]).tolist()  # the step's one read
+        loss_sum, aux_sum, count = read_back(sums, tokens)
         result = StepResult(loss_sum / max(count, 1), aux_sum * aux_scale, int(count))
         if records is not None:
             result.trace = self._gather(records, origin)
@@ -213,7 +243,7 @@ class ParallelEngine:
     @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches through the same stages, transport and runtime."""
-        grid, lists = self.grid, forward_only(self.plan, len(micro_batches))
+        grid, programs = self.grid, self._prepare(forward_only(self.plan, len(micro_batches)))
         tokens = global_label_tokens(micro_batches, grid)
         for stage in self.stages.values():
             stage.reset()
@@ -221,17 +251,16 @@ class ParallelEngine:
         try:
             plan = StepPlan(loss_scale=1.0, aux_scale=0.0)
             if self.emulated:
-                execute_emulated({r: lists[r] for r in self.lists}, self.stages_of, self.transport, self.peer_of,
-                                 micro_batches, plan)
+                execute_emulated(programs, self.stages_of, self.transport, micro_batches, plan)
             else:
                 r = grid.pp_rank
-                execute(lists[r], self.stages_of[r], self.transport, self.peer_of, micro_batches, plan)
+                execute(programs[r], self.stages_of[r], self.transport, micro_batches, plan)
         finally:
             for stage in self.stages.values():
                 stage.module.train()
         loss_sum = all_reduce_(all_reduce_(sum(s.loss_sum for s in self.stages.values()), grid.pp_group),
                                grid.dp_group)
-        loss_sum, count = torch.stack([loss_sum, tokens.double()]).tolist()
+        loss_sum, count = read_back(loss_sum.view(1), tokens)
         return StepResult(loss_sum / max(count, 1), 0.0, int(count))
 
     def _trace_start(self, trace: bool) -> tuple[dict[int, list[Record]] | None, float]:

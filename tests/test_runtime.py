@@ -175,9 +175,10 @@ def test_emulation_names_the_ranks_of_a_deadlock():
 
 def test_emulation_catches_messages_swapped_on_a_channel():
     engine = ParallelEngine(layout_cfg("gpipe", 2, 2), tiny(), ParallelGrid.single(CPU))
-    rank1 = engine.lists[1]
+    rank1 = list(engine.lists[1])
     rank1.remove(Action(Kind.RECV_F, 1, 1))
     rank1.insert(rank1.index(Action(Kind.RECV_F, 0, 1)), Action(Kind.RECV_F, 1, 1))
+    engine.lists = {**engine.lists, 1: rank1}
     # Rank 1 now posts RECV_F1 first: a real channel would hand it micro-batch 0's activation, silently.
     with pytest.raises(EmulationError, match="out of order"):
         engine.step(batches(2))

@@ -24,7 +24,8 @@ meets its send while the previous compute runs, instead of starting the transfer
 posts only move earlier, the order of the receives from each peer is kept, waits stay where they were.
 It costs at most one boundary buffer per rank held one compute longer.
 
-`run` is a generator that yields whenever the list must wait for a transfer: `execute` waits on the
+`prepare` cuts a list into these runs once per engine. `run` is a generator that yields whenever the list must
+wait for a transfer: `execute` waits on the
 transport (one process per rank); `execute_emulated` switches to another rank (all ranks in one process).
 """
 
@@ -32,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -58,7 +59,7 @@ class ComputeHooks(Protocol):
 class StepPlan:
     """Per-step constants every stage needs: the global loss and aux-loss scales, and the compute hooks."""
 
-    loss_scale: torch.Tensor | float  # 1 / label tokens in the global batch (a device tensor: no host sync)
+    loss_scale: torch.Tensor | float  # 1 / label tokens in the global batch (a host float, or a device tensor)
     aux_scale: float  # 1 / micro-batches in the global batch
     hooks: ComputeHooks | None = None
 
@@ -106,33 +107,71 @@ def early_receive_runs(actions: list[Action]) -> list[tuple[int, list[Action]]]:
     return runs
 
 
-def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, peer_of: Callable[[Action], int],
-        micro_batches: list[MicroBatch], plan: StepPlan, records: list[Record] | None = None) -> Iterator[Blocked]:
-    """Execute one rank's list; gradients accumulate in the stages' parameters. Yields where it must wait."""
+class Transfer(NamedTuple):
+    """One SEND/RECV as the loop posts it: the action, its peer rank, its mailbox key, whether it sends."""
+
+    action: Action
+    peer: int
+    key: tuple[str, int, int]
+    sends: bool
+
+
+class Run(NamedTuple):
+    """One place in the loop: a compute (with its input's mailbox key), or a batch of transfers posted together."""
+
+    slot: int  # index in the lowered list of the run's first action
+    compute: Action | None
+    input_key: tuple[str, int, int] | None  # where a compute finds its input from another stage (None: no input)
+    transfers: tuple[Transfer, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """One rank's lowered list as the loop executes it, prepared once per engine rather than every step: code
+    between a compute's end and its send's post runs cold on a rank that slept in a wait, so it is kept short."""
+
+    runs: tuple[Run, ...]
+    n_actions: int
+
+
+def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool) -> Program:
+    """Cut the list into runs (receives moved early when the transport allows it) and resolve every peer."""
+    runs = []
+    for slot, group in early_receive_runs(actions) if receives_early else comm_runs(actions):
+        head = group[0]
+        if head.kind.is_comm:
+            transfers = tuple(Transfer(a, peer_of(a), _key(a), a.kind in SENDS) for a in group)
+            runs.append(Run(slot, None, None, transfers))
+        else:
+            runs.append(Run(slot, head, _input_key(head), ()))
+    return Program(tuple(runs), len(actions))
+
+
+def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
+        plan: StepPlan, records: list[Record] | None = None) -> Iterator[Blocked]:
+    """Execute one rank's program; gradients accumulate in the stages' parameters. Yields where it must wait."""
     inbox: dict[tuple[str, int, int], torch.Tensor | Pending] = {}  # inputs of local computes, by receiver
     outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # outputs waiting for their SEND, by sender
     sending: deque[Pending] = deque()  # posted sends, oldest first; each holds its tensor until the wire is done
     hooks = plan.hooks
-    early = getattr(transport, "receives_early", False)
     finished: Action | None = None  # the last compute; its `after` hook waits until its outputs are sent
-    for slot, group in early_receive_runs(actions) if early else comm_runs(actions):
+    for step in program.runs:
         start = time.perf_counter() if records is not None else 0.0
-        action = group[0]
-        if action.kind.is_comm:
-            _post(group, transport, peer_of, inbox, outbox, sending)
+        action = step.compute
+        if action is None:
+            _post(step.transfers, transport, inbox, outbox, sending)
             if records is not None:
-                _record(records, group, start)
+                records.extend((t.action, start, time.perf_counter()) for t in step.transfers)
         if finished is not None and hooks is not None:
             # After the sends: a hook's work (launching reductions) must not delay the next stage's input.
             hooks.after(finished)
         finished = None
-        if action.kind.is_comm:
+        if action is None:
             continue
-        key = _input_key(action)
-        received = inbox.pop(key, None) if key is not None else None
+        received = inbox.pop(step.input_key, None) if step.input_key is not None else None
         if received is not None and not isinstance(received, torch.Tensor):
             if not received.ready():
-                yield Blocked(slot, action, received)  # resumed once it is ready
+                yield Blocked(step.slot, action, received)  # resumed once it is ready
             received = received.tensor
         while sending and sending[0].ready():  # release what the wire is done with; checking from the oldest
             sending.popleft()  # only keeps this O(1) per compute where sends never report done early (gloo)
@@ -143,32 +182,27 @@ def run(actions: list[Action], stages: dict[int, Stage], transport: Transport, p
         _compute(action, stages, received, micro_batches, plan, inbox, outbox)
         del received  # a received boundary tensor is the stage's leaf now, or no one's
         if records is not None:
-            _record(records, group, start)
+            records.append((action, start, time.perf_counter()))
         finished = action
     if finished is not None and hooks is not None:
         hooks.after(finished)
     for pending in sending:
         if not pending.ready():
-            yield Blocked(len(actions), pending.message.action, pending)
+            yield Blocked(program.n_actions, pending.message.action, pending)
     if inbox or outbox:
         raise RuntimeError(f"unconsumed boundary tensors (a broken schedule): {sorted(inbox) + sorted(outbox)}")
 
 
-def _post(group: list[Action], transport: Transport, peer_of: Callable[[Action], int], inbox: dict, outbox: dict,
+def _post(transfers: tuple[Transfer, ...], transport: Transport, inbox: dict, outbox: dict,
           sending: deque[Pending]) -> None:
-    """Post one run of comm actions as one batch: sends take their tensor from the outbox, receives file a
+    """Post one run of transfers as one batch: sends take their tensor from the outbox, receives file a
     Pending in the inbox. A function of its own, so no local outlives the post and pins a sent tensor."""
-    messages = [Message(a, peer_of(a), outbox.pop(_key(a)) if a.kind in SENDS else None) for a in group]
-    for pending in transport.post(messages):
-        if pending.message.action.kind in SENDS:
+    messages = [Message(t.action, t.peer, outbox.pop(t.key) if t.sends else None) for t in transfers]
+    for pending, transfer in zip(transport.post(messages), transfers):
+        if transfer.sends:
             sending.append(pending)
         else:
-            inbox[_key(pending.message.action)] = pending
-
-
-def _record(records: list[Record], group: list[Action], start: float) -> None:
-    end = time.perf_counter()
-    records.extend((a, start, end) for a in group)
+            inbox[transfer.key] = pending
 
 
 def _key(comm: Action) -> tuple[str, int, int]:
@@ -207,15 +241,15 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
         (inbox if to in stages else outbox)[(what, mb, to if to in stages else s)] = out
 
 
-def execute(actions: list[Action], stages: dict[int, Stage], transport: Transport, peer_of: Callable[[Action], int],
-            micro_batches: list[MicroBatch], plan: StepPlan, records: list[Record] | None = None) -> None:
+def execute(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
+            plan: StepPlan, records: list[Record] | None = None) -> None:
     """Run this rank's step, waiting on the transport (with its timeout) wherever the list must wait."""
-    for blocked in run(actions, stages, transport, peer_of, micro_batches, plan, records):
+    for blocked in run(program, stages, transport, micro_batches, plan, records):
         blocked.pending.wait()
 
 
-def execute_emulated(lists: dict[int, list[Action]], stages: dict[int, dict[int, Stage]], hub: LocalTransport,
-                     peer_of: Callable[[Action], int], micro_batches: list[MicroBatch], plan: StepPlan,
+def execute_emulated(programs: dict[int, Program], stages: dict[int, dict[int, Stage]], hub: LocalTransport,
+                     micro_batches: list[MicroBatch], plan: StepPlan,
                      records: dict[int, list[Record]] | None = None) -> None:
     """Run every pipeline rank's step in this process: each rank runs until it blocks on a receive, then the next.
 
@@ -223,8 +257,8 @@ def execute_emulated(lists: dict[int, list[Action]], stages: dict[int, dict[int,
     TP peers emulating the same ranks issue their collectives in the same order. Deadlock (no rank can move)
     raises EmulationError naming every blocked rank, its slot and the transfer it waits for.
     """
-    runs = {r: run(actions, stages[r], hub.endpoint(r), peer_of, micro_batches, plan,
-                   None if records is None else records.setdefault(r, [])) for r, actions in lists.items()}
+    runs = {r: run(program, stages[r], hub.endpoint(r), micro_batches, plan,
+                   None if records is None else records.setdefault(r, [])) for r, program in programs.items()}
     blocked: dict[int, Blocked | None] = dict.fromkeys(runs)
     while runs:
         progressed = False
