@@ -1,5 +1,6 @@
-"""Receiving early: the runtime posts each RECV one compute ahead of its list place, keeping every order that
-matching depends on, and the numbers stay the single-process ones."""
+"""Receiving early: the runtime posts each RECV one compute ahead of its list place (and a rank that must wait
+posts the next receives while it waits), keeping every order that matching depends on, and the numbers stay the
+single-process ones."""
 
 import random
 
@@ -7,11 +8,11 @@ import pytest
 
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
-from parallel.pipeline.actions import SEND_F
+from parallel.pipeline.actions import RECV_F, SEND_F, Action
 from parallel.pipeline.plan import plan_pipeline
 from parallel.pipeline.runtime import early_receive_runs
 from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec
-from parallel.pipeline.transport import SENDS, LocalEndpoint
+from parallel.pipeline.transport import SENDS, LocalEndpoint, LocalTransport
 from parallel.spec import PipelineSpec
 from tests.test_runtime import CPU, assert_grads_match, batches, dense_grads, layout_cfg, tiny
 from tests.test_schedules import random_feasible
@@ -55,14 +56,16 @@ def test_runs_alternate_and_keep_slots_in_order():
 
 
 def test_emulated_steps_with_early_receives_give_single_process_gradients(monkeypatch):
-    # The emulation's channels match in posting order and name any deadlock: early receives must keep both.
-    monkeypatch.setattr(LocalEndpoint, "receives_early", True, raising=False)
+    # The emulation's channels match in posting order and name any deadlock: early receives, and the receives a
+    # waiting rank posts ahead, must keep both.
+    monkeypatch.setattr(LocalTransport, "receives_early", True, raising=False)
     rng = random.Random(5)
     mbs = batches(4)
     reference = dense_grads(tiny(layers=6), mbs)
     for name, vpp in [("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)]:
         engine = ParallelEngine(layout_cfg(name, 3 if vpp == 1 else 2, 4, vpp), tiny(layers=6),
                                 ParallelGrid.single(CPU))
+        assert all(program.receives_early for program in engine.programs.values())
         engine.step(mbs)
         assert_grads_match(engine, reference)
     for trial in range(6):
@@ -73,3 +76,32 @@ def test_emulated_steps_with_early_receives_give_single_process_gradients(monkey
         engine = ParallelEngine(layout_cfg("random", pp, 4, vpp), tiny(layers=6), ParallelGrid.single(CPU))
         engine.step(mbs)
         assert_grads_match(engine, reference)
+
+
+def test_a_waiting_rank_posts_the_next_receives_before_it_blocks(monkeypatch):
+    # Rank 2 (last stage) waits for F2's activation (rank 1 sends it only after its B0); while it waits it posts
+    # RECV_F3, which the early rule alone would post only after F2, in the gap before B2 where nothing should
+    # delay B2.
+    monkeypatch.setattr(LocalTransport, "receives_early", True, raising=False)
+    events: list[tuple[str, object]] = []
+    original_post = LocalEndpoint.post
+
+    def post(self, messages):
+        events.extend(("post", m.action) for m in messages if self.rank == 2)
+        return original_post(self, messages)
+
+    monkeypatch.setattr(LocalEndpoint, "post", post)
+    engine = ParallelEngine(layout_cfg("1f1b", 3, 4), tiny(layers=6), ParallelGrid.single(CPU))
+    original_forward = engine.stages[2].forward
+
+    def forward(microbatch, *args):
+        events.append(("F", microbatch))
+        return original_forward(microbatch, *args)
+
+    monkeypatch.setattr(engine.stages[2], "forward", forward)
+    mbs = batches(4)
+    engine.step(mbs)
+    posted = [a for what, a in events if what == "post"]
+    assert sorted(posted) == sorted(a for a in engine.lists[2] if a.kind.is_comm)  # each transfer posted once
+    assert events.index(("post", Action(RECV_F, 3, 2))) < events.index(("F", 2))
+    assert_grads_match(engine, dense_grads(tiny(layers=6), mbs))

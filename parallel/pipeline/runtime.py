@@ -22,7 +22,10 @@ posted one compute earlier than the list places it, in the same order among the 
 meets its send while the previous compute runs, instead of starting the transfer's round trip (gloo's
 "ready to receive" notice, then the data) only when its consumer is next. The argument above still holds:
 posts only move earlier, the order of the receives from each peer is kept, waits stay where they were.
-It costs at most one boundary buffer per rank held one compute longer.
+It costs at most one boundary buffer per rank held one compute longer. And a rank that must wait for an input
+posts, before it blocks, the receives of the run that follows that compute: they cost nothing while it waits,
+and the gap between that compute and the next, on the critical path when this rank is the slow one, then
+carries only sends. (Posts move earlier again; the order of each peer's receives is unchanged.)
 
 `prepare` cuts a list into these runs once per engine. `run` is a generator that yields whenever the list must
 wait for a transfer: `execute` waits on the
@@ -132,6 +135,7 @@ class Program:
 
     runs: tuple[Run, ...]
     n_actions: int
+    receives_early: bool  # the transport lets receives be posted ahead of the list (see the module docstring)
 
 
 def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool) -> Program:
@@ -144,7 +148,7 @@ def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_ea
             runs.append(Run(slot, None, None, transfers))
         else:
             runs.append(Run(slot, head, _input_key(head), ()))
-    return Program(tuple(runs), len(actions))
+    return Program(tuple(runs), len(actions), receives_early)
 
 
 def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
@@ -155,11 +159,13 @@ def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_
     sending: deque[Pending] = deque()  # posted sends, oldest first; each holds its tensor until the wire is done
     hooks = plan.hooks
     finished: Action | None = None  # the last compute; its `after` hook waits until its outputs are sent
-    for step in program.runs:
+    ahead = -1  # index of the run whose receives were posted while the rank waited
+    for index, step in enumerate(program.runs):
         start = time.perf_counter() if records is not None else 0.0
         action = step.compute
         if action is None:
-            _post(step.transfers, transport, inbox, outbox, sending)
+            transfers = step.transfers if index != ahead else tuple(t for t in step.transfers if t.sends)
+            _post(transfers, transport, inbox, outbox, sending)
             if records is not None:
                 records.extend((t.action, start, time.perf_counter()) for t in step.transfers)
         if finished is not None and hooks is not None:
@@ -171,6 +177,8 @@ def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_
         received = inbox.pop(step.input_key, None) if step.input_key is not None else None
         if received is not None and not isinstance(received, torch.Tensor):
             if not received.ready():
+                if program.receives_early and index + 1 < len(program.runs):
+                    ahead = _post_receives_ahead(program.runs[index + 1], transport, inbox, index + 1)
                 yield Blocked(step.slot, action, received)  # resumed once it is ready
             received = received.tensor
         while sending and sending[0].ready():  # release what the wire is done with; checking from the oldest
@@ -191,6 +199,16 @@ def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_
             yield Blocked(program.n_actions, pending.message.action, pending)
     if inbox or outbox:
         raise RuntimeError(f"unconsumed boundary tensors (a broken schedule): {sorted(inbox) + sorted(outbox)}")
+
+
+def _post_receives_ahead(after: Run, transport: Transport, inbox: dict, index: int) -> int:
+    """While the rank waits anyway, post the receives of the transfers that follow this compute, so the
+    critical gap after it carries only its sends. Returns `index` when it posted (that run skips them later)."""
+    receives = tuple(t for t in after.transfers if not t.sends)
+    if not receives:
+        return -1
+    _post(receives, transport, inbox, {}, deque())
+    return index
 
 
 def _post(transfers: tuple[Transfer, ...], transport: Transport, inbox: dict, outbox: dict,
