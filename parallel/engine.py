@@ -20,10 +20,11 @@ from parallel.collectives import all_reduce_
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource
-from parallel.pipeline.actions import Action, Kind, comm_peer
+from parallel.pipeline.actions import Action, Kind, Lists, comm_peer
 from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
 from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
+from parallel.pipeline.release import send_releases
 from parallel.pipeline.runtime import Program, Record, StepPlan, execute, execute_emulated, prepare
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
@@ -120,7 +121,7 @@ class ParallelEngine:
         self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.plan, grid, model.config.hidden_size)
-        self.programs = self._prepare(self.lists)
+        self.programs = self._prepare(self.plan.lowered)
         self.tied = bool(model.config.tie_word_embeddings)
         self.first = self.stages[0].module.model.embed_tokens.weight if 0 in self.stages else None
         last = self.stages.get(self.plan.n_stages - 1)
@@ -136,12 +137,15 @@ class ParallelEngine:
     def lists(self, lists: dict[int, list[Action]]) -> None:
         """Replace the lists (tests inject broken ones); the runtime's programs follow."""
         self._lists = lists
-        self.programs = self._prepare(lists)
+        self.programs = self._prepare([lists.get(r, self.plan.lowered[r]) for r in range(self.plan.spec.pp)])
 
-    def _prepare(self, lists: dict[int, list[Action]] | list[list[Action]]) -> dict[int, Program]:
-        """This process's ranks' lists as the runtime loop executes them (peers resolved, receives placed)."""
+    def _prepare(self, lists: Lists) -> dict[int, Program]:
+        """This process's ranks' lists (of every rank's `lists`) as the runtime loop executes them: peers resolved,
+        receives placed, and which arrival proves which send done."""
         early = getattr(self.transport, "receives_early", False)
-        return {r: prepare(list(lists[r]), self.peer_of, early) for r in self.lists}
+        plan = self.plan
+        return {r: prepare(list(lists[r]), self.peer_of, early,
+                           send_releases(lists, r, plan.n_stages, plan.placement, plan.spec.pp)) for r in self.lists}
 
     def _gradient_sync(self) -> GradientSync:
         """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP."""

@@ -4,16 +4,19 @@ It holds no schedule-specific branch: warm-up, steady state and cool-down exist 
 
 Communication. A run of consecutive SEND_*/RECV_* actions is posted as one batch, in list order, and the loop
 moves on at once: a receive is waited for only right before the compute that consumes it, a send only at
-the end of the step (its tensor is dropped once the transport reports the transfer done: under NCCL as soon
-as it is; gloo reports a send done only when waited for, so there at the end of the step). So a RECV that the lowering
-placed ahead of its consumer overlaps the computes in between, and every send overlaps what follows it.
+the end of the step, or earlier once it is proven done. Its tensor is dropped once the transport reports the
+transfer done: under NCCL as soon as it is; gloo reports a send done only when waited for, so a rank about to
+wait anyway first waits for the sends that an arrival has proven done (release.py), which return at once.
+So a RECV that the lowering placed ahead of its consumer overlaps the computes in between, and every send
+overlaps what follows it.
 
 Why this stays deadlock-free wherever the lowering's model (wait for a whole batch before posting the next)
 is: (1) every op is posted at its own place in the list, so each peer pair sees the same posting order, and
 FIFO matching and NCCL's one stream per pair see the same sequence as before; (2) a rank blocks only on a
 receive right before its consumer and on its sends at the end, each at or after the point where the batch
-model blocked on the same op. An op completes once both ends are posted (under NCCL also once the ops before
-it on the pair's stream did, an order the batch model already obeyed). Posts can only move earlier and waits
+model blocked on the same op (a send waited for mid-step is one already proven done: it does not block).
+An op completes once both ends are posted (under NCCL also once the ops before it on the pair's stream did,
+an order the batch model already obeyed). Posts can only move earlier and waits
 only later, so by induction over the order in which the batch model completes ops, every op completes here.
 
 Receiving early. Where the transport says posted receives never hold up other transfers (gloo: each op
@@ -33,9 +36,8 @@ transport (one process per rank); `execute_emulated` switches to another rank (a
 """
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -136,9 +138,11 @@ class Program:
     runs: tuple[Run, ...]
     n_actions: int
     receives_early: bool  # the transport lets receives be posted ahead of the list (see the module docstring)
+    releases: dict[Action, tuple[Action, ...]]  # RECV -> the sends its arrival proves done (see release.py)
 
 
-def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool) -> Program:
+def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool,
+            releases: dict[Action, tuple[Action, ...]] | None = None) -> Program:
     """Cut the list into runs (receives moved early when the transport allows it) and resolve every peer."""
     runs = []
     for slot, group in early_receive_runs(actions) if receives_early else comm_runs(actions):
@@ -148,24 +152,20 @@ def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_ea
             runs.append(Run(slot, None, None, transfers))
         else:
             runs.append(Run(slot, head, _input_key(head), ()))
-    return Program(tuple(runs), len(actions), receives_early)
+    return Program(tuple(runs), len(actions), receives_early, releases or {})
 
 
 def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
         plan: StepPlan, records: list[Record] | None = None) -> Iterator[Blocked]:
     """Execute one rank's program; gradients accumulate in the stages' parameters. Yields where it must wait."""
-    inbox: dict[tuple[str, int, int], torch.Tensor | Pending] = {}  # inputs of local computes, by receiver
-    outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # outputs waiting for their SEND, by sender
-    sending: deque[Pending] = deque()  # posted sends, oldest first; each holds its tensor until the wire is done
+    mail = _Mail(program, transport)
     hooks = plan.hooks
     finished: Action | None = None  # the last compute; its `after` hook waits until its outputs are sent
-    ahead = -1  # index of the run whose receives were posted while the rank waited
     for index, step in enumerate(program.runs):
         start = time.perf_counter() if records is not None else 0.0
         action = step.compute
         if action is None:
-            transfers = step.transfers if index != ahead else tuple(t for t in step.transfers if t.sends)
-            _post(transfers, transport, inbox, outbox, sending)
+            mail.post(index, step)
             if records is not None:
                 records.extend((t.action, start, time.perf_counter()) for t in step.transfers)
         if finished is not None and hooks is not None:
@@ -174,51 +174,93 @@ def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_
         finished = None
         if action is None:
             continue
-        received = inbox.pop(step.input_key, None) if step.input_key is not None else None
-        if received is not None and not isinstance(received, torch.Tensor):
-            if not received.ready():
-                if program.receives_early and index + 1 < len(program.runs):
-                    ahead = _post_receives_ahead(program.runs[index + 1], transport, inbox, index + 1)
-                yield Blocked(step.slot, action, received)  # resumed once it is ready
-            received = received.tensor
-        while sending and sending[0].ready():  # release what the wire is done with; checking from the oldest
-            sending.popleft()  # only keeps this O(1) per compute where sends never report done early (gloo)
+        received = yield from mail.take_input(index, step)
+        mail.drop_sent()
         if records is not None:
             start = time.perf_counter()
         if hooks is not None:
             hooks.before(action)
-        _compute(action, stages, received, micro_batches, plan, inbox, outbox)
+        _compute(action, stages, received, micro_batches, plan, mail.inbox, mail.outbox)
         del received  # a received boundary tensor is the stage's leaf now, or no one's
         if records is not None:
             records.append((action, start, time.perf_counter()))
         finished = action
     if finished is not None and hooks is not None:
         hooks.after(finished)
-    for pending in sending:
-        if not pending.ready():
-            yield Blocked(program.n_actions, pending.message.action, pending)
-    if inbox or outbox:
-        raise RuntimeError(f"unconsumed boundary tensors (a broken schedule): {sorted(inbox) + sorted(outbox)}")
+    yield from mail.finish()
 
 
-def _post_receives_ahead(after: Run, transport: Transport, inbox: dict, index: int) -> int:
-    """While the rank waits anyway, post the receives of the transfers that follow this compute, so the
-    critical gap after it carries only its sends. Returns `index` when it posted (that run skips them later)."""
-    receives = tuple(t for t in after.transfers if not t.sends)
-    if not receives:
-        return -1
-    _post(receives, transport, inbox, {}, deque())
-    return index
+@dataclass
+class _Mail:
+    """One step's boundary tensors on this rank: what arrived, what waits for its SEND, what is on the wire."""
+
+    program: Program
+    transport: Transport
+    inbox: dict[tuple[str, int, int], torch.Tensor | Pending] = field(default_factory=dict)  # by receiver
+    outbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # by sender
+    sending: dict[Action, Pending] = field(default_factory=dict)  # posted sends, oldest first, holding their tensor
+    done: list[Action] = field(default_factory=list)  # sends an arrival proved done (release.py), not yet waited
+    ahead: int = -1  # index of the run whose receives were posted while the rank waited
+
+    def post(self, index: int, step: Run) -> None:
+        """Post one run of transfers (less the receives posted ahead) as one batch."""
+        transfers = step.transfers if index != self.ahead else tuple(t for t in step.transfers if t.sends)
+        _post(transfers, self.transport, self.inbox, self.outbox, self.sending)
+
+    def take_input(self, index: int, step: Run) -> Iterator[Blocked]:
+        """A compute's input from another stage (None if it has none), waiting for it if it is not there yet.
+
+        A rank that must wait posts the next run's receives first and waits for the sends proven done: both
+        cost nothing while it waits, and the next gap then carries only sends."""
+        received = self.inbox.pop(step.input_key, None) if step.input_key is not None else None
+        if received is None or isinstance(received, torch.Tensor):
+            return received
+        if not received.ready():
+            runs = self.program.runs
+            if self.program.receives_early and index + 1 < len(runs):
+                receives = tuple(t for t in runs[index + 1].transfers if not t.sends)
+                if receives:
+                    _post(receives, self.transport, self.inbox, {}, {})
+                    self.ahead = index + 1
+            self.release_done()
+            yield Blocked(step.slot, step.compute, received)  # resumed once it is ready
+        self.done.extend(self.program.releases.get(received.message.action, ()))
+        return received.tensor
+
+    def release_done(self) -> None:
+        """Wait for the sends proven done (it returns at once) so their tensors go now, not at the step's end."""
+        for action in self.done:
+            pending = self.sending.pop(action, None)
+            if pending is not None:
+                pending.wait()
+        self.done.clear()
+
+    def drop_sent(self) -> None:
+        """Drop the sends the transport reports done, oldest first (O(1) where none reports early: gloo)."""
+        while self.sending:
+            oldest = next(iter(self.sending))
+            if not self.sending[oldest].ready():
+                return
+            del self.sending[oldest]
+
+    def finish(self) -> Iterator[Blocked]:
+        """Wait for every send still on the wire; nothing may be left unconsumed."""
+        for pending in self.sending.values():
+            if not pending.ready():
+                yield Blocked(self.program.n_actions, pending.message.action, pending)
+        if self.inbox or self.outbox:
+            left = sorted(self.inbox) + sorted(self.outbox)
+            raise RuntimeError(f"unconsumed boundary tensors (a broken schedule): {left}")
 
 
 def _post(transfers: tuple[Transfer, ...], transport: Transport, inbox: dict, outbox: dict,
-          sending: deque[Pending]) -> None:
+          sending: dict[Action, Pending]) -> None:
     """Post one run of transfers as one batch: sends take their tensor from the outbox, receives file a
     Pending in the inbox. A function of its own, so no local outlives the post and pins a sent tensor."""
     messages = [Message(t.action, t.peer, outbox.pop(t.key) if t.sends else None) for t in transfers]
     for pending, transfer in zip(transport.post(messages), transfers):
         if transfer.sends:
-            sending.append(pending)
+            sending[transfer.action] = pending
         else:
             inbox[transfer.key] = pending
 
