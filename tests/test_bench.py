@@ -32,6 +32,9 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path):
     for name in SLEEP:
         assert isinstance(r["sleep"][name]["sluice_over_ideal"], float) and r["sleep"][name]["sluice_over_ideal"] > 0
         assert r["sleep"][name]["torch_over_ideal"] is None or r["sleep"][name]["torch_over_ideal"] > 0
+        row = r["sleep"][name]["by_m"]["4"]  # the paired rounds: one Sluice and one torch step each
+        assert row["rounds"] == len(row["sluice_runs_s"]) == len(row["torch_runs_s"]) >= 1
+        assert 0 <= row["sluice_wins"] <= row["rounds"] and isinstance(row["paired_diff_ms"], float)
     assert sorted(p.name for p in pngs.iterdir()) == sorted(f"sleep_{n}_pp4_m4.png" for n in SLEEP)
     for name in REAL:
         assert isinstance(r["real"][name]["sluice_over_torch"], float)

@@ -98,15 +98,19 @@ def _sleep(r: dict, doc_path: Path, root: Path) -> list[str]:
     out = ["## Sleep benchmark: measured / ideal (pp=4)", "",
            f"f = {setup.get('f_s', 0) * 1000:.0f} ms per rank's share of the model, b = 2f, i = w = f; "
            f"{setup.get('rounds')} measured steps per variant after {setup.get('warmup')} warm-up. The ideal is "
-           "for the stage costs measured alone (Method); the nominal one takes each action as exactly its sleep.",
+           "for the stage costs measured alone (Method); the nominal one takes each action as exactly its sleep. "
+           "Each round runs one Sluice step and one torch step back to back: \"Sluice − torch\" is the median of "
+           "those paired differences, and \"Sluice faster\" counts the rounds Sluice won.",
            "", "| schedule | m | ideal (s) | Sluice (s) | torch (s) | Sluice / ideal | torch / ideal | "
-           "nominal ideal (s) | Sluice / nominal | torch / nominal |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "nominal ideal (s) | Sluice / nominal | torch / nominal | Sluice − torch (ms) | Sluice faster |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in _schedules(sleep).items():
         for m, row in v["by_m"].items():
             out.append(f"| {name} | {m} | {row['ideal_s']:.3f} | {row['sluice_s']:.3f} | {row['torch_s']:.3f} | "
                        f"{row['sluice_over_ideal']:.3f} | {row['torch_over_ideal']:.3f} | "
                        f"{row['nominal_ideal_s']:.3f} | {row['sluice_over_nominal']:.3f} | "
-                       f"{row['torch_over_nominal']:.3f} |")
+                       f"{row['torch_over_nominal']:.3f} | {row['paired_diff_ms']:+.1f} | "
+                       f"{row['sluice_wins']}/{row['rounds']} |")
     pngs = [root / p for p in sleep.get("timelines", [])]
     if pngs:
         out += ["", "Measured Sluice steps (below) under the simulator's ideal plan (above):", ""]

@@ -140,7 +140,7 @@ def summarise(by_m: dict) -> dict:
         rows = {str(m): {**r[name], "sluice_over_ideal": r[name]["sluice_s"] / r[name]["ideal_s"],
                          "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"],
                          "sluice_over_nominal": r[name]["sluice_s"] / r[name]["nominal_ideal_s"],
-                         "torch_over_nominal": r[name]["torch_s"] / r[name]["nominal_ideal_s"]}
+                         "torch_over_nominal": r[name]["torch_s"] / r[name]["nominal_ideal_s"], **paired(r[name])}
                 for m, r in by_m.items()}
         top = rows[str(first)]
         section[name] = {key: top[key] for key in ("sluice_over_ideal", "torch_over_ideal", "sluice_over_nominal",
@@ -148,10 +148,18 @@ def summarise(by_m: dict) -> dict:
     return section
 
 
+def paired(row: dict) -> dict:
+    """Each round ran one Sluice step and one torch step back to back: the median of their differences and how
+    many rounds Sluice won. Two medians taken apart can differ by chance more than this; it shows a tie as one."""
+    diffs = [a - b for a, b in zip(row["sluice_runs_s"], row["torch_runs_s"])]
+    return {"paired_diff_ms": 1000 * statistics.median(diffs), "sluice_wins": sum(d < 0 for d in diffs),
+            "rounds": len(diffs)}
+
+
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny run to check the script works (m=4, 1 round)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
@@ -170,12 +178,13 @@ def main(argv: list[str]) -> dict:
     setup = replace(setup, png_dir=None)  # where they went is in "timelines", relative to the repository
     update_results("sleep", {**section, "setup": asdict(setup), "timelines": timelines}, args.results)
     print(f"{'schedule':18s} {'m':>3s} {'ideal s':>8s} {'sluice s':>9s} {'torch s':>8s} {'sluice/ideal':>13s} "
-          f"{'torch/ideal':>12s} {'sluice/nominal':>15s} {'torch/nominal':>14s}")
+          f"{'torch/ideal':>12s} {'sluice/nominal':>15s} {'torch/nominal':>14s} {'paired ms':>10s} {'wins':>6s}")
     for name in setup.schedules:
         for m, r in section[name]["by_m"].items():
             print(f"{name:18s} {m:>3s} {r['ideal_s']:8.3f} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} "
                   f"{r['sluice_over_ideal']:13.3f} {r['torch_over_ideal']:12.3f} {r['sluice_over_nominal']:15.3f} "
-                  f"{r['torch_over_nominal']:14.3f}")
+                  f"{r['torch_over_nominal']:14.3f} {r['paired_diff_ms']:+10.2f} "
+                  f"{r['sluice_wins']:>3d}/{r['rounds']:<2d}")
     return section
 
 
