@@ -38,6 +38,7 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path):
     assert sorted(p.name for p in pngs.iterdir()) == sorted(f"sleep_{n}_pp4_m4.png" for n in SLEEP)
     for name in REAL:
         assert isinstance(r["real"][name]["sluice_over_torch"], float)
+        assert 0 <= r["real"][name]["sluice_wins"] <= r["real"][name]["rounds"] == len(r["real"][name]["sluice_runs_s"])
         assert r["real"][name]["losses_equal"] is True, (r["real"][name]["sluice_loss"], r["real"][name]["torch_loss"])
     peaks = r["memory"]["1f1b"]
     assert len(peaks["sluice_peak_bytes"]) == len(peaks["torch_peak_bytes"]) == 4

@@ -128,6 +128,14 @@ class Times:
                 f"{prefix}_cpu_s": statistics.median(self.cpu), f"{prefix}_runs_s": self.wall}
 
 
+def paired(row: dict) -> dict:
+    """Each round ran one Sluice step and one torch step back to back: the median of their differences and how
+    many rounds Sluice won. Two medians taken apart can differ by chance more than this; it shows a tie as one."""
+    diffs = [a - b for a, b in zip(row["sluice_runs_s"], row["torch_runs_s"])]
+    return {"paired_diff_ms": 1000 * statistics.median(diffs), "sluice_wins": sum(d < 0 for d in diffs),
+            "rounds": len(diffs)}
+
+
 def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, Times]:
     """Warm every variant up, then run one step of each per round (A B A B ...); step times by variant."""
     for _ in range(warmup):

@@ -127,11 +127,13 @@ def _real(r: dict) -> list[str]:
            f"{s.get('layers')} layers, hidden {s.get('hidden')}, seq {s.get('seq')}, micro-batch size "
            f"{s.get('micro_batch_size')}, {s.get('microbatches')} micro-batches; {s.get('rounds')} measured steps "
            f"per variant after {s.get('warmup')} warm-up.", "",
-           "| schedule | Sluice (s) | torch (s) | Sluice / torch | CPU s, Sluice / torch | Sluice loss | torch loss "
-           "| equal |", "|---|---|---|---|---|---|---|---|"]
+           "| schedule | Sluice (s) | torch (s) | Sluice / torch | Sluice − torch, paired (ms) | Sluice faster | "
+           "CPU s, Sluice / torch | Sluice loss | torch loss | equal |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in _schedules(real).items():
         out.append(f"| {name} | {v['sluice_s']:.3f} | {v['torch_s']:.3f} | {v['sluice_over_torch']:.3f} | "
-                   f"{v['sluice_cpu_s']:.3f} / {v['torch_cpu_s']:.3f} | {v['sluice_loss']:.6f} | {v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
+                   f"{v['paired_diff_ms']:+.1f} | {v['sluice_wins']}/{v['rounds']} | "
+                   f"{v['sluice_cpu_s']:.3f} / {v['torch_cpu_s']:.3f} | {v['sluice_loss']:.6f} | "
+                   f"{v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
     return out + [""]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, alternate, run_workers, stamped, timed, update_results  # noqa: E402
+from common import ROOT, RESULTS, alternate, paired, run_workers, stamped, timed, update_results  # noqa: E402
 from sleep_model import sleep_model, stage_costs_alone  # noqa: E402
 
 import torch  # noqa: E402
@@ -146,14 +146,6 @@ def summarise(by_m: dict) -> dict:
         section[name] = {key: top[key] for key in ("sluice_over_ideal", "torch_over_ideal", "sluice_over_nominal",
                                                    "torch_over_nominal")} | {"m": first, "by_m": rows}
     return section
-
-
-def paired(row: dict) -> dict:
-    """Each round ran one Sluice step and one torch step back to back: the median of their differences and how
-    many rounds Sluice won. Two medians taken apart can differ by chance more than this; it shows a tie as one."""
-    diffs = [a - b for a, b in zip(row["sluice_runs_s"], row["torch_runs_s"])]
-    return {"paired_diff_ms": 1000 * statistics.median(diffs), "sluice_wins": sum(d < 0 for d in diffs),
-            "rounds": len(diffs)}
 
 
 def main(argv: list[str]) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RESULTS, ActivationMeter, alternate, run_workers, stamped, update_results,  # noqa: E402
+from common import (RESULTS, ActivationMeter, alternate, paired, run_workers, stamped, update_results,  # noqa: E402
                     watch_outputs)
 
 import torch  # noqa: E402
@@ -131,7 +131,7 @@ def summarise(by_name: dict) -> tuple[dict, dict]:
     real, memory = {}, {}
     for name, r in by_name.items():
         equal = abs(r["sluice_loss"] - r["torch_loss"]) <= LOSS_RTOL * abs(r["torch_loss"])
-        real[name] = {"sluice_over_torch": r["sluice_s"] / r["torch_s"], "losses_equal": equal,
+        real[name] = {"sluice_over_torch": r["sluice_s"] / r["torch_s"], "losses_equal": equal, **paired(r),
                       **{k: v for k, v in r.items() if not k.endswith("peak_bytes")}}
         memory[name] = {"sluice_peak_bytes": r["sluice_peak_bytes"], "torch_peak_bytes": r["torch_peak_bytes"]}
     return real, memory
@@ -140,7 +140,7 @@ def summarise(by_name: dict) -> tuple[dict, dict]:
 def main(argv: list[str]) -> tuple[dict, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round: checks the script works")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
@@ -153,9 +153,11 @@ def main(argv: list[str]) -> tuple[dict, dict]:
     real, memory = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
     update_results("real", {**real, "setup": asdict(setup)}, args.results)
     update_results("memory", memory, args.results)
-    print(f"{'schedule':18s} {'sluice s':>9s} {'torch s':>8s} {'ratio':>6s}  {'sluice loss':>12s} {'torch loss':>12s}")
+    print(f"{'schedule':18s} {'sluice s':>9s} {'torch s':>8s} {'ratio':>6s}  {'paired ms':>9s} {'wins':>5s}  "
+          f"{'sluice loss':>12s} {'torch loss':>12s}")
     for name, r in real.items():
         print(f"{name:18s} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} {r['sluice_over_torch']:6.3f}  "
+              f"{r['paired_diff_ms']:+9.2f} {r['sluice_wins']:>2d}/{r['rounds']:<2d}  "
               f"{r['sluice_loss']:12.6f} {r['torch_loss']:12.6f}  equal={r['losses_equal']}")
     for name, r in memory.items():
         print(f"{name:18s} peak activation MiB per stage: sluice "
