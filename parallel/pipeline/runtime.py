@@ -16,8 +16,8 @@ FIFO matching and NCCL's one stream per pair see the same sequence as before; (2
 receive right before its consumer and on its sends at the end, each at or after the point where the batch
 model blocked on the same op (a send waited for mid-step is one already proven done: it does not block).
 An op completes once both ends are posted (under NCCL also once the ops before it on the pair's stream did,
-an order the batch model already obeyed). Posts can only move earlier and waits
-only later, so by induction over the order in which the batch model completes ops, every op completes here.
+an order the batch model already obeyed). Posts can only move earlier and waits only later, so by induction
+over the order in which the batch model completes ops, every op completes here.
 
 Receiving early. Where the transport says posted receives never hold up other transfers (gloo: each op
 progresses on its own; not NCCL, whose ops on a peer pair share one stream in posting order), every RECV is
@@ -31,8 +31,8 @@ and the gap between that compute and the next, on the critical path when this ra
 carries only sends. (Posts move earlier again; the order of each peer's receives is unchanged.)
 
 `prepare` cuts a list into these runs once per engine. `run` is a generator that yields whenever the list must
-wait for a transfer: `execute` waits on the
-transport (one process per rank); `execute_emulated` switches to another rank (all ranks in one process).
+wait for a transfer: `execute` waits on the transport (one process per rank); `execute_emulated` switches to
+another rank (all ranks in one process).
 """
 
 import time
