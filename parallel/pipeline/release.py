@@ -18,14 +18,15 @@ def send_releases(lists: Sequence[Sequence[Action]], rank: int, n_stages: int, p
     """For `rank`'s list: each RECV -> the SENDs of `rank` that its arrival proves done (sends it proves
     nothing about are waited for at the end of the step, as before)."""
     releases: dict[Action, list[Action]] = {}
-    consumers = [_consumer_positions(actions, n_stages) for actions in lists]
+    consumers: dict[int, dict[Action, int]] = {}  # peer -> RECV -> position of the compute consuming it
     next_send_back: dict[int, list[int | None]] = {}  # peer -> position -> index of its next SEND to `rank`
     for send in lists[rank]:
         if send.kind not in SENDS:
             continue
         recv = counterpart(send)
         peer = stage_to_rank(recv.stage, pp, placement)
-        if peer not in next_send_back:
+        if peer not in consumers:  # only this rank's peers (two at most under loop or V placement) are read
+            consumers[peer] = _consumer_positions(lists[peer], n_stages)
             next_send_back[peer] = _next_sends_to(lists[peer], rank, pp, placement)
         consumed_at = consumers[peer].get(recv)
         if consumed_at is None:

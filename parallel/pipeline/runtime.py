@@ -142,7 +142,7 @@ class Program:
 
 
 def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool,
-            releases: dict[Action, tuple[Action, ...]] | None = None) -> Program:
+            releases: dict[Action, tuple[Action, ...]]) -> Program:
     """Cut the list into runs (receives moved early when the transport allows it) and resolve every peer."""
     runs = []
     for slot, group in early_receive_runs(actions) if receives_early else comm_runs(actions):
@@ -152,7 +152,7 @@ def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_ea
             runs.append(Run(slot, None, None, transfers))
         else:
             runs.append(Run(slot, head, _input_key(head), ()))
-    return Program(tuple(runs), len(actions), receives_early, releases or {})
+    return Program(tuple(runs), len(actions), receives_early, releases)
 
 
 def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
