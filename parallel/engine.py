@@ -26,6 +26,7 @@ from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.release import send_releases
 from parallel.pipeline.runtime import Program, Record, StepPlan, execute, execute_emulated, prepare
+from parallel.pipeline.shm_transport import send_counts, shm_available, shm_transport
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
@@ -58,15 +59,28 @@ def choose_token_loss(grid: ParallelGrid, vocab_size: int) -> TokenLoss:
 
 def choose_transport(spec: EngineSpec, plan: PipelinePlan, grid: ParallelGrid,
                      hidden_size: int) -> tuple[Transport | LocalTransport, Callable[[Action], int]]:
-    """The transport and the peer-rank function: in-process channels under emulation, else P2P."""
+    """The transport and the peer-rank function: in-process channels under emulation, else shared memory when
+    every rank is on this host and computes on the CPU (`parallel.transport=auto`), else torch.distributed P2P."""
     # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
     boundary = Boundary((spec.micro_batch_size, spec.seq_len, hidden_size), torch.float32)
     n_stages, placement, pp = plan.n_stages, plan.placement, plan.spec.pp
     if spec.emulate:
         return LocalTransport(boundary), functools.partial(comm_peer, n_stages=n_stages, placement=placement, pp=pp)
-    transport = P2PTransport(grid.rank, boundary, grid.device, spec.timeout_s)
-    return transport, lambda action: grid.global_rank_of(comm_peer(action, n_stages, placement, pp),
-                                                         grid.dp_rank, grid.tp_rank)
+
+    def peer_of(action: Action) -> int:
+        return grid.global_rank_of(comm_peer(action, n_stages, placement, pp), grid.dp_rank, grid.tp_rank)
+
+    if spec.transport != "p2p":
+        usable = grid.device.type == "cpu" and shm_available()
+        if spec.transport == "shm" and not usable:
+            raise ValueError(f"parallel.transport=shm carries CPU tensors on Linux; this run computes on "
+                             f"{grid.device.type}: use parallel.transport=auto or p2p")
+        if usable:  # the same answer on every rank: all of them take part in the collective below
+            slots = send_counts(plan.lowered[grid.pp_rank], peer_of)
+            shm = shm_transport(grid.rank, boundary, spec.timeout_s, slots, required=spec.transport == "shm")
+            if shm is not None:
+                return shm, peer_of
+    return P2PTransport(grid.rank, boundary, grid.device, spec.timeout_s), peer_of
 
 
 def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid) -> int | torch.Tensor:

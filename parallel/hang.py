@@ -243,11 +243,11 @@ def watch_grid(watch: Watch, grid) -> None:
 
 
 def watch_engine(engine, watch: Watch, before_action=None) -> None:
-    """Wrap a pipeline engine's transport (P2P only) and gradient sync so that the watch sees every wait."""
-    from parallel.pipeline.transport import P2PTransport
+    """Wrap a pipeline engine's transport (not the in-process one) and gradient sync so the watch sees every wait."""
+    from parallel.pipeline.transport import LocalTransport
 
     if not hasattr(engine, "sync"):
         return  # the single-device engine: nothing to wait for
-    if isinstance(engine.transport, P2PTransport):
+    if not isinstance(engine.transport, LocalTransport):
         engine.transport = WatchedTransport(engine.transport, watch)
     engine.sync = WatchedSync(engine.sync, watch, before_action)

@@ -51,6 +51,7 @@ class EngineSpec:
     emulate: bool = False  # one process plays every pipeline rank of its (dp, tp) coordinate
     recompute: str = "none"  # activation recomputation of the decoder layers: none | full | selective
     bucket_mb: float = 25.0  # data-parallel gradient buckets (MiB), reduced as soon as they are final
+    transport: str = "auto"  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
 
     @property
     def pipeline_ranks_per_process(self) -> int:

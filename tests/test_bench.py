@@ -35,18 +35,21 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path):
         row = r["sleep"][name]["by_m"]["4"]  # the paired rounds: one Sluice and one torch step each
         assert row["rounds"] == len(row["sluice_runs_s"]) == len(row["torch_runs_s"]) >= 1
         assert 0 <= row["sluice_wins"] <= row["rounds"] and isinstance(row["paired_diff_ms"], float)
+        assert row["sluice_transport"] == "ShmTransport" and row["sluice_gloo_over_ideal"] > 0  # and over gloo
     assert sorted(p.name for p in pngs.iterdir()) == sorted(f"sleep_{n}_pp4_m4.png" for n in SLEEP)
     for name in REAL:
         assert isinstance(r["real"][name]["sluice_over_torch"], float)
         assert 0 <= r["real"][name]["sluice_wins"] <= r["real"][name]["rounds"] == len(r["real"][name]["sluice_runs_s"])
         assert r["real"][name]["losses_equal"] is True, (r["real"][name]["sluice_loss"], r["real"][name]["torch_loss"])
+        assert r["real"][name]["sluice_shm_over_torch"] > 0
     peaks = r["memory"]["1f1b"]
     assert len(peaks["sluice_peak_bytes"]) == len(peaks["torch_peak_bytes"]) == 4
     assert all(b > 0 for b in peaks["sluice_peak_bytes"] + peaks["torch_peak_bytes"])
     assert r["overhead"]["ratio"] > 0
+    assert r["transport"]["gloo_hop_us"] > 0 and r["transport"]["shm_hop_us"] > 0
     assert r["overhead"]["first_loss"]["sluice"] == pytest.approx(r["overhead"]["first_loss"]["plain"], rel=1e-6)
     page = doc.read_text()
-    assert "## Acceptance" in page and "make bench ARGS=--smoke" in page
+    assert "## Acceptance" in page and "make bench ARGS=--smoke" in page and "## Transport" in page
     assert all(f"| {name} |" in page for name in SLEEP)
 
 

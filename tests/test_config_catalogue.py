@@ -57,6 +57,7 @@ BAD = [
     (["parallel.timeout_s=0"], "parallel.timeout_s=0.0 must be positive"),
     (["parallel.zero=2"], "parallel.zero=2 is not supported; use one of 0, 1"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb=0.0 must be positive"),
+    (["parallel.transport=tcp"], "parallel.transport=tcp is not supported; use one of auto, shm, p2p"),
     (["parallel.plan=manual"], "parallel.plan=manual is not supported; use one of auto"),
     (["parallel.memory_budget_gb=-1"], "parallel.memory_budget_gb=-1.0 must be positive"),
     (["parallel.vpp=2"], "parallel.vpp=2 needs a pipeline; set parallel.pp>=2"),

@@ -162,6 +162,7 @@ KEY_RULES: dict[str, Check] = {
     "parallel.emulate": any_of_type,
     "parallel.zero": one_of(0, 1),
     "parallel.bucket_mb": positive,
+    "parallel.transport": one_of("auto", "shm", "p2p"),
     "parallel.plan": optional(one_of("auto")),
     "parallel.memory_budget_gb": optional(positive),
     "schedule.name": schedule_name,

@@ -50,6 +50,7 @@ class ParallelSchema:
     emulate: bool = False
     zero: int = 0
     bucket_mb: float = 25.0
+    transport: str = "auto"
     plan: Optional[str] = None
     memory_budget_gb: Optional[float] = None
 

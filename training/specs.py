@@ -33,7 +33,8 @@ def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
     return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
                       seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device),
                       timeout_s=float(cfg.parallel.timeout_s), emulate=bool(cfg.parallel.emulate),
-                      bucket_mb=float(cfg.parallel.bucket_mb), recompute=cfg.train.recompute)
+                      bucket_mb=float(cfg.parallel.bucket_mb), recompute=cfg.train.recompute,
+                      transport=cfg.parallel.transport)
 
 
 def checkpoint_spec(cfg: DictConfig, run_dir: Path) -> CheckpointSpec:

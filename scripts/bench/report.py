@@ -34,6 +34,10 @@ costs whatever else the machine runs, so it separates framework work from a busy
 - **Activation memory**: peak bytes alive at once per pipeline rank during one step: every tensor autograd
   saves for backward (saved-tensor hooks, each storage once) plus each stage's boundary output while a
   Python object still holds it. Sluice's deferred weight-gradient inputs (zero-bubble) are not counted.
+- **Transports**: torch.distributed.pipelining passes boundary tensors over gloo on CPUs. Sluice's default on one
+  CPU host is shared memory (`parallel.transport=auto`); the sleep benchmark times Sluice so, and at the
+  smallest m over gloo too. The real-model comparison runs both over gloo and gives Sluice on shared memory
+  beside them. `scripts/bench/hop_latency.py` times one hop of each transport.
 - **Overhead** (`scripts/bench/overhead.py`): one process, the real model; a Sluice step (LocalEngine, the
   trainer's learning rate, grad-norm clipping and AdamW) against a hand-written loop (forward, backward per
   micro-batch, `clip_grad_norm_`, AdamW with the same settings).
@@ -47,7 +51,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
     run = r.get("run", {})
     if run:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
-    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r)
+    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r) + _transport(r)
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -100,15 +104,17 @@ def _sleep(r: dict, doc_path: Path, root: Path) -> list[str]:
            f"{setup.get('rounds')} measured steps per variant after {setup.get('warmup')} warm-up. The ideal is "
            "for the stage costs measured alone (Method); the nominal one takes each action as exactly its sleep. "
            "Each round runs one Sluice step and one torch step back to back: \"Sluice − torch\" is the median of "
-           "those paired differences, and \"Sluice faster\" counts the rounds Sluice won.",
+           "those paired differences, and \"Sluice faster\" counts the rounds Sluice won. Sluice runs with its "
+           f"default transport ({_transport_name(sleep)}); torch with gloo. \"Sluice on gloo\" is Sluice with "
+           "`parallel.transport=p2p`, as torch passes tensors: the runtime's share without the transport's.",
            "", "| schedule | m | ideal (s) | Sluice (s) | torch (s) | Sluice / ideal | torch / ideal | "
-           "nominal ideal (s) | Sluice / nominal | torch / nominal | Sluice − torch (ms) | Sluice faster |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "Sluice on gloo / ideal | nominal ideal (s) | Sluice / nominal | torch / nominal | Sluice − torch (ms) | "
+           "Sluice faster |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in _schedules(sleep).items():
         for m, row in v["by_m"].items():
             out.append(f"| {name} | {m} | {row['ideal_s']:.3f} | {row['sluice_s']:.3f} | {row['torch_s']:.3f} | "
                        f"{row['sluice_over_ideal']:.3f} | {row['torch_over_ideal']:.3f} | "
-                       f"{row['nominal_ideal_s']:.3f} | {row['sluice_over_nominal']:.3f} | "
+                       f"{_ratio(row.get('sluice_gloo_over_ideal'))} | {row['nominal_ideal_s']:.3f} | {row['sluice_over_nominal']:.3f} | "
                        f"{row['torch_over_nominal']:.3f} | {row['paired_diff_ms']:+.1f} | "
                        f"{row['sluice_wins']}/{row['rounds']} |")
     pngs = [root / p for p in sleep.get("timelines", [])]
@@ -127,11 +133,15 @@ def _real(r: dict) -> list[str]:
            f"{s.get('layers')} layers, hidden {s.get('hidden')}, seq {s.get('seq')}, micro-batch size "
            f"{s.get('micro_batch_size')}, {s.get('microbatches')} micro-batches; {s.get('rounds')} measured steps "
            f"per variant after {s.get('warmup')} warm-up.", "",
+           "Both pass boundary tensors over gloo (Sluice with `parallel.transport=p2p`); \"Sluice on shm / torch\" is "
+           "Sluice with its default on one CPU host, shared memory.", "",
            "| schedule | Sluice (s) | torch (s) | Sluice / torch | Sluice − torch, paired (ms) | Sluice faster | "
-           "CPU s, Sluice / torch | Sluice loss | torch loss | equal |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "Sluice on shm / torch | CPU s, Sluice / torch | Sluice loss | torch loss | equal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in _schedules(real).items():
         out.append(f"| {name} | {v['sluice_s']:.3f} | {v['torch_s']:.3f} | {v['sluice_over_torch']:.3f} | "
                    f"{v['paired_diff_ms']:+.1f} | {v['sluice_wins']}/{v['rounds']} | "
+                   f"{_ratio(v.get('sluice_shm_over_torch'))} | "
                    f"{v['sluice_cpu_s']:.3f} / {v['torch_cpu_s']:.3f} | {v['sluice_loss']:.6f} | "
                    f"{v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
     return out + [""]
@@ -158,6 +168,28 @@ def _overhead(r: dict) -> list[str]:
         out += ["", f"Grad-norm clipping alone, on the same gradients: {clip['sluice'] * 1000:.1f} ms of CPU in the "
                 f"trainer's `clip_grad_norm`, {clip['torch'] * 1000:.1f} ms in `torch.nn.utils.clip_grad_norm_`."]
     return out + [""]
+
+
+def _transport(r: dict) -> list[str]:
+    t = r.get("transport")
+    if not t:
+        return []
+    return ["## Transport: one hop between two ranks (µs)", "",
+            f"Ping-pong of a {' x '.join(map(str, t['boundary']))} fp32 boundary tensor, each rank sleeping "
+            f"{t['compute_s'] * 1000:.0f} ms before it sends (`scripts/bench/hop_latency.py`); median of "
+            f"{t['rounds']} round trips each, alternated.", "",
+            "| gloo P2P | shared memory | shared memory / gloo |", "|---|---|---|",
+            f"| {t['gloo_hop_us']:.0f} | {t['shm_hop_us']:.0f} | {t['shm_over_gloo']:.2f} |", ""]
+
+
+def _transport_name(sleep: dict) -> str:
+    """The transport Sluice's sleep runs used, as the page names it."""
+    names = {row.get("sluice_transport") for v in _schedules(sleep).values() for row in v["by_m"].values()}
+    return ", ".join({"ShmTransport": "shared memory", "P2PTransport": "gloo"}.get(n, str(n)) for n in sorted(names))
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def _schedules(section: dict) -> dict:

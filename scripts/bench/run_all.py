@@ -1,5 +1,6 @@
-"""`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining and the single-process
-overhead, one after the other; then bench/results.json and docs/benchmarks.md (tables, ratios, timelines).
+"""`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining, the single-process
+overhead and the transports' hop latency, one after the other; then bench/results.json and docs/benchmarks.md
+(tables, ratios, timelines).
 
     python scripts/bench/run_all.py [--smoke] [--results PATH] [--doc PATH] [--png-dir DIR]
 
@@ -20,7 +21,7 @@ from common import ROOT, RESULTS, update_results  # noqa: E402
 from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py")
+BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py")
 
 
 def main(argv: list[str]) -> Path:

@@ -4,9 +4,11 @@ Each stage is one `SleepLayer` (F, I and W sleep a fixed time, no CPU). The idea
 for the stage costs as measured alone, one stage at a time in one process with plain autograd: the sleep plus
 the model code around it (embedding, head, loss; on this machine a 40 ms F costs about 41.5 ms). So the
 distance to the ideal is what scheduling and transport cost, not the stages themselves. The nominal ideal
-(every action exactly its sleep) is reported beside it. pp=4 gloo processes; Sluice and
-torch.distributed.pipelining's counterpart of each schedule run alternately, one step each per round. Writes
-the "sleep" section of results.json and, for m=8, a measured-vs-planned PNG per Sluice schedule.
+(every action exactly its sleep) is reported beside it. pp=4 gloo processes; Sluice (its default transport,
+shared memory between the ranks of this host) and torch.distributed.pipelining's counterpart of each schedule
+(gloo) run alternately, one step each per round; at the smallest m, Sluice over gloo too ("sluice_gloo"), to
+tell the runtime's share from the transport's. Writes the "sleep" section of results.json and, for m=8, a
+measured-vs-planned PNG per Sluice schedule.
 
     python scripts/bench/schedules.py [--smoke] [--rounds N] [--f-ms MS] [--results PATH] [--png-dir DIR]
 """
@@ -81,17 +83,24 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
             if vpp not in stage_costs:
                 stage_costs[vpp] = measured_alone(model, PP * vpp, micro[0], rank)
             pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
-            engines[name] = build_engine(EngineSpec(pipeline, 1, SEQ, timeout_s=120), model, grid)
+            spec = EngineSpec(pipeline, 1, SEQ, timeout_s=120)
+            engines[name] = build_engine(spec, model, grid)  # the default transport: shared memory here
             plan = plan_pipeline(pipeline, PP * vpp)
             ideal[name] = plan.simulate(stage_costs[vpp]).makespan
             nominal[name] = plan.simulate(c).makespan
             variants[f"sluice {name}"] = lambda e=engines[name]: e.step(micro)
             torch_pipe = build(name, model, PP, m, grid.pp_rank, tokens, None)
             variants[f"torch {name}"] = lambda t=torch_pipe: t.step(micro, tokens)
+            if m == min(setup.microbatches):  # Sluice over gloo too, as torch runs: what the runtime alone gives
+                on_gloo = build_engine(replace(spec, transport="p2p"), model, grid)
+                variants[f"sluice_gloo {name}"] = lambda e=on_gloo: e.step(micro)
         times = alternate(variants, setup.warmup, setup.rounds)
         traced = {name: traced_step(engine, name, setup, m, rank, stage_costs[SCHEDULES[name]])
                   for name, engine in engines.items()}
         out[m] = {name: {"ideal_s": ideal[name], "nominal_ideal_s": nominal[name],
+                         "sluice_transport": type(engines[name].transport).__name__,
+                         **(times[f"sluice_gloo {name}"].summary("sluice_gloo") if f"sluice_gloo {name}" in times
+                            else {}),
                          "stage_f_s": stage_costs[SCHEDULES[name]].stage_f,
                          "stage_b_s": stage_costs[SCHEDULES[name]].stage_b, **times[f"sluice {name}"].summary("sluice"),
                          **times[f"torch {name}"].summary("torch"), **traced[name]} for name in setup.schedules}
@@ -138,13 +147,16 @@ def summarise(by_m: dict) -> dict:
     section = {}
     for name in next(iter(by_m.values())):
         rows = {str(m): {**r[name], "sluice_over_ideal": r[name]["sluice_s"] / r[name]["ideal_s"],
+                         **({"sluice_gloo_over_ideal": r[name]["sluice_gloo_s"] / r[name]["ideal_s"]}
+                            if "sluice_gloo_s" in r[name] else {}),
                          "torch_over_ideal": r[name]["torch_s"] / r[name]["ideal_s"],
                          "sluice_over_nominal": r[name]["sluice_s"] / r[name]["nominal_ideal_s"],
                          "torch_over_nominal": r[name]["torch_s"] / r[name]["nominal_ideal_s"], **paired(r[name])}
                 for m, r in by_m.items()}
         top = rows[str(first)]
         section[name] = {key: top[key] for key in ("sluice_over_ideal", "torch_over_ideal", "sluice_over_nominal",
-                                                   "torch_over_nominal")} | {"m": first, "by_m": rows}
+                                                   "torch_over_nominal", "sluice_gloo_over_ideal")}
+        section[name] |= {"m": first, "by_m": rows}
     return section
 
 

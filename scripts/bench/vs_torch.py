@@ -1,7 +1,9 @@
 """Real model: Sluice against torch.distributed.pipelining, schedule by schedule, on the same work.
 
 The same MiniMind (8 layers, hidden 256, seq 128), the same partition, placement, micro-batches and token-sum
-loss; pp=4 gloo processes on the CPU; variants alternate one step at a time (A B A B) after a warm-up. Each
+loss; pp=4 gloo processes on the CPU, both frameworks passing boundary tensors over gloo (Sluice's
+`parallel.transport=p2p`; its default on one CPU host, shared memory, is timed beside them as "sluice_shm");
+variants alternate one step at a time (A B A B) after a warm-up. Each
 step is forward + backward + the tied-embedding gradient sum (no optimizer: it is the same for both). Also
 each stage's peak activation memory (tensors saved for backward plus boundary outputs still held).
 Writes the "real" and "memory" sections of results.json.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,16 +79,19 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
         vpp = SCHEDULES[name]
         spec = EngineSpec(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=setup.microbatches),
                           setup.micro_batch_size, setup.seq, timeout_s=300)
-        sluice[name] = build_engine(spec, model, grid)
+        sluice[name] = build_engine(replace(spec, transport="p2p"), model, grid)
         theirs[name] = build(name, model, PP, setup.microbatches, grid.pp_rank, tokens, embed_group)
         variants[f"sluice {name}"] = lambda e=sluice[name]: _sluice_step(e, micro)
         variants[f"torch {name}"] = lambda t=theirs[name]: t.step(micro, tokens)
+        variants[f"sluice_shm {name}"] = lambda e=build_engine(replace(spec, transport="shm"), model, grid): \
+            _sluice_step(e, micro)
     times = alternate(variants, setup.warmup, setup.rounds)
     out = {}
     for name in setup.schedules:
         sluice_loss = _sluice_step(sluice[name], micro)
         torch_loss = _from_last(theirs[name].step(micro, tokens))
         out[name] = {**times[f"sluice {name}"].summary("sluice"), **times[f"torch {name}"].summary("torch"),
+                     **times[f"sluice_shm {name}"].summary("sluice_shm"),
                      "sluice_loss": sluice_loss, "torch_loss": torch_loss,
                      "sluice_peak_bytes": _gathered(_peak(lambda e=sluice[name]: _sluice_step(e, micro),
                                                           [s.module.model for s in sluice[name].stages.values()])),
@@ -132,6 +137,7 @@ def summarise(by_name: dict) -> tuple[dict, dict]:
     for name, r in by_name.items():
         equal = abs(r["sluice_loss"] - r["torch_loss"]) <= LOSS_RTOL * abs(r["torch_loss"])
         real[name] = {"sluice_over_torch": r["sluice_s"] / r["torch_s"], "losses_equal": equal, **paired(r),
+                      "sluice_shm_over_torch": r["sluice_shm_s"] / r["torch_s"],
                       **{k: v for k, v in r.items() if not k.endswith("peak_bytes")}}
         memory[name] = {"sluice_peak_bytes": r["sluice_peak_bytes"], "torch_peak_bytes": r["torch_peak_bytes"]}
     return real, memory
@@ -154,10 +160,11 @@ def main(argv: list[str]) -> tuple[dict, dict]:
     update_results("real", {**real, "setup": asdict(setup)}, args.results)
     update_results("memory", memory, args.results)
     print(f"{'schedule':18s} {'sluice s':>9s} {'torch s':>8s} {'ratio':>6s}  {'paired ms':>9s} {'wins':>5s}  "
-          f"{'sluice loss':>12s} {'torch loss':>12s}")
+          f"{'shm ratio':>9s}  {'sluice loss':>12s} {'torch loss':>12s}")
     for name, r in real.items():
         print(f"{name:18s} {r['sluice_s']:9.3f} {r['torch_s']:8.3f} {r['sluice_over_torch']:6.3f}  "
               f"{r['paired_diff_ms']:+9.2f} {r['sluice_wins']:>2d}/{r['rounds']:<2d}  "
+              f"{r['sluice_shm_over_torch']:9.3f}  "
               f"{r['sluice_loss']:12.6f} {r['torch_loss']:12.6f}  equal={r['losses_equal']}")
     for name, r in memory.items():
         print(f"{name:18s} peak activation MiB per stage: sluice "

@@ -1,0 +1,275 @@
+"""Shared-memory transport: boundary tensors between pipeline ranks on one host, for CPU tensors.
+
+Hand-written because the field has no low-latency same-host P2P for CPU tensors: gloo hands every message to its
+own I/O thread, which then wakes the waiting thread, two wake-ups a hop where one does (88 vs 57 us a hop here,
+`python scripts/bench/hop_latency.py`), and the 20-40 hops on a schedule's critical path add up.
+
+Each ordered pair of ranks shares a ring of slots in the sender's memory (a memfd, mapped by both; no file is left
+behind, even by a killed process) and one Unix socket pair:
+- a send copies the tensor into the next slot and writes b"M" on the socket; it is done at once;
+- a receive waits in select() on the socket, copies its slot out and writes back b"A", which frees the slot.
+A sender whose ring is full waits for an ack. That is deadlock-free for the lowered lists: it waits only for a
+message the batch model (runtime.py) had delivered before this send's batch was posted. A rank that exits
+closes its sockets, so its peers fail at once with a message naming it, not after the timeout.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .actions import Action
+from .transport import SENDS, Boundary, Message, TransportTimeout, describe
+
+MESSAGE, ACK = b"M", b"A"
+MAX_SLOTS = 16  # a ring per peer holds this many boundary tensors at most; more in flight waits for acks
+
+
+def shm_available() -> bool:
+    """This platform can share a memfd over a Unix socket (Linux)."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
+
+
+@dataclass
+class ShmPending:
+    """A posted transfer; a send is done when posted, a receive once its slot is copied out."""
+
+    message: Message
+    tensor: torch.Tensor | None
+    link: "_Link"
+    transport: "ShmTransport"
+    done: bool = False
+
+    def ready(self) -> bool:
+        if not self.done:
+            self.transport.progress(self.link, self.message)
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            self.transport.wait_for(self)
+
+
+@dataclass
+class _Link:
+    """The connection to one peer: the socket, both rings, and the receives waiting for a message."""
+
+    peer: int
+    sock: socket.socket
+    tx: list[torch.Tensor]  # our ring's slots (byte views), written by us
+    rx: list[torch.Tensor] = field(default_factory=list)  # the peer's ring, read by us
+    sent: int = 0  # messages written into our ring
+    acked: int = 0  # of them, taken by the peer
+    taken: int = 0  # messages read from the peer's ring
+    arrived: int = 0  # messages the peer announced that no receive has taken yet
+    receives: deque[ShmPending] = field(default_factory=deque)  # posted receives, oldest first
+    closed: bool = False  # the peer closed its end: it exited (or failed)
+
+
+class ShmTransport:
+    """Pipeline P2P over shared memory between the ranks of one host; `peers` are this rank's pipeline peers
+    (global ranks) and `slots` the ring size toward each. Every rank of the world must build one together."""
+
+    receives_early = True  # a posted receive never holds up a transfer (sends never wait for receives)
+
+    def __init__(self, rank: int, boundary: Boundary, timeout_s: float, links: dict[int, _Link]):
+        self.rank, self.boundary, self.timeout_s, self.links = rank, boundary, timeout_s, links
+
+    def post(self, messages: list[Message]) -> list[ShmPending]:
+        posted = []
+        for msg in messages:
+            link = self.links[msg.peer]
+            if msg.action.kind in SENDS:
+                self.boundary.check(msg)
+                self._send(link, msg)
+                posted.append(ShmPending(msg, msg.tensor, link, self, done=True))
+            else:
+                pending = ShmPending(msg, torch.empty(self.boundary.shape, dtype=self.boundary.dtype), link, self)
+                link.receives.append(pending)
+                posted.append(pending)
+        return posted
+
+    def _send(self, link: _Link, msg: Message) -> None:
+        """Copy into the next free slot (waiting for an ack if the ring is full) and announce it."""
+        if link.sent - link.acked >= len(link.tx):
+            self._block(msg, lambda: link.sent - link.acked < len(link.tx) or self._gone(link, msg))
+        link.tx[link.sent % len(link.tx)].copy_(_bytes(msg.tensor))
+        link.sent += 1
+        try:
+            link.sock.sendall(MESSAGE)
+        except OSError:  # EPIPE, ECONNRESET: the peer is gone
+            link.closed = True
+            self._gone(link, msg)
+
+    def progress(self, link: _Link, msg: Message) -> None:
+        """Read what the peer wrote (announcements and acks) and fill the receives it completes; never blocks.
+        `msg` is what this rank is after, for the error if the peer is gone."""
+        if not link.closed:
+            try:
+                data = link.sock.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data == b"":
+                link.closed = True  # what it sent before it went is still in its ring, ours to take
+            elif data:
+                link.arrived += data.count(MESSAGE)
+                link.acked += data.count(ACK)
+        taken = 0
+        while link.arrived and link.receives:
+            pending = link.receives.popleft()
+            _bytes(pending.tensor).copy_(link.rx[link.taken % len(link.rx)])
+            link.taken += 1
+            link.arrived -= 1
+            pending.done = True
+            taken += 1
+        if link.closed and link.receives:
+            self._gone(link, msg)
+        if taken and not link.closed:
+            try:
+                link.sock.sendall(ACK * taken)
+            except OSError:  # a peer that finished its step and exited needs no ack
+                link.closed = True
+
+    def _gone(self, link: _Link, msg: Message) -> bool:
+        """Raise for a peer that closed its connection while this rank still needs it; False if it is there."""
+        if not link.closed:
+            return False
+        raise TransportTimeout(f"{describe(self.rank, msg)} failed: rank {link.peer} closed its connection "
+                               "(it exited or failed; its own error says why)")
+
+    def wait_for(self, pending: ShmPending) -> None:
+        """Block until `pending` is filled; raise naming it on timeout or when a peer is gone."""
+        self._block(pending.message, lambda: pending.done)
+
+    def _block(self, msg: Message, until) -> None:
+        """Progress every link (a peer may be waiting for our acks) and sleep in select() until `until()`."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for link in self.links.values():
+                self.progress(link, msg)
+            if until():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout(f"{describe(self.rank, msg)} did not complete within {self.timeout_s:.0f}s "
+                                       "(parallel.timeout_s)")
+            select.select([link.sock for link in self.links.values() if not link.closed], [], [], left)
+
+    def close(self) -> None:
+        """Close every socket (a peer's next read sees it); the rings go with the last tensor viewing them."""
+        for link in self.links.values():
+            link.sock.close()
+        self.links = {}
+
+
+def boundary_bytes(boundary: Boundary) -> int:
+    """Bytes of one boundary tensor (one ring slot)."""
+    return torch.empty(boundary.shape, dtype=boundary.dtype, device="meta").nbytes
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (any dtype)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def send_counts(actions: list[Action], peer_of) -> dict[int, int]:
+    """Sends to each peer in one rank's list; receives count the peer too, so every peer has an entry."""
+    counts: dict[int, int] = {}
+    for action in actions:
+        if action.kind.is_comm:
+            peer = peer_of(action)
+            counts[peer] = counts.get(peer, 0) + (action.kind in SENDS)
+    return counts
+
+
+def shm_transport(rank: int, boundary: Boundary, timeout_s: float, slots: dict[int, int],
+                  required: bool) -> ShmTransport | None:
+    """The shared-memory transport when every rank of the world is on this host, else None (or, if `required`,
+    a ValueError naming the hosts). A collective: every rank of the world calls it, peers or not.
+
+    `slots` maps each pipeline peer (global rank) to the ring size toward it (its sends in a step)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = f"\0sluice-{uuid.uuid4().hex}"  # Linux's abstract namespace: no file to clean up
+    listener.bind(address)
+    listener.listen(max(len(slots), 1))
+    try:
+        box: list = [None] * dist.get_world_size()
+        dist.all_gather_object(box, (socket.gethostname(), address))  # every listener is bound after this
+        hosts = sorted({host for host, _ in box})
+        if len(hosts) > 1:
+            if required:
+                raise ValueError(f"parallel.transport=shm needs every rank on one host, but they run on {hosts}; "
+                                 "use parallel.transport=auto or p2p")
+            return None
+        nbytes = boundary_bytes(boundary)
+        return ShmTransport(rank, boundary, timeout_s, _connect(rank, slots, nbytes, timeout_s, listener,
+                                                                [a for _, a in box]))
+    finally:
+        listener.close()
+
+
+def _connect(rank: int, slots: dict[int, int], nbytes: int, timeout_s: float, listener: socket.socket,
+             addresses: list[str]) -> dict[int, _Link]:
+    """A socket and two rings with every peer: connect to the lower ranks, accept the higher ones."""
+    links: dict[int, _Link] = {}
+    for peer in sorted(p for p in slots if p < rank):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.connect(addresses[peer])
+        sock.sendall(rank.to_bytes(4, "little"))
+        links[peer] = _open_link(sock, peer, slots[peer], nbytes)
+    listener.settimeout(timeout_s)
+    for _ in [p for p in slots if p > rank]:
+        sock, _ = listener.accept()
+        sock.settimeout(timeout_s)
+        peer = int.from_bytes(_read_exactly(sock, 4), "little")
+        links[peer] = _open_link(sock, peer, slots[peer], nbytes)
+    for link in links.values():
+        link.sock.settimeout(None)  # blocking writes of a byte; reads never block (MSG_DONTWAIT, select)
+    return links
+
+
+def _open_link(sock: socket.socket, peer: int, slots: int, nbytes: int) -> _Link:
+    """Create our ring toward `peer`, hand it over with its size, and map the ring the peer hands us."""
+    slots = max(1, min(slots, MAX_SLOTS))
+    fd = os.memfd_create(f"sluice-ring-to-{peer}")
+    try:
+        os.ftruncate(fd, slots * nbytes)
+        ours = mmap.mmap(fd, slots * nbytes)
+        socket.send_fds(sock, [slots.to_bytes(4, "little")], [fd])
+    finally:
+        os.close(fd)
+    data, fds, _, _ = socket.recv_fds(sock, 4, 1)
+    if len(data) != 4 or len(fds) != 1:
+        raise RuntimeError(f"rank {peer} did not hand over its shared-memory ring (got {len(fds)} descriptors)")
+    their_slots = int.from_bytes(data, "little")
+    try:
+        theirs = mmap.mmap(fds[0], their_slots * nbytes)
+    finally:
+        os.close(fds[0])
+    return _Link(peer, sock, _slots(ours, slots, nbytes), _slots(theirs, their_slots, nbytes))
+
+
+def _slots(ring: mmap.mmap, n: int, nbytes: int) -> list[torch.Tensor]:
+    return [torch.frombuffer(ring, dtype=torch.uint8, count=nbytes, offset=i * nbytes) for i in range(n)]
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise RuntimeError("a pipeline peer closed its connection while the shared-memory transport was set up")
+        data += chunk
+    return data

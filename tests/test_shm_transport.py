@@ -1,0 +1,135 @@
+"""The shared-memory transport: the pick of `parallel.transport`, the same numbers as gloo P2P (full rings
+included), and a peer that is gone or silent named at once or at the timeout."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from parallel.engine import ParallelEngine
+from parallel.grid import ParallelGrid
+from parallel.pipeline import shm_transport
+from parallel.pipeline.actions import Action, Kind
+from parallel.pipeline.shm_transport import ShmTransport
+from parallel.pipeline.transport import Boundary, Message, P2PTransport, TransportTimeout
+from tests.spawn import run_workers
+from tests.test_runtime import batches, dense_grads, layout_cfg, tiny
+
+BOUNDARY = Boundary((2, 16, 32), torch.float32)  # tiny()'s hidden size at micro_batch_size 2, seq_len 16
+
+
+def _engine_worker(rank: int, world_size: int, schedule: str, max_slots: int) -> dict:
+    """One step under each transport; gradients by name and the transports' types."""
+    shm_transport.MAX_SLOTS = max_slots  # this process only: a small ring makes senders wait for acks
+    grid = ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
+    out: dict = {"grads": {}, "types": {}, "slots": {}}
+    for transport in ("auto", "p2p"):
+        spec = dataclasses.replace(layout_cfg(schedule, 2, 4), emulate=False, transport=transport)
+        engine = ParallelEngine(spec, tiny(), grid)
+        engine.step(batches(4))
+        out["types"][transport] = type(engine.transport).__name__
+        out["grads"][transport] = {n: p.grad.clone() for n, p in engine.named_parameters().items()}
+        if isinstance(engine.transport, ShmTransport):
+            out["slots"] = {peer: len(link.tx) for peer, link in engine.transport.links.items()}
+    return out
+
+
+@pytest.mark.parametrize("schedule, max_slots", [("1f1b", 16), ("gpipe", 1)])
+def test_shm_is_the_cpu_default_and_gives_gloos_gradients_bit_for_bit(schedule, max_slots):
+    # gpipe with one slot per ring: rank 0 sends four activations in a row, each waiting for the last one's ack.
+    results = run_workers(_engine_worker, 2, schedule, max_slots, timeout=120)
+    reference = dense_grads(tiny(), batches(4))
+    for rank, r in enumerate(results):
+        assert r["types"] == {"auto": "ShmTransport", "p2p": "P2PTransport"}, r["types"]
+        assert r["slots"] == {1 - rank: min(4, max_slots)}, r["slots"]  # a ring holds a step's sends to the peer
+        for name, grad in r["grads"]["auto"].items():
+            assert torch.equal(grad, r["grads"]["p2p"][name]), (rank, name)
+            expected = reference["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _message(kind: Kind, microbatch: int, stage: int, peer: int, tensor: torch.Tensor | None = None) -> Message:
+    return Message(Action(kind, microbatch, stage), peer, tensor)
+
+
+def _transport(rank: int, timeout_s: float) -> ShmTransport:
+    ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
+    transport = shm_transport.shm_transport(rank, BOUNDARY, timeout_s, {1 - rank: 2}, required=True)
+    assert transport is not None
+    return transport
+
+
+def _gone_worker(rank: int, world_size: int) -> dict:
+    """Rank 1 closes its transport, as its exit would; rank 0 waits for an activation from it."""
+    transport = _transport(rank, timeout_s=60)
+    if rank == 1:
+        transport.close()
+        return {}
+    (pending,) = transport.post([_message(Kind.RECV_F, 0, 1, peer=1)])
+    start = time.monotonic()
+    try:
+        pending.wait()
+    except TransportTimeout as error:
+        return {"error": str(error), "waited_s": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_peer_that_is_gone_fails_the_wait_at_once_naming_it():
+    r = run_workers(_gone_worker, 2, timeout=60)[0]
+    assert r["error"] == ("rank 0: receiving activation from rank 1 for micro-batch 0 (stage 1, RECV_F0@s1) failed: "
+                          "rank 1 closed its connection (it exited or failed; its own error says why)"), r
+    assert r["waited_s"] < 10, r  # the close, not parallel.timeout_s (60 s)
+
+
+def _silent_worker(rank: int, world_size: int) -> str | None:
+    """Rank 0 waits 1 s for a gradient rank 1 never sends; rank 1 waits for the end."""
+    transport = _transport(rank, timeout_s=1)
+    error = None
+    if rank == 0:
+        (pending,) = transport.post([_message(Kind.RECV_B, 2, 0, peer=1)])
+        try:
+            pending.wait()
+        except TransportTimeout as caught:
+            error = str(caught)
+    torch.distributed.barrier()
+    return error
+
+
+def test_a_message_that_never_comes_times_out_naming_the_transfer():
+    error = run_workers(_silent_worker, 2, timeout=60)[0]
+    assert error == ("rank 0: receiving gradient from rank 1 for micro-batch 2 (stage 0, RECV_B2@s0) did not "
+                     "complete within 1s (parallel.timeout_s)")
+
+
+def _hosts_worker(rank: int, world_size: int) -> tuple[str | None, bool]:
+    """Ranks that report different hosts: auto falls back (None), shm refuses naming them."""
+    ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
+    shm_transport.socket.gethostname = lambda: f"node{rank}"
+    fallback = shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=False)
+    try:
+        shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=True)
+    except ValueError as error:
+        return str(error), fallback is None
+    return None, fallback is None
+
+
+def test_ranks_on_several_hosts_fall_back_to_p2p_and_shm_refuses_naming_the_hosts():
+    for error, fell_back in run_workers(_hosts_worker, 2, timeout=60):
+        assert fell_back
+        assert error == ("parallel.transport=shm needs every rank on one host, but they run on ['node0', 'node1']; "
+                         "use parallel.transport=auto or p2p")
+
+
+def test_a_gpu_run_takes_p2p_and_shm_refuses_it():
+    from parallel import engine as engine_module
+    from parallel.pipeline.plan import plan_pipeline
+
+    grid = ParallelGrid(pp=2, world_size=2, device=torch.device("cuda", 0))  # refused before any collective
+    spec = dataclasses.replace(layout_cfg("1f1b", 2, 4), emulate=False, transport="shm")
+    with pytest.raises(ValueError, match="parallel.transport=shm carries CPU tensors on Linux; this run computes "
+                                         "on cuda: use parallel.transport=auto or p2p"):
+        engine_module.choose_transport(spec, plan_pipeline(spec.pipeline, 4), grid, 32)
+    auto = dataclasses.replace(spec, transport="auto")
+    transport, _ = engine_module.choose_transport(auto, plan_pipeline(spec.pipeline, 4), grid, 32)
+    assert isinstance(transport, P2PTransport)  # NCCL's; no collective asked of a GPU run
