@@ -23,7 +23,7 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Sleep schedules vs the simulator's ideal, the real model vs torch.distributed.pipelining, single-process
-# overhead (about 9 minutes on 2 cores): bench/results.json, docs/benchmarks.md, bench/timelines/*.png.
+# overhead, transport hop latency (about 11 minutes on 2 cores): bench/results.json, docs/benchmarks.md, bench/timelines/*.png.
 bench: setup
 	$(PY) scripts/bench/run_all.py $(ARGS)
 

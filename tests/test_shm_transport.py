@@ -17,11 +17,13 @@ from tests.spawn import run_workers
 from tests.test_runtime import batches, dense_grads, layout_cfg, tiny
 
 BOUNDARY = Boundary((2, 16, 32), torch.float32)  # tiny()'s hidden size at micro_batch_size 2, seq_len 16
+BOUNDARY_BYTES = 2 * 16 * 32 * 4
 
 
-def _engine_worker(rank: int, world_size: int, schedule: str, max_slots: int) -> dict:
+def _engine_worker(rank: int, world_size: int, schedule: str, max_slots: int, ring_bytes: int) -> dict:
     """One step under each transport; gradients by name and the transports' types."""
-    shm_transport.MAX_SLOTS = max_slots  # this process only: a small ring makes senders wait for acks
+    # This process only: a small ring makes senders wait for acks.
+    shm_transport.MAX_SLOTS, shm_transport.RING_BYTES = max_slots, ring_bytes
     grid = ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
     out: dict = {"grads": {}, "types": {}, "slots": {}}
     for transport in ("auto", "p2p"):
@@ -35,14 +37,16 @@ def _engine_worker(rank: int, world_size: int, schedule: str, max_slots: int) ->
     return out
 
 
-@pytest.mark.parametrize("schedule, max_slots", [("1f1b", 16), ("gpipe", 1)])
-def test_shm_is_the_cpu_default_and_gives_gloos_gradients_bit_for_bit(schedule, max_slots):
-    # gpipe with one slot per ring: rank 0 sends four activations in a row, each waiting for the last one's ack.
-    results = run_workers(_engine_worker, 2, schedule, max_slots, timeout=120)
+@pytest.mark.parametrize("schedule, max_slots, ring_bytes, slots", [
+    ("1f1b", 16, 256 << 20, 4),  # a ring holds a step's sends to the peer
+    ("1f1b", 16, 3 * BOUNDARY_BYTES - 1, 2),  # or what fits in RING_BYTES
+    ("gpipe", 1, 256 << 20, 1)])  # gpipe: rank 0 sends four activations in a row, each waiting for an ack
+def test_shm_is_the_cpu_default_and_gives_gloos_gradients_bit_for_bit(schedule, max_slots, ring_bytes, slots):
+    results = run_workers(_engine_worker, 2, schedule, max_slots, ring_bytes, timeout=120)
     reference = dense_grads(tiny(), batches(4))
     for rank, r in enumerate(results):
         assert r["types"] == {"auto": "ShmTransport", "p2p": "P2PTransport"}, r["types"]
-        assert r["slots"] == {1 - rank: min(4, max_slots)}, r["slots"]  # a ring holds a step's sends to the peer
+        assert r["slots"] == {1 - rank: slots}, r["slots"]
         for name, grad in r["grads"]["auto"].items():
             assert torch.equal(grad, r["grads"]["p2p"][name]), (rank, name)
             expected = reference["model.embed_tokens.weight" if name == "lm_head.weight" else name]

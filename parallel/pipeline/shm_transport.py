@@ -32,6 +32,7 @@ from .transport import SENDS, Boundary, Message, TransportTimeout, describe
 
 MESSAGE, ACK = b"M", b"A"
 MAX_SLOTS = 16  # a ring per peer holds this many boundary tensors at most; more in flight waits for acks
+RING_BYTES = 256 << 20  # and this many bytes (one slot at least): big boundaries get fewer slots
 
 
 def shm_available() -> bool:
@@ -226,12 +227,22 @@ def _connect(rank: int, slots: dict[int, int], nbytes: int, timeout_s: float, li
     for peer in sorted(p for p in slots if p < rank):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
-        sock.connect(addresses[peer])
+        try:
+            sock.connect(addresses[peer])
+        except OSError as error:
+            raise ValueError(f"rank {rank}: parallel.transport=shm cannot reach rank {peer} on this host ({error}; "
+                             "ranks in separate containers or network namespaces do not share Unix sockets): "
+                             "use parallel.transport=p2p") from error
         sock.sendall(rank.to_bytes(4, "little"))
         links[peer] = _open_link(sock, peer, slots[peer], nbytes)
     listener.settimeout(timeout_s)
     for _ in [p for p in slots if p > rank]:
-        sock, _ = listener.accept()
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError as error:
+            missing = sorted(p for p in slots if p > rank and p not in links)
+            raise TransportTimeout(f"rank {rank}: rank(s) {missing} did not connect to the shared-memory transport "
+                                   f"within {timeout_s:.0f}s (parallel.timeout_s)") from error
         sock.settimeout(timeout_s)
         peer = int.from_bytes(_read_exactly(sock, 4), "little")
         links[peer] = _open_link(sock, peer, slots[peer], nbytes)
@@ -242,7 +253,7 @@ def _connect(rank: int, slots: dict[int, int], nbytes: int, timeout_s: float, li
 
 def _open_link(sock: socket.socket, peer: int, slots: int, nbytes: int) -> _Link:
     """Create our ring toward `peer`, hand it over with its size, and map the ring the peer hands us."""
-    slots = max(1, min(slots, MAX_SLOTS))
+    slots = max(1, min(slots, MAX_SLOTS, RING_BYTES // nbytes))
     fd = os.memfd_create(f"sluice-ring-to-{peer}")
     try:
         os.ftruncate(fd, slots * nbytes)
