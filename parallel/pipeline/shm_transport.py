@@ -1,13 +1,14 @@
 """Shared-memory transport: boundary tensors between pipeline ranks on one host, for CPU tensors.
 
 Hand-written because the field has no low-latency same-host P2P for CPU tensors: gloo hands every message to its
-own I/O thread, which then wakes the waiting thread, two wake-ups a hop where one does (88 vs 57 us a hop here,
-`python scripts/bench/hop_latency.py`), and the 20-40 hops on a schedule's critical path add up.
+own I/O thread, which then wakes the waiting thread, two wake-ups a hop where one does. Measured here: one hop
+293 vs 316 us (`python scripts/bench/hop_latency.py`; most of either is an idle CPU waking up), and pipeline
+steps at pp=4, m=8 1-7 ms shorter (`python scripts/bench/schedules.py`: Sluice against Sluice on gloo).
 
 Each ordered pair of ranks shares a ring of slots in the sender's memory (a memfd, mapped by both; no file is left
 behind, even by a killed process) and one Unix socket pair:
 - a send copies the tensor into the next slot and writes b"M" on the socket; it is done at once;
-- a receive waits in select() on the socket, copies its slot out and writes back b"A", which frees the slot.
+- a receive waits in poll() on the socket, copies its slot out and writes back b"A", which frees the slot.
 A sender whose ring is full waits for an ack. That is deadlock-free for the lowered lists: it waits only for a
 message the batch model (runtime.py) had delivered before this send's batch was posted. A rank that exits
 closes its sockets, so its peers fail at once with a message naming it, not after the timeout.
@@ -84,6 +85,9 @@ class ShmTransport:
 
     def __init__(self, rank: int, boundary: Boundary, timeout_s: float, links: dict[int, _Link]):
         self.rank, self.boundary, self.timeout_s, self.links = rank, boundary, timeout_s, links
+        self.poller = select.poll()  # not select(): a busy process's descriptors may pass FD_SETSIZE (1024)
+        for link in links.values():
+            self.poller.register(link.sock, select.POLLIN)
 
     def post(self, messages: list[Message]) -> list[ShmPending]:
         posted = []
@@ -108,7 +112,7 @@ class ShmTransport:
         try:
             link.sock.sendall(MESSAGE)
         except OSError:  # EPIPE, ECONNRESET: the peer is gone
-            link.closed = True
+            self._closed(link)
             self._gone(link, msg)
 
     def progress(self, link: _Link, msg: Message) -> None:
@@ -122,7 +126,7 @@ class ShmTransport:
             except OSError:
                 data = b""
             if data == b"":
-                link.closed = True  # what it sent before it went is still in its ring, ours to take
+                self._closed(link)  # what it sent before it went is still in its ring, ours to take
             elif data:
                 link.arrived += data.count(MESSAGE)
                 link.acked += data.count(ACK)
@@ -140,7 +144,13 @@ class ShmTransport:
             try:
                 link.sock.sendall(ACK * taken)
             except OSError:  # a peer that finished its step and exited needs no ack
-                link.closed = True
+                self._closed(link)
+
+    def _closed(self, link: _Link) -> None:
+        """The peer closed its end: stop polling a socket that would now always be readable."""
+        if not link.closed:
+            link.closed = True
+            self.poller.unregister(link.sock)
 
     def _gone(self, link: _Link, msg: Message) -> bool:
         """Raise for a peer that closed its connection while this rank still needs it; False if it is there."""
@@ -154,7 +164,7 @@ class ShmTransport:
         self._block(pending.message, lambda: pending.done)
 
     def _block(self, msg: Message, until) -> None:
-        """Progress every link (a peer may be waiting for our acks) and sleep in select() until `until()`."""
+        """Progress every link (a peer may be waiting for our acks) and sleep in poll() until `until()`."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             for link in self.links.values():
@@ -165,7 +175,7 @@ class ShmTransport:
             if left <= 0:
                 raise TransportTimeout(f"{describe(self.rank, msg)} did not complete within {self.timeout_s:.0f}s "
                                        "(parallel.timeout_s)")
-            select.select([link.sock for link in self.links.values() if not link.closed], [], [], left)
+            self.poller.poll(left * 1000)
 
     def close(self) -> None:
         """Close every socket (a peer's next read sees it); the rings go with the last tensor viewing them."""
@@ -247,7 +257,7 @@ def _connect(rank: int, slots: dict[int, int], nbytes: int, timeout_s: float, li
         peer = int.from_bytes(_read_exactly(sock, 4), "little")
         links[peer] = _open_link(sock, peer, slots[peer], nbytes)
     for link in links.values():
-        link.sock.settimeout(None)  # blocking writes of a byte; reads never block (MSG_DONTWAIT, select)
+        link.sock.settimeout(None)  # blocking writes of a byte; reads never block (MSG_DONTWAIT, poll)
     return links
 
 
