@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.pipeline.actions import Action
-from parallel.pipeline.transport import Message, Pending, describe
+from parallel.pipeline.transport import SENDS, Message, Pending, describe
 
 DUMP_DIR = "hang"
 
@@ -124,6 +124,9 @@ class WatchedTransport:
         return getattr(self.inner, name)
 
     def post(self, messages: list[Message]) -> list[WatchedPending]:
+        sends = [m for m in messages if m.action.kind in SENDS]
+        if sends:  # a send can wait in post: a full shared-memory ring waits for the peer to take a message
+            self.watch.enter(Waiting(self.watch.rank, sends[0]), [m.peer for m in sends])
         posted = [WatchedPending(p, self.watch) for p in self.inner.post(messages)]
         self.watch.posted = [(r, p) for r, p in self.watch.posted if not p.ready()]
         self.watch.posted += [(self.watch.rank, p) for p in posted]

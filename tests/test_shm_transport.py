@@ -2,6 +2,8 @@
 included), and a peer that is gone or silent named at once or at the timeout."""
 
 import dataclasses
+import socket
+import threading
 import time
 
 import pytest
@@ -110,6 +112,7 @@ def _hosts_worker(rank: int, world_size: int) -> tuple[str | None, bool]:
     """Ranks that report different hosts: auto falls back (None), shm refuses naming them."""
     ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
     shm_transport.socket.gethostname = lambda: f"node{rank}"
+    shm_transport._machine = lambda: (f"boot-id-of-node{rank}", 4026531840)
     fallback = shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=False)
     try:
         shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=True)
@@ -121,8 +124,8 @@ def _hosts_worker(rank: int, world_size: int) -> tuple[str | None, bool]:
 def test_ranks_on_several_hosts_fall_back_to_p2p_and_shm_refuses_naming_the_hosts():
     for error, fell_back in run_workers(_hosts_worker, 2, timeout=60):
         assert fell_back
-        assert error == ("parallel.transport=shm needs every rank on one host, but they run on ['node0', 'node1']; "
-                         "use parallel.transport=auto or p2p")
+        assert error == ("parallel.transport=shm needs every rank on one host (and network namespace), but they run "
+                         "on ['node0', 'node1']; use parallel.transport=auto or p2p")
 
 
 def test_a_gpu_run_takes_p2p_and_shm_refuses_it():
@@ -137,3 +140,76 @@ def test_a_gpu_run_takes_p2p_and_shm_refuses_it():
     auto = dataclasses.replace(spec, transport="auto")
     transport, _ = engine_module.choose_transport(auto, plan_pipeline(spec.pipeline, 4), grid, 32)
     assert isinstance(transport, P2PTransport)  # NCCL's; no collective asked of a GPU run
+
+
+def _pair(slots: int = 2) -> tuple[ShmTransport, ShmTransport]:
+    """Ranks 0 and 1 of one process, linked as the set-up links them (over a socket pair)."""
+    ends = socket.socketpair()
+    nbytes = shm_transport.boundary_bytes(BOUNDARY)
+    links: dict = {}
+    other = threading.Thread(target=lambda: links.__setitem__(1, shm_transport._open_link(ends[1], 0, slots, nbytes)))
+    other.start()
+    links[0] = shm_transport._open_link(ends[0], 1, slots, nbytes)
+    other.join()
+    return ShmTransport(0, BOUNDARY, 5, {1: links[0]}), ShmTransport(1, BOUNDARY, 5, {0: links[1]})
+
+
+def test_what_a_peer_sent_before_it_exited_is_received_even_when_the_ack_finds_it_gone():
+    rank0, rank1 = _pair()
+    first, second = torch.full(BOUNDARY.shape, 1.0), torch.full(BOUNDARY.shape, 2.0)
+    rank1.post([_message(Kind.SEND_F, 0, 0, peer=0, tensor=first)])
+    receives = rank0.post([_message(Kind.RECV_F, 0, 1, peer=1), _message(Kind.RECV_F, 1, 1, peer=1)])
+    link = rank0.links[1]
+    sock = link.sock
+
+    class ExitsBeforeTheAck:
+        """Rank 0's socket, where rank 1 sends once more and exits between rank 0's read and its ack."""
+
+        def fileno(self) -> int:
+            return sock.fileno()
+
+        def recv(self, *args):
+            return sock.recv(*args)
+
+        def sendall(self, data: bytes) -> None:
+            rank1.post([_message(Kind.SEND_F, 1, 0, peer=0, tensor=second)])
+            rank1.close()
+            raise BrokenPipeError(32, "Broken pipe")
+
+    link.sock = ExitsBeforeTheAck()
+    for pending in receives:
+        pending.wait()
+    assert torch.equal(receives[0].tensor, first) and torch.equal(receives[1].tensor, second)
+    (late,) = rank0.post([_message(Kind.RECV_F, 2, 1, peer=1)])
+    with pytest.raises(TransportTimeout, match="rank 1 closed its connection"):
+        late.wait()
+
+
+def test_a_process_claiming_a_rank_it_is_not_is_turned_away():
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = f"\0sluice-test-{time.monotonic_ns()}"
+    listener.bind(address)
+    listener.listen(2)
+    endpoints = [shm_transport._Endpoint("here", ("boot", 1), 1, "") for _ in range(2)]  # rank 1 runs as pid 1
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(address)
+    stranger.sendall((1).to_bytes(4, "little"))  # "I am rank 1", from this test's pid
+    with pytest.raises(TransportTimeout, match=r"^rank 0: rank\(s\) \[1\] did not connect to the shared-memory "
+                                               r"transport within 1s \(parallel.timeout_s\)$"):
+        shm_transport._connect(0, {1: 1}, 64, 1.0, listener, endpoints)
+    stranger.close()
+    listener.close()
+
+
+def test_a_send_waiting_in_post_for_a_full_ring_is_what_the_hang_watch_reports():
+    from parallel.hang import Watch, WatchedTransport
+
+    watch, seen = Watch(0), []
+
+    class FullRing:
+        def post(self, messages: list[Message]) -> list:
+            seen.append((str(watch.state.what), watch.state.waits_for))  # what a dump taken now would say
+            return []
+
+    WatchedTransport(FullRing(), watch).post([_message(Kind.SEND_F, 3, 0, peer=1, tensor=torch.ones(1))])
+    assert seen == [("waiting: rank 0: sending activation to rank 1 for micro-batch 3 (stage 0, SEND_F3@s0)", [1])]

@@ -20,6 +20,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import time
 import uuid
 from collections import deque
@@ -33,7 +34,7 @@ from .transport import SENDS, Boundary, Message, TransportTimeout, describe
 
 MESSAGE, ACK = b"M", b"A"
 MAX_SLOTS = 16  # a ring per peer holds this many boundary tensors at most; more in flight waits for acks
-RING_BYTES = 256 << 20  # and this many bytes (one slot at least): big boundaries get fewer slots
+RING_BYTES = 64 << 20  # and this many bytes (one slot at least): big boundaries get fewer slots
 
 
 def shm_available() -> bool:
@@ -118,18 +119,8 @@ class ShmTransport:
     def progress(self, link: _Link, msg: Message) -> None:
         """Read what the peer wrote (announcements and acks) and fill the receives it completes; never blocks.
         `msg` is what this rank is after, for the error if the peer is gone."""
-        if not link.closed:
-            try:
-                data = link.sock.recv(4096, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                data = None
-            except OSError:
-                data = b""
-            if data == b"":
-                self._closed(link)  # what it sent before it went is still in its ring, ours to take
-            elif data:
-                link.arrived += data.count(MESSAGE)
-                link.acked += data.count(ACK)
+        if not link.closed and self._read(link) is None:
+            self._closed(link)  # what it sent before it went is still in its ring, ours to take
         taken = 0
         while link.arrived and link.receives:
             pending = link.receives.popleft()
@@ -139,16 +130,34 @@ class ShmTransport:
             pending.done = True
             taken += 1
         if link.closed and link.receives:
-            self._gone(link, msg)
+            self._gone(link, link.receives[0].message)
         if taken and not link.closed:
             try:
                 link.sock.sendall(ACK * taken)
             except OSError:  # a peer that finished its step and exited needs no ack
                 self._closed(link)
 
+    @staticmethod
+    def _read(link: _Link) -> bool | None:
+        """Count the notes the peer wrote so far: True if any, False if none yet, None once it closed its end."""
+        try:
+            data = link.sock.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:  # ECONNRESET: closed with our acks unread
+            return None
+        if not data:
+            return None
+        link.arrived += data.count(MESSAGE)
+        link.acked += data.count(ACK)
+        return True
+
     def _closed(self, link: _Link) -> None:
-        """The peer closed its end: stop polling a socket that would now always be readable."""
+        """The peer closed its end: count the notes it wrote before (a failed write may be the first sign of its
+        exit), then stop polling a socket that would now always be readable."""
         if not link.closed:
+            while self._read(link):
+                pass
             link.closed = True
             self.poller.unregister(link.sock)
 
@@ -216,45 +225,74 @@ def shm_transport(rank: int, boundary: Boundary, timeout_s: float, slots: dict[i
     listener.listen(max(len(slots), 1))
     try:
         box: list = [None] * dist.get_world_size()
-        dist.all_gather_object(box, (socket.gethostname(), address))  # every listener is bound after this
-        hosts = sorted({host for host, _ in box})
-        if len(hosts) > 1:
+        dist.all_gather_object(box, _Endpoint(socket.gethostname(), _machine(), os.getpid(), address))
+        if len({e.machine for e in box}) > 1:  # every listener is bound once the gather returns
             if required:
-                raise ValueError(f"parallel.transport=shm needs every rank on one host, but they run on {hosts}; "
-                                 "use parallel.transport=auto or p2p")
+                hosts = sorted({e.host for e in box})
+                raise ValueError(f"parallel.transport=shm needs every rank on one host (and network namespace), but "
+                                 f"they run on {hosts}; use parallel.transport=auto or p2p")
             return None
         nbytes = boundary_bytes(boundary)
-        return ShmTransport(rank, boundary, timeout_s, _connect(rank, slots, nbytes, timeout_s, listener,
-                                                                [a for _, a in box]))
+        return ShmTransport(rank, boundary, timeout_s, _connect(rank, slots, nbytes, timeout_s, listener, box))
     finally:
         listener.close()
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    """What a rank tells every other at set-up: where it runs and where it listens."""
+
+    host: str
+    machine: tuple[str, int]  # boot id and network namespace: one host, and one namespace for Unix sockets
+    pid: int
+    address: str
+
+
+def _machine() -> tuple[str, int]:
+    """This process's kernel (boot id) and network namespace; hostnames alone repeat across containers."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return socket.gethostname(), 0
+
+
 def _connect(rank: int, slots: dict[int, int], nbytes: int, timeout_s: float, listener: socket.socket,
-             addresses: list[str]) -> dict[int, _Link]:
-    """A socket and two rings with every peer: connect to the lower ranks, accept the higher ones."""
+             endpoints: list[_Endpoint]) -> dict[int, _Link]:
+    """A socket and two rings with every peer: connect to the lower ranks, accept the higher ones (a process
+    that is not the rank it claims to be is turned away: any local process can reach an abstract socket)."""
     links: dict[int, _Link] = {}
     for peer in sorted(p for p in slots if p < rank):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
-            sock.connect(addresses[peer])
+            sock.connect(endpoints[peer].address)
         except OSError as error:
             raise ValueError(f"rank {rank}: parallel.transport=shm cannot reach rank {peer} on this host ({error}; "
                              "ranks in separate containers or network namespaces do not share Unix sockets): "
                              "use parallel.transport=p2p") from error
         sock.sendall(rank.to_bytes(4, "little"))
         links[peer] = _open_link(sock, peer, slots[peer], nbytes)
-    listener.settimeout(timeout_s)
-    for _ in [p for p in slots if p > rank]:
+    deadline = time.monotonic() + timeout_s
+    expected = {p for p in slots if p > rank}
+    while expected - links.keys():
+        listener.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             sock, _ = listener.accept()
         except TimeoutError as error:
-            missing = sorted(p for p in slots if p > rank and p not in links)
+            missing = sorted(expected - links.keys())
             raise TransportTimeout(f"rank {rank}: rank(s) {missing} did not connect to the shared-memory transport "
                                    f"within {timeout_s:.0f}s (parallel.timeout_s)") from error
         sock.settimeout(timeout_s)
-        peer = int.from_bytes(_read_exactly(sock, 4), "little")
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+        try:
+            peer = int.from_bytes(_read_exactly(sock, 4), "little")
+        except (OSError, RuntimeError):
+            peer = -1
+        if peer not in expected or peer in links or endpoints[peer].pid != pid:
+            sock.close()  # not the rank it claims to be
+            continue
         links[peer] = _open_link(sock, peer, slots[peer], nbytes)
     for link in links.values():
         link.sock.settimeout(None)  # blocking writes of a byte; reads never block (MSG_DONTWAIT, poll)
