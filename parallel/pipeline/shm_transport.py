@@ -1,9 +1,9 @@
 """Shared-memory transport: boundary tensors between pipeline ranks on one host, for CPU tensors.
 
 Hand-written because the field has no low-latency same-host P2P for CPU tensors: gloo hands every message to its
-own I/O thread, which then wakes the waiting thread, two wake-ups a hop where one does. Measured here: one hop
-293 vs 316 us (`python scripts/bench/hop_latency.py`; most of either is an idle CPU waking up), and pipeline
-steps at pp=4, m=8 1-7 ms shorter (`python scripts/bench/schedules.py`: Sluice against Sluice on gloo).
+own I/O thread, which then wakes the waiting thread, two wake-ups a hop where one does. Measured here: a hop
+7-10% shorter (`python scripts/bench/hop_latency.py`; most of either is an idle CPU waking up), and sleep
+benchmark steps at pp=4, m=8 a few ms shorter (`python scripts/bench/schedules.py`: Sluice vs Sluice on gloo).
 
 Each ordered pair of ranks shares a ring of slots in the sender's memory (a memfd, mapped by both; no file is left
 behind, even by a killed process) and one Unix socket pair:
