@@ -213,3 +213,18 @@ def test_a_send_waiting_in_post_for_a_full_ring_is_what_the_hang_watch_reports()
 
     WatchedTransport(FullRing(), watch).post([_message(Kind.SEND_F, 3, 0, peer=1, tensor=torch.ones(1))])
     assert seen == [("waiting: rank 0: sending activation to rank 1 for micro-batch 3 (stage 0, SEND_F3@s0)", [1])]
+
+
+def test_shm_on_a_gpu_run_is_refused_before_launch(monkeypatch, tmp_path):
+    from tests.equivalence import compose_run_config
+    from training.rules import ConfigError
+    from training.validate import validate_parallel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
+    cfg = compose_run_config(["parallel.pp=2", "parallel.transport=shm"], tmp_path)
+    with pytest.raises(ConfigError, match=r"^parallel.transport=shm carries CPU tensors, but parallel.backend=auto "
+                                          r"computes on CUDA; use parallel.transport=auto \(NCCL's P2P on GPUs\) or "
+                                          r"parallel.backend=gloo$"):
+        validate_parallel(cfg)
+    validate_parallel(compose_run_config(["parallel.pp=2", "parallel.transport=shm", "parallel.backend=gloo"],
+                                         tmp_path))  # gloo computes on the CPU: shm is fine

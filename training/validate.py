@@ -71,6 +71,12 @@ def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("parallel.backend=nccl needs CUDA GPUs and none is visible; use parallel.backend=auto "
                               "or gloo")
+    if p.transport == "shm":
+        from parallel.grid import resolve_backend
+
+        if resolve_backend(p.backend)[1].type != "cpu":
+            raise ConfigError(f"parallel.transport=shm carries CPU tensors, but parallel.backend={p.backend} computes "
+                              "on CUDA; use parallel.transport=auto (NCCL's P2P on GPUs) or parallel.backend=gloo")
     if world_size is not None:
         layout_world_size(cfg, world_size)
 
