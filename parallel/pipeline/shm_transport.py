@@ -54,7 +54,7 @@ class ShmPending:
 
     def ready(self) -> bool:
         if not self.done:
-            self.transport.progress(self.link, self.message)
+            self.transport.progress(self.link)
         return self.done
 
     def wait(self) -> None:
@@ -69,7 +69,7 @@ class _Link:
     peer: int
     sock: socket.socket
     tx: list[torch.Tensor]  # our ring's slots (byte views), written by us
-    rx: list[torch.Tensor] = field(default_factory=list)  # the peer's ring, read by us
+    rx: list[torch.Tensor]  # the peer's ring, read by us
     sent: int = 0  # messages written into our ring
     acked: int = 0  # of them, taken by the peer
     taken: int = 0  # messages read from the peer's ring
@@ -79,8 +79,8 @@ class _Link:
 
 
 class ShmTransport:
-    """Pipeline P2P over shared memory between the ranks of one host; `peers` are this rank's pipeline peers
-    (global ranks) and `slots` the ring size toward each. Every rank of the world must build one together."""
+    """Pipeline P2P over shared memory between the ranks of one host, over `links` by peer (global rank);
+    `shm_transport` sets them up, every rank of the world together."""
 
     receives_early = True  # a posted receive never holds up a transfer (sends never wait for receives)
 
@@ -116,9 +116,9 @@ class ShmTransport:
             self._closed(link)
             self._gone(link, msg)
 
-    def progress(self, link: _Link, msg: Message) -> None:
+    def progress(self, link: _Link) -> None:
         """Read what the peer wrote (announcements and acks) and fill the receives it completes; never blocks.
-        `msg` is what this rank is after, for the error if the peer is gone."""
+        Raises, naming the oldest receive, if the peer is gone and it cannot be filled."""
         if not link.closed and self._read(link) is None:
             self._closed(link)  # what it sent before it went is still in its ring, ours to take
         taken = 0
@@ -177,7 +177,7 @@ class ShmTransport:
         deadline = time.monotonic() + self.timeout_s
         while True:
             for link in self.links.values():
-                self.progress(link, msg)
+                self.progress(link)
             if until():
                 return
             left = deadline - time.monotonic()
