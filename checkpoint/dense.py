@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+from parallel.decoder import DecoderPlan
 
 
 class CheckpointError(ValueError):
@@ -60,11 +60,27 @@ def check_keys(expected: set[str], found: set[str], source: str) -> None:
                               "check that the model preset (layers, MoE, vocab) matches the checkpoint")
 
 
+def fill_ties(state: dict[str, torch.Tensor], ties: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Add each tied weight a file stores once (safetensors keeps only the source) under its own name too."""
+    for tied, source in ties.items():
+        if tied not in state and source in state:
+            state[tied] = state[source]
+    return state
+
+
+def convert_layouts(state: dict[str, torch.Tensor], expected: set[str], model_type: str | None) -> dict:
+    """Build the model keys transformers stores in another layout (its declared conversions) from `state`."""
+    from checkpoint.conversions import build, converted_keys
+
+    for key, (converter, groups) in converted_keys(expected, set(state), model_type).items():
+        state[key] = build(converter, groups, state.pop)
+    return state
+
+
 def load_dense_into(model: nn.Module, path: str | Path) -> None:
     """Load a dense checkpoint into the whole (unsharded) model with strict key matching."""
-    state = read_dense_state_dict(path)
-    if TIED_HEAD not in state and EMBEDDING in state:
-        state[TIED_HEAD] = state[EMBEDDING]  # safetensors stores a tied head once
+    state = fill_ties(read_dense_state_dict(path), DecoderPlan.of(model).ties)
+    state = convert_layouts(state, set(model.state_dict()), model.config.model_type)
     check_keys(set(model.state_dict()), set(state), str(path))
     for name, tensor in model.state_dict().items():
         if tensor.shape != state[name].shape:

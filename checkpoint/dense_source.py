@@ -13,24 +13,32 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError, check_keys
+from checkpoint.conversions import build, converted_keys
+from checkpoint.dense import CheckpointError, check_keys
 from parallel.materialize import WeightSource
 
 Reader = Callable[[str], torch.Tensor]
 
 
-def dense_source(path: str | Path, expected: dict[str, tuple[int, ...]]) -> WeightSource:
-    """A source over the checkpoint at `path`, checked up front against the model's keys (strict, one line)."""
+def dense_source(path: str | Path, expected: dict[str, tuple[int, ...]], ties: dict[str, str],
+                 model_type: str | None = None) -> WeightSource:
+    """A source over the checkpoint at `path`, checked up front against the model's keys (strict, one line).
+
+    A tied weight (`ties`: tied -> source) the file stores once is read from its source; a weight transformers
+    stores in another layout (`model_type`'s declared conversions) is built from the stored keys it names."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
                               "or a MiniMind .pth file")
     keys, read = _open(path)
-    found = set(keys) | ({TIED_HEAD} if EMBEDDING in keys and TIED_HEAD in expected else set())
-    check_keys(set(expected), found, str(path))
+    stored = set(keys)
+    aliases = {tied: source for tied, source in ties.items() if tied not in stored and source in stored}
+    converted = converted_keys(set(expected), stored, model_type)
+    consumed = {k for _, groups in converted.values() for _, names in groups for k in names}
+    check_keys(set(expected), (stored - consumed) | set(converted) | {t for t in aliases if t in expected}, str(path))
 
     def source(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = read(EMBEDDING if name == TIED_HEAD and TIED_HEAD not in keys else name)
+        tensor = build(*converted[name], read) if name in converted else read(aliases.get(name, name))
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"checkpoint.load_dense={path}: {name} has shape {tuple(tensor.shape)}, the "
                                   f"model expects {tuple(shape)}; check that the model preset matches the checkpoint")

@@ -23,10 +23,11 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
-from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError
-from parallel.collectives import all_reduce_
+from checkpoint.dense import CheckpointError
+from parallel.collectives import all_gather_cat, all_reduce_
 from parallel.grid import ParallelGrid
 from parallel.step import Engine
+from parallel.tensor_pass import join_blocks, local_block
 
 OPTIM, RNG = "optim/", "rng/"
 
@@ -38,7 +39,7 @@ class TrainingState:
     engine: Engine
     optimizer: torch.optim.Optimizer
     grid: ParallelGrid
-    tied: bool
+    ties: dict[str, str]  # a tied weight -> the weight it equals (stored once, under the source's name)
 
 
 def _distributed() -> bool:
@@ -53,11 +54,33 @@ def quiet_dcp():
         yield
 
 
+def _packed(param: nn.Parameter, grid: ParallelGrid) -> bool:
+    """A TP shard made of several blocks of the dense tensor (packed gate and up halves): no DTensor placement
+    describes it, so it is gathered whole to save and sliced after loading (a collective over TP)."""
+    return grid.tp > 1 and getattr(param, "tp_packed", 1) > 1
+
+
 def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
     """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP, else whole."""
+    if _packed(param, grid):
+        blocks = all_gather_cat(tensor.unsqueeze(0), grid.tp_group, dim=0).unbind(0)
+        return join_blocks(list(blocks), param.partition_dim, param.tp_packed)
     if grid.tp > 1 and getattr(param, "tensor_parallel", False):
         return DTensor.from_local(tensor, grid.mesh["tp"], [Shard(param.partition_dim)], run_check=False)
     return tensor
+
+
+def _load_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid,
+               unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]]) -> torch.Tensor:
+    """What DCP loads into for `tensor`: its global view, or for a packed shard a whole buffer that `unpack`
+    remembers to slice into `tensor` afterwards."""
+    if not _packed(param, grid):
+        return _global_view(tensor, param, grid)
+    shape = list(tensor.shape)
+    shape[param.partition_dim] *= grid.tp
+    whole = torch.empty(shape, dtype=tensor.dtype)
+    unpack.append((whole, tensor, param))
+    return whole
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -70,9 +93,9 @@ def _owned(optimizer: torch.optim.Optimizer) -> set[int]:
     return {id(p) for group in _local_optimizer(optimizer).param_groups for p in group["params"]}
 
 
-def _key(name: str, tied: bool) -> str:
-    """The stored name: a tied head is the embedding, stored once."""
-    return EMBEDDING if tied and name == TIED_HEAD else name
+def _key(name: str, ties: dict[str, str]) -> str:
+    """The stored name: a tied weight is its source, stored once."""
+    return ties.get(name, name)
 
 
 def _rng_states() -> dict[str, torch.Tensor]:
@@ -87,7 +110,7 @@ def state_to_save(state: TrainingState) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     optim_state = _local_optimizer(state.optimizer).state
     for name, param in state.engine.named_parameters().items():
-        key = _key(name, state.tied)
+        key = _key(name, state.ties)
         if key != name:
             continue  # a tied head: its bitwise-equal embedding copy (first stage) is stored instead
         out[key] = _global_view(param.detach(), param, state.grid)
@@ -128,7 +151,7 @@ def read_keys(path: Path) -> dict[str, torch.Size]:
     return {k: getattr(v, "size", None) for k, v in metadata.state_dict_metadata.items()}
 
 
-def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
+def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path, unpack: list):
     """The DCP state_dict to load into, the optimizer states it fills, and tied copies to set afterwards."""
     named = state.engine.named_parameters()
     owned = _owned(state.optimizer)
@@ -136,11 +159,11 @@ def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
     optim: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     copies: list[tuple[nn.Parameter, nn.Parameter]] = []
     for name, param in named.items():
-        key = _key(name, state.tied)
+        key = _key(name, state.ties)
         if key != name and key in named:
             copies.append((named[key], param))  # both tie copies live here (emulation): load one, copy
             continue
-        view = _global_view(param.data, param, state.grid)
+        view = _load_view(param.data, param, state.grid, unpack)
         if key not in stored:
             raise CheckpointError(f"checkpoint {path} has no {key}: it was written for another model; "
                                   "use the same model settings or checkpoint.resume=none")
@@ -153,15 +176,16 @@ def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path):
         for field, shape in (fields.items() if id(param) in owned else ()):
             local = torch.zeros_like(param.data) if tuple(shape) == tuple(view.shape) else torch.zeros(shape)
             optim[param][field] = local
-            into[f"{OPTIM}{key}/{field}"] = _global_view(local, param, state.grid) if local.shape == param.shape \
-                else local
+            into[f"{OPTIM}{key}/{field}"] = _load_view(local, param, state.grid, unpack) \
+                if local.shape == param.shape else local
     return into, optim, copies
 
 
 def load_state(path: Path, state: TrainingState) -> None:
     """Load parameters, optimizer state and (where stored for this rank) RNG from `path`, in any layout."""
     stored = read_keys(path)
-    into, optim, copies = _targets(state, stored, path)
+    unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]] = []  # packed TP shards: whole -> this block
+    into, optim, copies = _targets(state, stored, path, unpack)
     rng = {k: torch.empty(s, dtype=torch.uint8) for k, s in stored.items()
            if k.startswith(f"{RNG}rank{state.grid.rank}/")}
     try:
@@ -172,6 +196,8 @@ def load_state(path: Path, state: TrainingState) -> None:
         detail = lines[-1][:200] if lines else type(error).__name__
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({detail}); delete it or resume from "
                               "another checkpoint") from None
+    for whole, local, param in unpack:
+        local.copy_(local_block(whole, state.grid.tp_rank, state.grid.tp, param.partition_dim, param.tp_packed))
     optim_state = _local_optimizer(state.optimizer).state
     for param, fields in optim.items():
         if fields:

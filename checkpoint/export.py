@@ -1,4 +1,7 @@
-"""A trained model out: training checkpoint -> dense weights -> a self-contained HF folder or a MiniMind .pth."""
+"""A trained model out: training checkpoint -> dense weights -> a self-contained HF folder or a MiniMind .pth.
+
+transformers' own families (Llama, Qwen3, Qwen3-MoE) export as plain folders that load without custom code;
+MiniMind's folder carries its modeling files (`trust_remote_code=True`)."""
 
 from __future__ import annotations
 
@@ -11,16 +14,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torch import nn
+
 import minimind
-from checkpoint.dense import EMBEDDING, TIED_HEAD, CheckpointError
+from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_keys
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
-from minimind import MiniMindConfig, MiniMindForCausalLM
+from models import build_model as build_module, config_from_record, native
+from parallel.decoder import DecoderPlan
 
 # The model's own source files travel with the weights, so `trust_remote_code=True` needs no Sluice install.
 MODELING_FILES = ("config.py", "model.py")
 AUTO_MAP = {"AutoConfig": "config.MiniMindConfig", "AutoModelForCausalLM": "model.MiniMindForCausalLM"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja")
 
 
 def locate(path: str | Path) -> Path:
@@ -47,18 +54,16 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         raise CheckpointError(f"checkpoint {folder} is corrupt or truncated ({type(error).__name__}); "
                               "export another checkpoint") from None
-    if meta["model"].get("tie_word_embeddings", True) and EMBEDDING in state:
-        state[TIED_HEAD] = state[EMBEDDING]
+    fill_ties(state, DecoderPlan.of(build_module(config_from_record(meta["model"]))).ties)  # meta: names only
     bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise CheckpointError(f"checkpoint {folder}: {bad[0]} holds NaN or Inf; refusing to export non-finite weights")
     return state, meta
 
 
-def build_model(model_fields: dict[str, Any], state: dict[str, torch.Tensor]) -> MiniMindForCausalLM:
-    """The dense model of `model_fields` (a run's `model` config) holding `state`, loaded strictly."""
-    fields = {k: v for k, v in model_fields.items() if k != "name"}
-    model = MiniMindForCausalLM(MiniMindConfig(**fields))
+def build_model(record: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
+    """The dense model of a checkpoint's model record holding `state`, loaded strictly."""
+    model = build_module(config_from_record(record), "cpu")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not match its model config: missing {missing[:3]}, "
@@ -74,29 +79,32 @@ def copy_tokenizer(source: Path, out_dir: Path) -> bool:
     return bool(files)
 
 
-def save_hf_folder(model: MiniMindForCausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-    """config.json with auto_map, safetensors weights, the modeling files and (if given) the tokenizer."""
+def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
+    """config.json, safetensors weights and (if given) the tokenizer; a MiniMind folder adds its modeling files
+    and the auto_map that names them."""
     out_dir = Path(out_dir)
-    model.config.auto_map = dict(AUTO_MAP)
+    if not native(model.config):
+        model.config.auto_map = dict(AUTO_MAP)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    source = Path(minimind.__file__).parent
-    for name in MODELING_FILES:
-        shutil.copy(source / name, out_dir / name)
+    if not native(model.config):
+        source = Path(minimind.__file__).parent
+        for name in MODELING_FILES:
+            shutil.copy(source / name, out_dir / name)
     if tokenizer_dir is not None:
         copy_tokenizer(Path(tokenizer_dir), out_dir)
     return out_dir
 
 
-def pth_path(model: MiniMindForCausalLM, out: str | Path) -> Path:
+def pth_path(model: nn.Module, out: str | Path) -> Path:
     """`out` itself when it names a .pth file, else MiniMind's `pretrain_<hidden>[_moe].pth` inside it."""
     out = Path(out)
     if out.suffix == ".pth":
         return out
-    suffix = "_moe" if model.config.use_moe else ""
+    suffix = "_moe" if getattr(model.config, "use_moe", getattr(model.config, "num_experts", 0)) else ""
     return out / f"pretrain_{model.config.hidden_size}{suffix}.pth"
 
 
-def save_pth(model: MiniMindForCausalLM, out: str | Path) -> Path:
+def save_pth(model: nn.Module, out: str | Path) -> Path:
     """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects."""
     path = pth_path(model, out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ class CheckpointSpec:
     keep_last: int = 3
     resume: str = "none"
     save_final: bool = True
+    model_keys: tuple[str, ...] = ()  # the model fields a run sets: named first when a checkpoint's model differs
 
 
 def is_complete(path: Path) -> bool:
@@ -80,9 +81,11 @@ def read_meta(path: Path) -> dict[str, Any]:
                               "corrupt: resume from another one") from None
 
 
-def model_mismatch(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """One line naming the first model field where the checkpoint and this run differ, or None."""
-    for key in sorted(set(saved) | set(current)):
+def model_mismatch(path: Path, saved: dict[str, Any], current: dict[str, Any],
+                   settable: tuple[str, ...] = ()) -> str | None:
+    """One line naming the first model field where the checkpoint and this run differ, or None; fields a run sets
+    come before the ones derived from them (hidden_size before head_dim)."""
+    for key in sorted(set(saved) | set(current), key=lambda k: (k not in settable, k)):
         if key != "name" and saved.get(key) != current.get(key):
             return (f"checkpoint {path} was written for model.{key}={saved.get(key)} but this run has "
                     f"model.{key}={current.get(key)}; use the checkpoint's model settings or checkpoint.resume=none")
@@ -106,7 +109,8 @@ def resolve_resume(resume: str, directory: Path) -> Path | None:
     return found
 
 
-def check_resume(resume: str | None, directory: Path | None, model: dict[str, Any]) -> str | None:
+def check_resume(resume: str | None, directory: Path | None, model: dict[str, Any],
+                 settable: tuple[str, ...] = ()) -> str | None:
     """Pre-launch check of checkpoint.resume: a one-line problem, or None (auto without a dir is checked later)."""
     if resume in (None, "none") or (resume == "auto" and directory is None):
         return None
@@ -115,7 +119,7 @@ def check_resume(resume: str | None, directory: Path | None, model: dict[str, An
         if path is None:
             return None
         read_keys(path)
-        return model_mismatch(path, read_meta(path).get("model", {}), model)
+        return model_mismatch(path, read_meta(path).get("model", {}), model, settable)
     except CheckpointError as error:
         return str(error)
 
@@ -165,7 +169,7 @@ class CheckpointManager:
                 self._say(f"no complete checkpoint in {self.spec.dir}: starting fresh")
             return 0
         meta = read_meta(path)
-        problem = model_mismatch(path, meta.get("model", {}), self.meta.get("model", {}))
+        problem = model_mismatch(path, meta.get("model", {}), self.meta.get("model", {}), self.spec.model_keys)
         if problem:
             raise CheckpointError(problem)
         start = time.perf_counter()

@@ -1,1 +1,4 @@
-"""Parallelism passes over a single-device MiniMind: the rank grid, tensor and pipeline parallelism."""
+"""Parallelism passes over a single-device decoder: the rank grid, tensor and pipeline parallelism.
+
+The package names no model: it finds a model's pieces through the plans the model declares (`parallel.decoder`).
+"""

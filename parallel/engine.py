@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_reduce_
+from parallel.decoder import Decoder
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource
@@ -38,15 +39,15 @@ from parallel.tensor import vocab_parallel_cross_entropy
 Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
 
 
-def build_engine(spec: EngineSpec, model: nn.Module, grid: ParallelGrid,
+def build_engine(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid,
                  weights: WeightSource | None = None) -> Engine:
     """The step engine for this layout: the whole model locally when nothing is split, else this rank's share.
 
-    `model` may be built on the meta device; then only this rank's parameters are materialised, from `weights`."""
+    The decoder may be built on the meta device; then only this rank's parameters are materialised, from `weights`."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
-        place_(apply_recompute(model, spec.recompute), weights, grid)
-        return LocalEngine(model, grid.device, spec.dtype)
-    return ParallelEngine(spec, model, grid, weights)
+        place_(apply_recompute(decoder, spec.recompute), weights, grid)
+        return LocalEngine(decoder, grid.device, spec.dtype)
+    return ParallelEngine(spec, decoder, grid, weights)
 
 
 def choose_token_loss(grid: ParallelGrid, vocab_size: int) -> TokenLoss:
@@ -124,22 +125,28 @@ def final_backward_actions(lists: dict[int, list[Action]]) -> dict[int, Action]:
 class ParallelEngine:
     """Builds this rank's stages (pruned, TP-sharded) and runs one step: schedule, then gradient syncs."""
 
-    def __init__(self, spec: EngineSpec, model: nn.Module, grid: ParallelGrid, weights: WeightSource | None = None):
+    def __init__(self, spec: EngineSpec, decoder: Decoder, grid: ParallelGrid, weights: WeightSource | None = None):
         self.spec, self.grid = spec, grid
-        self.plan = plan_pipeline(spec.pipeline, model.config.num_hidden_layers)
+        config = decoder.config
+        self.plan = plan_pipeline(spec.pipeline, config.num_hidden_layers)
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
         self._lists = {r: list(self.plan.lowered[r]) for r in ranks}
-        how = StageBuild(spec.dtype, choose_token_loss(grid, model.config.vocab_size), spec.recompute, weights)
-        self.stages_of: StagesByRank = build_stages(self.plan, model, grid, ranks, how)
+        how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights)
+        self.stages_of: StagesByRank = build_stages(self.plan, decoder, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
-        self.transport, self.peer_of = choose_transport(spec, self.plan, grid, model.config.hidden_size)
+        self.transport, self.peer_of = choose_transport(spec, self.plan, grid, config.hidden_size)
         self.programs = self._prepare(self.plan.lowered)
-        self.tied = bool(model.config.tie_word_embeddings)
-        self.first = self.stages[0].module.model.embed_tokens.weight if 0 in self.stages else None
+        # A tied pair (the head and the embedding): a Parameter on the first stage and a copy on the last.
+        if len(decoder.plan.ties) > 1:
+            raise ValueError(f"{type(decoder.module).__name__} ties {len(decoder.plan.ties)} pairs of weights; "
+                             "the pipeline keeps one tied pair (the head and the input embedding) in step")
+        tied, source = next(iter(decoder.plan.ties.items()), (None, None))
+        self.tied = tied is not None
+        self.first = self.stages[0].chunk.parameter(source) if self.tied and 0 in self.stages else None
         last = self.stages.get(self.plan.n_stages - 1)
-        self.head = last.module.lm_head.weight if last is not None else None
+        self.head = last.chunk.parameter(tied) if self.tied and last is not None else None
         self.sync = self._gradient_sync()
 
     @property

@@ -14,24 +14,23 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from parallel.decoder import Decoder
+from parallel.tensor_pass import local_block
+
 # (dense name, dense shape) -> a dense tensor the caller owns: a fresh one per call, never shared with another
 # name (two Parameters on one storage would be updated twice per step).
 WeightSource = Callable[[str, tuple[int, ...]], torch.Tensor]
-TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
-def seeded_init(config, seed: int) -> WeightSource:
-    """MiniMind's initialisation (normal(0, initializer_range), norms at one), each tensor from its own
-    generator seeded by (seed, global name): identical whatever subset of the model a rank builds."""
-    std = config.initializer_range
+def seeded_init(decoder: Decoder, seed: int) -> WeightSource:
+    """The family's initialisation (`FamilyAdapter.init_tensor`), each tensor from its own generator seeded by
+    (seed, global name): identical whatever subset of the model a rank builds."""
+    ties, adapter = decoder.plan.ties, decoder.adapter
 
     def init(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name == TIED_HEAD and config.tie_word_embeddings:
-            name = EMBEDDING  # the last stage's copy of the tied embedding starts equal to the first's
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
+        name = ties.get(name, name)  # a tied copy on another stage starts equal to its source
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        return torch.empty(shape).normal_(0.0, std, generator=generator)
+        return adapter.init_tensor(name, shape, generator)
 
     return init
 
@@ -44,11 +43,12 @@ def dense_shape(param: nn.Parameter, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int, device: torch.device) -> None:
-    """Give the meta `module` storage on `device`, each parameter (once) filled from `source`, TP-sliced.
+def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, device: torch.device) -> None:
+    """Give the meta chunk storage on `device`, each parameter (once) filled from `source`, TP-sliced.
 
     Each Parameter keeps its identity (a tie stays one object) and its attributes (the TP marks): the
     storage is swapped in, not a new Parameter made, as `Module.to_empty` would."""
+    module = decoder.module
     for name, param in module.named_parameters():  # a Parameter shared by two modules is listed once
         if param._backward_hooks:
             raise RuntimeError(f"{name}: gradient hooks on a meta tensor do not survive materialising; "
@@ -56,7 +56,7 @@ def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int,
         dense = source(name, dense_shape(param, tp))
         sliced = getattr(param, "tensor_parallel", False)
         if sliced:
-            dense = dense.chunk(tp, dim=param.partition_dim)[tp_rank]
+            dense = local_block(dense, tp_rank, tp, param.partition_dim, getattr(param, "tp_packed", 1))
         # A TP block is copied: as a view it would pin the whole dense tensor.
         fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=sliced).contiguous(), param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
@@ -65,9 +65,7 @@ def materialize_(module: nn.Module, source: WeightSource, tp_rank: int, tp: int,
         for key, buffer in owner._buffers.items():
             if buffer is not None and buffer.is_meta:  # non-persistent tables, recomputed below
                 owner._buffers[key] = torch.empty_like(buffer, device=device)
-    base = getattr(module, "model", module)
-    if hasattr(base, "reset_rope"):
-        base.reset_rope()  # non-persistent RoPE tables are computed, never stored
+    decoder.adapter.init_buffers(module)  # rotary tables are computed, never stored
 
 
 def is_meta(module: nn.Module) -> bool:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.decoder import Decoder
+
 IGNORE_INDEX = -100  # labels with this value do not enter the loss (torch cross-entropy default)
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -87,8 +89,9 @@ def autocast(device: torch.device, dtype: torch.dtype):
 class LocalEngine:
     """One process, one whole model: gradient accumulation over the step's micro-batches."""
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype):
-        self.model = model
+    def __init__(self, decoder: Decoder, device: torch.device, dtype: torch.dtype):
+        self.decoder = decoder
+        self.model = decoder.module
         self.device = device
         self.dtype = dtype
 
@@ -109,7 +112,7 @@ class LocalEngine:
             sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, label tokens
             for mb in micro_batches:
                 with autocast(self.device, self.dtype):
-                    logits = self.model(input_ids=mb.input_ids.to(self.device)).logits
+                    logits, _ = self.decoder(input_ids=mb.input_ids.to(self.device))
                 labels = mb.labels.to(self.device)
                 sums += torch.stack([shifted_loss_sum(logits, labels).double(), mb.label_tokens().double()])
         finally:
@@ -123,10 +126,9 @@ class LocalEngine:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, aux: read once per step
         for mb in micro_batches:
             with autocast(self.device, self.dtype):
-                out = self.model(input_ids=mb.input_ids.to(self.device))
-            ce = shifted_loss_sum(out.logits, mb.labels.to(self.device))
-            aux = out["aux_loss"]
-            del out  # the logits die with the backward, not when the next forward rebinds `out` (peak memory)
+                logits, aux = self.decoder(input_ids=mb.input_ids.to(self.device))
+            ce = shifted_loss_sum(logits, mb.labels.to(self.device))
+            del logits  # they die with the backward, not when the next forward rebinds the name (peak memory)
             (ce / max(tokens, 1) + aux / len(micro_batches)).backward()
             sums += torch.stack([ce.detach(), aux.detach()]).double()
         loss_sum, aux_sum = sums.tolist()

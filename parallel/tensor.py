@@ -1,12 +1,9 @@
-"""Tensor parallelism: column/row/vocab-parallel layers, vocab-parallel cross-entropy, and the TP pass.
+"""Tensor parallelism's layers: column/row/vocab-parallel modules, the TP region functions, vocab-parallel
+cross-entropy (the pass that puts them into a model is `parallel.tensor_pass`).
 
 Written by hand in the Megatron/picotron style rather than with DTensor: we need exact control over
 which collective runs in forward and which in backward, and local tensors whose names stay dense.
 """
-
-import math
-import re
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -16,9 +13,6 @@ from torch import nn
 from .collectives import all_gather_cat, all_reduce_, group_rank, group_size
 from .grid import ParallelGrid
 
-# MiniMind's plan (like Qwen3's before transformers added it) omits the per-head q/k norms: their weight
-# is replicated but each TP rank only sees its own heads, so its gradient is partial and must be summed.
-# Entries in the model's own plan win over these.
 # ---- autograd communication -------------------------------------------------------------------------
 
 
@@ -165,114 +159,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab=[{self.vocab_start}, {self.vocab_end}), dim={self.embedding_dim}"
-
-
-# ---- the pass ---------------------------------------------------------------------------------------------
-
-
-def check_tp_divisibility(config, tp: int) -> None:
-    """Raise ValueError naming the first config size that tp does not divide, and the valid choices."""
-    sizes = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size}
-    if getattr(config, "use_moe", False):
-        sizes["moe_intermediate_size"] = config.moe_intermediate_size
-    sizes["vocab_size"] = config.vocab_size
-    common = math.gcd(*sizes.values())
-    choices = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
-    for name, size in sizes.items():
-        if size % tp:
-            raise ValueError(f"parallel.tp={tp} does not divide {name}={size}; choose tp in {{{choices}}}")
-
-
-def _pattern(plan_key: str) -> re.Pattern:
-    """Plan key with `*` wildcards (one name component each) -> compiled full-match regex."""
-    return re.compile(re.escape(plan_key).replace(r"\*", r"[^.]+"))
-
-
-def tp_plan(model: nn.Module) -> dict[str, str]:
-    """Module-name pattern -> style for the whole model: base-model plan (prefixed) plus the head's plan."""
-    base = getattr(model, "base_model", model)
-    prefix = "" if base is model else f"{model.base_model_prefix}."
-    base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    plan = {f"{prefix}{k}": v for k, v in base_plan.items()}
-    if base is model:
-        return plan
-    # Logits stay vocab-sharded: the loss is vocab_parallel_cross_entropy, which never gathers them.
-    head_plan = getattr(type(model), "_tp_plan", None) or {}
-    return {**plan, **{k: "colwise" if v == "colwise_gather_output" else v for k, v in head_plan.items()}}
-
-
-def _all_reduce_grad(grad: torch.Tensor, group) -> torch.Tensor:
-    """Sum a replicated parameter's partial gradient over TP (runs inside backward, every micro-batch)."""
-    return all_reduce_(grad.clone(), group)
-
-
-def apply_tensor_parallel(model: nn.Module, grid: ParallelGrid) -> nn.Module:
-    """Shard the plan's modules, then hook the replicated parameters' gradient sums (both steps below)."""
-    shard_modules(model, grid)
-    sync_replicated_grads(model, grid)
-    return model
-
-
-def shard_modules(model: nn.Module, grid: ParallelGrid) -> nn.Module:
-    """Replace the plan's Linear/Embedding modules in place by TP versions holding this rank's slice.
-
-    Parameter names stay dense; modules absent from a pruned model are skipped; a Parameter shared by
-    several modules (tied embedding and lm_head) stays one shared sharded Parameter. Works on meta modules.
-    """
-    check_tp_divisibility(model.config, grid.tp)
-    if grid.tp == 1:
-        return model
-    shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> its dim-0 shard, reused by a tie partner
-    # The list keeps every dense module (and weight) alive through the loop, so no id() is recycled.
-    for name, module, style in _planned_modules(model):
-        if style != "replicated_with_grad_allreduce":
-            new = _parallel_module(module, style, grid, shards)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, new)
-    return model
-
-
-def sync_replicated_grads(model: nn.Module, grid: ParallelGrid) -> None:
-    """Replicated parameters that see only part of the sharded activations sum their gradient over TP.
-
-    A leaf hook, not a trainer step: the gradient is exact as soon as backward returns. Registered after the
-    weights are materialised, since a meta tensor's hooks do not survive getting storage."""
-    if grid.tp == 1:
-        return
-    for _, module, style in _planned_modules(model):
-        if style == "replicated_with_grad_allreduce":
-            for param in module.parameters(recurse=False):
-                param.register_hook(partial(_all_reduce_grad, group=grid.tp_group))
-
-
-def _planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, style) of every module the TP plan names."""
-    rules = [(_pattern(key), style) for key, style in tp_plan(model).items()]
-    found = []
-    for name, module in list(model.named_modules()):
-        style = next((s for pattern, s in rules if pattern.fullmatch(name)), None)
-        if style is not None:
-            found.append((name, module, style))
-    return found
-
-
-def _parallel_module(module: nn.Module, style: str, grid: ParallelGrid, shards: dict) -> nn.Module:
-    """The TP replacement of one dense module under style."""
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-        raise ValueError(f"apply_tensor_parallel: model already has TP modules ({type(module).__name__})")
-    tied = shards.get(id(module.weight))
-    if style in ("colwise", "colwise_gather_output") and isinstance(module, nn.Linear):
-        new = ColumnParallelLinear.from_dense(module, grid, style == "colwise_gather_output", weight=tied)
-    elif style == "rowwise" and isinstance(module, nn.Linear):
-        new = RowParallelLinear.from_dense(module, grid)
-    elif style == "embedding_rowwise" and isinstance(module, nn.Embedding):
-        new = VocabParallelEmbedding.from_dense(module, grid, weight=tied)
-    else:
-        raise ValueError(f"apply_tensor_parallel: style {style!r} does not apply to {type(module).__name__}")
-    if style != "rowwise":  # only row-sliced (dim 0) shards can stand for a tied partner
-        shards[id(module.weight)] = new.weight
-    return new
 
 
 # ---- loss and logits ----------------------------------------------------------------------------------------

@@ -24,14 +24,14 @@ def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrid
     """A dense checkpoint needs the model config from Hydra overrides."""
     from hydra import compose, initialize_config_dir
 
-    from minimind import MiniMindForCausalLM
+    from models import build_model
     from training.cli import CONF_DIR
     from training.config import model_config, register_schema
 
     register_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    model = MiniMindForCausalLM(model_config(cfg))
+    model = build_model(model_config(cfg), "cpu")
     load_dense_into(model, source)
     return save_pth(model, out) if fmt == "pth" else save_hf_folder(model, out, tokenizer)
 

@@ -20,16 +20,15 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from minimind.model import MiniMindForCausalLM  # noqa: E402
 from parallel.pipeline.actions import Lists  # noqa: E402
 from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.plan import plan_pipeline  # noqa: E402
 from parallel.pipeline.render import plan_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
-from parallel.recompute import saved_activation_bytes_per_layer  # noqa: E402
 from training.cli import compose_validated, fail  # noqa: E402
 from training.config import model_config  # noqa: E402
+from training.schema import model_decoder  # noqa: E402
 from training.layout import layout_world_size  # noqa: E402
 from training.planner.profile import measured_costs  # noqa: E402
 from training.planner.search import search  # noqa: E402
@@ -37,8 +36,9 @@ from training.planner.search_report import chosen, no_fit_message, rejections, t
 from training.specs import pipeline_spec  # noqa: E402
 
 MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-batch, stage) of layers(stage) "
-                  "x saved bytes of one decoder layer (parallel.recompute.saved_activation_bytes_per_layer: "
-                  "train.recompute, dtype and tp included)")
+                  "x saved bytes of one decoder layer (the family's formula, e.g. "
+                  "models.minimind.saved_activation_bytes_per_layer, with train.recompute, dtype and tp; "
+                  "else one layer measured with saved-tensor hooks at tp=1)")
 
 
 def split_args(argv: list[str]) -> tuple[list[str], Path]:
@@ -93,30 +93,33 @@ def search_main(overrides: list[str], out: Path) -> int:
 
 def stage_parameters(cfg: DictConfig, partition: list[range]) -> tuple[list[int], int, bool]:
     """Parameters per stage (a tied lm_head counts on the last stage, which holds a copy), unique total, tied."""
-    with torch.device("meta"):  # shapes only: no memory, no init time, any model size
-        model = MiniMindForCausalLM(model_config(cfg))
+    decoder = model_decoder(cfg)  # meta device: shapes only, no memory, no init time, any model size
     layer_stage = {layer: s for s, layers in enumerate(partition) for layer in layers}
     last = len(partition) - 1
     per_stage = [0] * len(partition)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name.startswith("model.embed_tokens."):
-            stage = 0
-        elif name.startswith("model.layers."):
-            stage = layer_stage[int(name.split(".")[2])]
-        else:  # model.norm.*, lm_head.*
-            stage = last
+    for name, param in decoder.module.named_parameters(remove_duplicate=False):
+        piece, layer = decoder.plan.piece_of(name)
+        stage = 0 if piece == "embedding" else layer_stage[layer] if piece == "layer" else last
         per_stage[stage] += param.numel()
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    return per_stage, sum(p.numel() for p in model.parameters()), tied
+    return per_stage, sum(p.numel() for p in decoder.module.parameters()), bool(decoder.plan.ties)
 
 
 def activation_bytes(lowered: Lists, partition: list[range], cfg: DictConfig) -> list[int]:
     """Per rank, the peak of MEMORY_FORMULA over the lowered action list."""
     dtype_bytes = 2 if cfg.train.dtype == "bf16" else 4  # `auto` plans for fp32, the larger
-    per_layer = saved_activation_bytes_per_layer(model_config(cfg), cfg.train.micro_batch_size, cfg.train.seq_len,
-                                                 dtype_bytes, cfg.train.recompute, tp=cfg.parallel.tp)
+    per_layer = model_decoder(cfg).adapter.saved_bytes_per_layer(cfg.train.micro_batch_size, cfg.train.seq_len,
+                                                                 dtype_bytes, cfg.train.recompute, tp=cfg.parallel.tp)
+    if per_layer is None:
+        from training.planner.profile import layer_saved_bytes
+
+        per_layer = layer_saved_bytes(cfg, cfg.train.recompute, torch.bfloat16 if dtype_bytes == 2 else torch.float32)
     # The simulator's count of live activations, each weighed by its stage's layers.
     return [peak_live(actions, lambda stage: len(partition[stage])) * per_layer for actions in lowered]
+
+
+def short(name: str) -> str:
+    """A dense module or parameter name without its owners (`model.embed_tokens` -> `embed_tokens`)."""
+    return name.removesuffix(".weight").rsplit(".", 1)[-1]
 
 
 def human(n: float) -> str:
@@ -138,24 +141,28 @@ def main(argv: list[str]) -> int:
     pp, vpp = p.pp, p.vpp
     n_stages = pp * vpp
     try:
-        plan = plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers)
+        plan = plan_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
     except ValueError as error:
         fail(str(error))
     partition, placement, lowered = list(plan.partition), plan.placement, plan.lowered
     sim = plan.simulate()
 
-    print(f"plan: model={cfg.model.name} ({cfg.model.num_hidden_layers} layers, hidden {cfg.model.hidden_size}), "
+    decoder = model_decoder(cfg)
+    print(f"plan: model={cfg.model.name} ({decoder.config.num_hidden_layers} layers, hidden "
+          f"{decoder.config.hidden_size}), "
           f"pp={pp} vpp={vpp} tp={p.tp} dp={p.dp or 'auto'}, schedule={cfg.schedule.name}, {m} micro-batches of "
           f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens")
     per_stage, total, tied = stage_parameters(cfg, partition)
     print(f"partition: {n_stages} stages, placement {placement}")
     for s, layer_range in enumerate(partition):
-        extras = [x for x, here in (("embed_tokens", s == 0), ("norm + lm_head", s == n_stages - 1)) if here]
+        extras = [x for x, here in ((short(decoder.plan.embedding), s == 0), (" + ".join(
+            short(n) for n in (*decoder.plan.finals, decoder.plan.head)), s == n_stages - 1)) if here]
         first, last = layer_range.start, layer_range.stop - 1
         span = f"layers {first}-{last}" if last > first else f"layer {first}"
         print(f"  stage {s} on rank {stage_to_rank(s, pp, placement)}: {span} ({len(layer_range)})"
               f"{' + ' + ', '.join(extras) if extras else ''}, {per_stage[s]:,} params")
-    note = " (lm_head tied to embed_tokens: counted once; the last stage holds a copy)" if tied and n_stages > 1 else ""
+    tie = ", ".join(f"{short(a)} tied to {short(b)}" for a, b in decoder.plan.ties.items())
+    note = f" ({tie}: counted once; the last stage holds a copy)" if tied and n_stages > 1 else ""
     print(f"  total {total:,} parameters{note}")
     print("schedule:")
     print(plan_text(lowered, pp, n_stages, m, placement))

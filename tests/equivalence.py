@@ -15,13 +15,14 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
+from parallel.tensor_pass import join_blocks
 from training.cli import CONF_DIR
 from training.config import register_schema
 
 BASE = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_docs=300", "logger=none",
         "train.dtype=fp32", "optim.warmup_steps=1", "optim.lr=1e-3", "train.log_every=1"]
 TIED = "model.embed_tokens.weight"  # the dense name of a tied embedding/lm_head pair
-Tensors = dict[str, tuple[torch.Tensor, int | None]]  # dense name -> (tensor, TP partition dim or None)
+Tensors = dict[str, tuple[torch.Tensor, int | None, int]]  # dense name -> (tensor, TP partition dim or None, packing)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def _snapshot(named: dict, grads: bool) -> Tensors:
     for name, p in named.items():
         tensor = p.grad if grads else p
         tensor = torch.zeros_like(p) if tensor is None else tensor
-        out[name] = (tensor.detach().float().cpu().clone(), getattr(p, "partition_dim", None))
+        out[name] = (tensor.detach().float().cpu().clone(), getattr(p, "partition_dim", None), getattr(p, "tp_packed", 1))
     return out
 
 
@@ -120,22 +121,22 @@ def dense_copies(results: list[dict], field: str, tied: bool) -> dict[str, dict[
     A TP-sharded tensor gives one copy per DP replica; a TP-replicated one gives one per DP replica and TP
     rank; the last stage's lm_head of a tied model counts as a further copy of the embedding."""
     tp = 1 + max(r["coords"][2] for r in results)
-    shards: dict[str, dict[str, dict[int, tuple[torch.Tensor, int | None]]]] = {}
+    shards: dict[str, dict[str, dict[int, tuple[torch.Tensor, int | None, int]]]] = {}
     for result in results:
         _, dp_rank, tp_rank = result["coords"]
-        for held, (tensor, dim) in result[field].items():
+        for held, (tensor, dim, packed) in result[field].items():
             name = TIED if tied and held == "lm_head.weight" else held
             where = f"{held} dp{dp_rank}" + ("" if dim is not None else f" tp{tp_rank}")
-            shards.setdefault(name, {}).setdefault(where, {})[tp_rank] = (tensor, dim)
+            shards.setdefault(name, {}).setdefault(where, {})[tp_rank] = (tensor, dim, packed)
     copies: dict[str, dict[str, torch.Tensor]] = {}
     for name, places in shards.items():
         for where, parts in places.items():
-            dim = next(iter(parts.values()))[1]
+            _, dim, packed = next(iter(parts.values()))
             if dim is None:
                 copies.setdefault(name, {})[where] = next(iter(parts.values()))[0]
                 continue
             assert sorted(parts) == list(range(tp)), f"{where}: TP shards {sorted(parts)} of {tp}"
-            copies.setdefault(name, {})[where] = torch.cat([parts[t][0] for t in sorted(parts)], dim=dim)
+            copies.setdefault(name, {})[where] = join_blocks([parts[t][0] for t in sorted(parts)], dim, packed)
     return copies
 
 
@@ -147,7 +148,7 @@ def dense_params(results: list[dict], tied: bool = True) -> dict[str, torch.Tens
 
 def _relative_errors(results: list[dict], reference: dict, field: str, dp: int) -> list[tuple[float, str]]:
     """Per-tensor relative error in norm of every copy of `field` against the single process's tensor."""
-    expected = {name: t for name, (t, _) in reference[field].items()}
+    expected = {name: t for name, (t, _, _) in reference[field].items()}
     copies = dense_copies(results, field, tied="lm_head.weight" not in expected)
     assert set(copies) == set(expected), f"{field}: names differ: {sorted(set(copies) ^ set(expected))}"
     errors = []

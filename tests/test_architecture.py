@@ -4,7 +4,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["minimind", "parallel", "checkpoint", "training"]  # bottom to top; train.py and scripts/ sit above
+LAYERS = ["minimind", "parallel", "models", "checkpoint", "training"]  # bottom to top; train.py, scripts/ above
+MODEL_NAMES = ("embed_tokens", "lm_head", "layers", "Attention", "FeedForward")  # what parallel/ must never name
 
 
 def modules() -> dict[str, Path]:
@@ -96,3 +97,42 @@ def test_no_script_or_package_shadows_a_standard_library_module():
 
     names = {p.stem for p in (ROOT / "scripts").rglob("*.py")} | {p.stem for p in ROOT.glob("*.py")} | set(LAYERS)
     assert not names & sys.stdlib_module_names, sorted(names & sys.stdlib_module_names)
+
+
+def model_namings(path: Path) -> list[str]:
+    """Where a file imports minimind, or names a model's piece: an identifier or attribute equal to one of
+    MODEL_NAMES, or a string (docstrings aside) holding one as a whole dotted component."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "minimind" for a in node.names):
+            found.append(f"{where} imports minimind")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "minimind":
+            found.append(f"{where} imports minimind")
+        elif isinstance(node, ast.Attribute) and node.attr in MODEL_NAMES:
+            found.append(f"{where} attribute .{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in MODEL_NAMES:
+            found.append(f"{where} name {node.id}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if set(node.value.split(".")) & set(MODEL_NAMES):
+                found.append(f"{where} string {node.value!r}")
+    return found
+
+
+def test_parallel_imports_no_model_and_names_none_of_its_pieces():
+    """parallel/ knows a model only through its declared plans and adapter (parallel/decoder.py)."""
+    offenders = [hit for path in sorted((ROOT / "parallel").rglob("*.py")) for hit in model_namings(path)]
+    assert not offenders, offenders
+
+
+def test_the_naming_check_catches_each_kind(tmp_path):
+    """The check above fails on an import, an attribute, a name and a key string (so it cannot pass vacuously)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Docstrings may say lm_head."""\nimport minimind\nx = m.model.embed_tokens\ny = Attention\n'
+                      'z = "lm_head.weight"\n')
+    kinds = [hit.split(" ", 1)[1].split(" ")[0] for hit in model_namings(sample)]
+    assert sorted(kinds) == ["attribute", "imports", "name", "string"], kinds

@@ -61,7 +61,7 @@ def assert_bitwise_resume(straight: list[dict], resumed: list[dict]) -> None:
     for full, tail in zip(straight, resumed):
         assert tail["losses"] == full["losses"][4:]
         assert full["params"].keys() == tail["params"].keys()
-        for name, (tensor, _) in full["params"].items():
+        for name, (tensor, *_) in full["params"].items():
             assert torch.equal(tensor, tail["params"][name][0]), name
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -57,9 +58,9 @@ def test_dp_sum_zero_fills_gradients_a_replica_never_made(monkeypatch):
     single = tiny(moe=True)
     monkeypatch.setattr(MoEFeedForward, "forward", _untouched_experts)
     LocalEngine(single, CPU, torch.float32).step(replica_batches(1))
-    assert any(p.grad is None for p in single.parameters())  # the premise: replica 1 alone leaves some out
+    assert any(p.grad is None for p in single.module.parameters())  # the premise: replica 1 alone leaves some out
     LocalEngine(model, CPU, torch.float32).step(replica_batches(0) + replica_batches(1))
-    for name, param in model.named_parameters():
+    for name, param in model.module.named_parameters():
         for rank in (0, 1):
             torch.testing.assert_close(results[rank][name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert not absent  # every rank ends the step with every gradient, summed
@@ -67,9 +68,9 @@ def test_dp_sum_zero_fills_gradients_a_replica_never_made(monkeypatch):
 
 def test_a_boundary_of_the_wrong_shape_is_refused_naming_both_stages():
     engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU))
-    base = engine.stages[0].module.model
-    forward = base.forward
-    base.forward = lambda *a, **k: (lambda out: (out[0][:, :-1], out[1]))(forward(*a, **k))  # drops a position
+    _, layer = engine.stages[0].chunk.blocks()[-1]  # the stage's last layer makes its boundary activation
+    forward = layer.forward
+    layer.forward = lambda *a, **k: (lambda out: (out[0][:, :-1], out[1]))(forward(*a, **k))  # drops a position
     with pytest.raises(BoundaryMismatch, match=r"stage 0 sends stage 1 a activation of shape \(2, 15, 32\) "
                                                r"torch.float32 for micro-batch 0, but the boundary is \(2, 16, 32\)"):
         engine.step(batches(2))
@@ -117,9 +118,9 @@ def test_a_tied_pth_gives_every_parameter_its_own_storage(tmp_path):
     from checkpoint.dense_source import dense_source
 
     model = tiny()
-    torch.save(model.state_dict(), tmp_path / "tied.pth")  # embedding and head: one storage in the file
-    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    source = dense_source(tmp_path / "tied.pth", shapes)
+    torch.save(model.module.state_dict(), tmp_path / "tied.pth")  # embedding and head: one storage in the file
+    shapes = {n: tuple(t.shape) for n, t in model.module.state_dict().items()}
+    source = dense_source(tmp_path / "tied.pth", shapes, model.plan.ties)
     embedding, head = source("model.embed_tokens.weight", shapes["model.embed_tokens.weight"]), \
         source("lm_head.weight", shapes["lm_head.weight"])
     assert torch.equal(embedding, head)
@@ -127,12 +128,14 @@ def test_a_tied_pth_gives_every_parameter_its_own_storage(tmp_path):
 
 
 def test_a_tp_block_does_not_pin_the_dense_tensor():
+    from parallel.decoder import Decoder
     from parallel.materialize import materialize_
 
     module = torch.nn.Module()
     with torch.device("meta"):
         module.w = torch.nn.Parameter(torch.empty(2, 4))
     module.w.tensor_parallel, module.w.partition_dim = True, 0
-    materialize_(module, lambda name, shape: torch.arange(16.0).view(shape), 1, 2, CPU)
+    no_buffers = SimpleNamespace(init_buffers=lambda module: None)  # the one adapter hook materialize_ calls
+    materialize_(Decoder(module, None, no_buffers), lambda name, shape: torch.arange(16.0).view(shape), 1, 2, CPU)
     assert module.w.untyped_storage().nbytes() == 8 * 4  # its 2 x 4 block, not the 4 x 4 dense tensor
     assert module.w.tolist() == [[8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]] and module.w.tensor_parallel

@@ -98,7 +98,7 @@ def _zero_worker(rank: int, world_size: int, zero: int) -> dict:
     from training.optim import build_optimizer
 
     grid = ParallelGrid.build(2, 1, 1, backend="gloo", timeout_s=60)
-    model = tiny()
+    model = tiny().module
     cfg = OmegaConf.create({"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01})
     optimizer = build_optimizer(list(model.parameters()), cfg, grid.dp_group, zero=zero)
     for step in range(3):

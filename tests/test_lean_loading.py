@@ -16,6 +16,7 @@ BUILD_ONE_RANK = """
 import json, resource, sys, torch
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from checkpoint.dense_source import dense_source
+from models import decoder_of
 from parallel.grid import ParallelGrid
 from parallel.pipeline.build import StageBuild, build_stages
 from parallel.pipeline.plan import plan_pipeline
@@ -28,12 +29,12 @@ with torch.device("meta"):  # warm-up: transformers imports its modules lazily o
 page = resource.getpagesize()
 before = int(open("/proc/self/statm").read().split()[1]) * page
 with torch.device("meta"):
-    model = MiniMindForCausalLM(MiniMindConfig())
-expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-plan = plan_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), model.config.num_hidden_layers)
+    decoder = decoder_of(MiniMindForCausalLM(MiniMindConfig()))
+expected = {n: tuple(t.shape) for n, t in decoder.module.state_dict().items()}
+plan = plan_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), decoder.config.num_hidden_layers)
 grid = ParallelGrid(pp=4, pp_rank=rank)
-stages = build_stages(plan, model, grid, [rank], StageBuild(torch.float32, dense_token_loss,
-                                                            weights=dense_source(path, expected)))
+weights = dense_source(path, expected, decoder.plan.ties)
+stages = build_stages(plan, decoder, grid, [rank], StageBuild(torch.float32, dense_token_loss, weights=weights))
 held = sum(p.numel() * p.element_size() for s in stages[rank].values() for p in s.module.parameters())
 # VmHWM, not ru_maxrss: the latter survives exec and so counts the forking parent's memory.
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024

@@ -8,12 +8,24 @@ import pytest
 import torch
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
+from models import build_model, decoder_of
+from parallel.decoder import Decoder
 from tests.conftest import ROOT
 from tests.equivalence import compose_run_config
 from tests.spawn import run_workers
-from training.flops import (device_peak_tflops, flops_per_token, matmul_params_per_token, peak_memory_record,
-                            process_peak_memory, throughput_record)
+from training.flops import (device_peak_tflops, flops_per_token, peak_memory_record, process_peak_memory,
+                            throughput_record)
 from training.metrics import MetricsLogger
+
+
+def meta_decoder(config: MiniMindConfig) -> Decoder:
+    """The model of `config` on the meta device, as the parallel layer sees it."""
+    return decoder_of(build_model(config, device="meta"))
+
+
+def matmul_params_per_token(config: MiniMindConfig) -> int:
+    """The family adapter's count of the weights one token multiplies with."""
+    return meta_decoder(config).adapter.matmul_params_per_token()
 
 
 def linear_weights(config: MiniMindConfig) -> int:
@@ -38,9 +50,9 @@ def test_moe_counts_only_the_experts_a_token_runs_through():
 
 def test_flops_per_token_adds_the_attention_term():
     config = MiniMindConfig(hidden_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
-    n = matmul_params_per_token(config)
-    assert flops_per_token(config, 256) == 6 * n + 12 * 8 * 8 * 96 * 256
-    assert flops_per_token(config, 512) - flops_per_token(config, 256) == 12 * 8 * 768 * 256
+    n, decoder = matmul_params_per_token(config), meta_decoder(config)
+    assert flops_per_token(decoder, 256) == 6 * n + 12 * 8 * 8 * 96 * 256
+    assert flops_per_token(decoder, 512) - flops_per_token(decoder, 256) == 12 * 8 * 768 * 256
 
 
 def test_tflops_per_device_and_mfu():
@@ -86,7 +98,8 @@ def test_mfu_appears_when_a_peak_is_set(tmp_path):
     metrics.log(1, {"loss": 1.0, "tokens_per_s": 1000.0})
     metrics.close()
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
-    flops = flops_per_token(MiniMindConfig(**{k: v for k, v in cfg.model.items() if k != "name"}), cfg.train.seq_len)
+    given = {k: v for k, v in cfg.model.items() if k not in ("name", "hf_config") and v is not None}
+    flops = flops_per_token(meta_decoder(MiniMindConfig(**given)), cfg.train.seq_len)
     assert record["tflops"] == pytest.approx(1000.0 * flops / 1e12)
     assert record["mfu"] == pytest.approx(record["tflops"] / 0.5)
 

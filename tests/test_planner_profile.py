@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from parallel.recompute import deferred_weight_grad_bytes_per_layer, saved_activation_bytes_per_layer
+from models.minimind import deferred_weight_grad_bytes_per_layer, saved_activation_bytes_per_layer
 from tests.conftest import ROOT
 from tests.equivalence import compose_run_config
 from training.config import model_config

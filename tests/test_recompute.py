@@ -7,15 +7,18 @@ import torch
 from torch import nn
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
+from models import decoder_of
+from models.minimind import deferred_weight_grad_bytes_per_layer, saved_activation_bytes_per_layer
+from parallel.decoder import Decoder
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.stage import Stage
-from parallel.recompute import (MODES, apply_recompute, deferred_weight_grad_bytes_per_layer,
-                                saved_activation_bytes_per_layer)
+from parallel.recompute import MODES, apply_recompute
 from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import MicroBatch, dense_token_loss, shifted_loss_sum
-from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from parallel.tensor import vocab_parallel_cross_entropy
+from parallel.tensor_pass import apply_tensor_parallel
 from tests.spawn import run_workers
 from tests.test_runtime import run_b_and_i
 
@@ -31,9 +34,9 @@ def config(layers: int = 4, moe: bool = False, dropout: float = 0.0) -> MiniMind
                           router_aux_loss_coef=0.01, dropout=dropout)
 
 
-def tiny(layers: int = 4, moe: bool = False, dropout: float = 0.0, seed: int = 0) -> MiniMindForCausalLM:
+def tiny(layers: int = 4, moe: bool = False, dropout: float = 0.0, seed: int = 0) -> Decoder:
     torch.manual_seed(seed)
-    return MiniMindForCausalLM(config(layers, moe, dropout))
+    return decoder_of(MiniMindForCausalLM(config(layers, moe, dropout)))
 
 
 def batches(m: int, seq: int = 16, seed: int = 1) -> list[MicroBatch]:
@@ -92,7 +95,7 @@ def engine(mode: str, moe: bool = False, seq: int = 16, schedule: str = "1f1b", 
                       seq_len=seq, timeout_s=30, emulate=True)
     built = ParallelEngine(spec, tiny(moe=moe, dropout=dropout), ParallelGrid.single(CPU))
     for stage in built.stages.values():
-        apply_recompute(stage.module, mode)
+        apply_recompute(stage.chunk, mode)
     return built
 
 
@@ -156,13 +159,13 @@ def test_input_then_weight_backward_with_recomputation_equals_full_backward_with
     full, split = tiny(moe=moe), apply_recompute(tiny(moe=moe), mode)
     _, b = run_b_and_i(full, split, batches(2))
     # The recomputed linears ran under SplitLinears: their weight gradients still wait for W.
-    waiting = {n for n, p in split.named_parameters() if p.grad is None}
+    waiting = {n for n, p in split.module.named_parameters() if p.grad is None}
     assert any(".layers." in n and n.endswith("proj.weight") for n in waiting), waiting
     assert all(len(b.weight_grads.pending[mb]) > 0 for mb in range(2))
     for mb in range(2):
         b.backward_weight(mb)
-    assert_close_rel({n: p.grad for n, p in split.named_parameters()},
-                     {n: p.grad for n, p in full.named_parameters()}, 1e-6)
+    assert_close_rel({n: p.grad for n, p in split.module.named_parameters()},
+                     {n: p.grad for n, p in full.module.named_parameters()}, 1e-6)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
@@ -177,8 +180,8 @@ def test_bf16_autocast_recomputes_the_same_numbers(mode):
             stage.backward_weight(mb)
         losses.append(stage.loss_sum.item())
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
-    assert_close_rel({n: p.grad for n, p in patched.named_parameters()},
-                     {n: p.grad for n, p in plain.named_parameters()}, 1e-6)
+    assert_close_rel({n: p.grad for n, p in patched.module.named_parameters()},
+                     {n: p.grad for n, p in plain.module.named_parameters()}, 1e-6)
 
 
 @pytest.mark.parametrize("schedule", sorted(set(SCHEDULES) - {"1f1b"}))
@@ -198,20 +201,20 @@ def test_every_schedule_runs_with_recomputation(schedule):
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_the_pass_keeps_every_dense_name_and_survives_a_deepcopy(mode):
     model = tiny(moe=True)
-    names = [n for n, _ in model.named_parameters()]
-    keys = list(model.state_dict())
+    names = [n for n, _ in model.module.named_parameters()]
+    keys = list(model.module.state_dict())
     apply_recompute(model, mode)
-    assert [n for n, _ in model.named_parameters()] == names
-    assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.module.named_parameters()] == names
+    assert list(model.module.state_dict()) == keys
     assert "model.layers.3.mlp.experts.1.up_proj.weight" in names
     # A copy's patched forwards run the copy's weights, not the original's.
     twin, plain = copy.deepcopy(model), tiny(moe=True)
     with torch.no_grad():
-        for p, q in zip(twin.parameters(), plain.parameters()):
+        for p, q in zip(twin.module.parameters(), plain.module.parameters()):
             p.mul_(0.5)
             q.mul_(0.5)
     ids = batches(1)[0].input_ids
-    torch.testing.assert_close(twin(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(twin(input_ids=ids)[0], plain(input_ids=ids)[0], rtol=0, atol=0)
 
 
 def test_a_bad_mode_is_named_with_the_choices():
@@ -247,8 +250,8 @@ def measured_layer_bytes(cfg: MiniMindConfig, mode: str, dtype: torch.dtype, seq
                          grid: ParallelGrid | None = None) -> int:
     """Saved bytes of one decoder layer's forward (training mode), parameters and their casts excluded."""
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(cfg)
-    model = apply_recompute(apply_tensor_parallel(model, grid) if grid is not None else model, mode)
+    decoder = decoder_of(MiniMindForCausalLM(cfg))
+    model = apply_recompute(apply_tensor_parallel(decoder, grid) if grid is not None else decoder, mode).module
     layer, base = model.model.layers["0"], model.model
     weight_shapes = {s for p in model.parameters() for s in (tuple(p.shape), tuple(p.shape)[::-1])}
     meter = SavedBytes(list(model.parameters()),
@@ -275,8 +278,8 @@ def test_the_memory_model_is_what_the_hooks_count(moe, dtype):
 @pytest.mark.parametrize("moe", [False, True])
 def test_the_memory_model_of_what_waits_for_w_is_what_i_deferred(moe, dtype):
     cfg = config(layers=1, moe=moe)
-    model = apply_recompute(MiniMindForCausalLM(cfg), "full")
-    layer = {id(p) for p in model.model.layers["0"].parameters()}
+    model = apply_recompute(decoder_of(MiniMindForCausalLM(cfg)), "full")
+    layer = {id(p) for p in model.module.model.layers["0"].parameters()}
     stage = Stage(model, 0, 1, CPU, dtype, dense_token_loss, split_backward=True)
     ids = batches(1, seq=48)[0].input_ids
     stage.forward(0, ids, ids, 0.01, 0.5)
@@ -296,12 +299,12 @@ def _tp_worker(rank: int, world_size: int) -> dict:
     for moe in (False, True):
         for mode in MODES:
             model = apply_recompute(apply_tensor_parallel(tiny(moe=moe), grid), mode)
-            result = model(input_ids=ids)
-            width = result.logits.shape[-1]
-            loss = shifted_loss_sum(result.logits, ids, lambda x, t: vocab_parallel_cross_entropy(
-                x, t, grid.tp_group, grid.tp_rank * width)) + result.aux_loss
+            logits, aux_loss = model(input_ids=ids)
+            width = logits.shape[-1]
+            loss = shifted_loss_sum(logits, ids, lambda x, t: vocab_parallel_cross_entropy(
+                x, t, grid.tp_group, grid.tp_rank * width)) + aux_loss
             loss.backward()
-            out[moe, mode] = {"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+            out[moe, mode] = {"loss": loss.item(), "grads": {n: p.grad for n, p in model.module.named_parameters()}}
             cfg = config(layers=1, moe=moe)
             out[moe, mode]["bytes"] = (measured_layer_bytes(cfg, mode, torch.float32, grid=grid),
                                        saved_activation_bytes_per_layer(cfg, 2, 48, 4, mode, tp=world_size))
@@ -330,4 +333,4 @@ def test_engine_spec_recompute_reaches_every_stage(mode):
     engine = ParallelEngine(spec, tiny(moe=True), ParallelGrid.single(CPU))
     assert engine.step(batches(4)).loss == plain.loss
     with pytest.raises(RuntimeError, match="already has a patched forward"):
-        apply_recompute(engine.stages[0].module, mode)  # the engine applied it once
+        apply_recompute(engine.stages[0].chunk, mode)  # the engine applied it once

@@ -10,14 +10,14 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
+from models import decoder_of
+from parallel.decoder import Decoder
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.actions import Action, Kind
 from parallel.pipeline.lowering import lower
-from parallel.pipeline.prune import prune_to_stage
 from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec
 from parallel.pipeline.simulate import simulate
 from parallel.pipeline.stage import Stage
@@ -34,11 +34,12 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(layers: int = 4, moe: bool = False, seed: int = 0) -> MiniMindForCausalLM:
+def tiny(layers: int = 4, moe: bool = False, seed: int = 0) -> Decoder:
+    """A tiny MiniMind (dense or MoE) as the parallel layer sees it."""
     torch.manual_seed(seed)
-    return MiniMindForCausalLM(MiniMindConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers,
-                                              num_attention_heads=4, num_key_value_heads=2, use_moe=moe,
-                                              num_experts=4, router_aux_loss_coef=0.01))
+    return decoder_of(MiniMindForCausalLM(MiniMindConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers,
+                                                         num_attention_heads=4, num_key_value_heads=2, use_moe=moe,
+                                                         num_experts=4, router_aux_loss_coef=0.01)))
 
 
 def batches(m: int, seed: int = 1) -> list[MicroBatch]:
@@ -52,10 +53,10 @@ def layout_cfg(schedule: str, pp: int, m: int, vpp: int = 1) -> EngineSpec:
                       micro_batch_size=2, seq_len=16, timeout_s=30, emulate=True)
 
 
-def dense_grads(model: MiniMindForCausalLM, mbs: list[MicroBatch]) -> dict[str, torch.Tensor]:
+def dense_grads(decoder: Decoder, mbs: list[MicroBatch]) -> dict[str, torch.Tensor]:
     """Gradients of one process doing gradient accumulation over `mbs` (the reference)."""
-    LocalEngine(model, CPU, torch.float32).step(mbs)
-    return {name: p.grad for name, p in model.named_parameters()}
+    LocalEngine(decoder, CPU, torch.float32).step(mbs)
+    return {name: p.grad for name, p in decoder.module.named_parameters()}
 
 
 def assert_grads_match(engine: ParallelEngine, reference: dict[str, torch.Tensor]) -> None:
@@ -67,7 +68,7 @@ def assert_grads_match(engine: ParallelEngine, reference: dict[str, torch.Tensor
 # --- The I/W split. ----------------------------------------------------------------------------------------
 
 
-def run_b_and_i(full: nn.Module, split: nn.Module, data: list[MicroBatch]) -> tuple[Stage, Stage]:
+def run_b_and_i(full: Decoder, split: Decoder, data: list[MicroBatch]) -> tuple[Stage, Stage]:
     """One-stage pipelines of both models after every micro-batch's F, then B (full) or I (split): W pending."""
     a = Stage(full, 0, 1, CPU, torch.float32, dense_token_loss)
     b = Stage(split, 0, 1, CPU, torch.float32, dense_token_loss, split_backward=True)
@@ -85,19 +86,19 @@ def test_input_then_weight_backward_equals_full_backward(moe):
     full, split = tiny(moe=moe), tiny(moe=moe)
     a, b = run_b_and_i(full, split, batches(2))
     # After I: the linear layers' weights wait for W; norms and the embedding already have theirs.
-    waiting = {n for n, p in split.named_parameters() if p.grad is None}
+    waiting = {n for n, p in split.module.named_parameters() if p.grad is None}
     assert waiting and all(n.endswith("proj.weight") or n.endswith("gate.weight") for n in waiting), waiting
     assert b.live() == 2 and not b.saved  # W's inputs are what is still held
     for mb in range(2):
         b.backward_weight(mb)
     assert b.live() == 0 and b.peak_live == 2
-    for (name, p), q in zip(full.named_parameters(), split.parameters()):
+    for (name, p), q in zip(full.module.named_parameters(), split.module.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-8, msg=name)
 
 
 def test_stage_drops_the_boundary_activation_once_it_is_handed_over():
     model = tiny()
-    stage = Stage(prune_to_stage(model, range(1, 3), False, False), 1, 3, CPU, torch.float32, dense_token_loss)
+    stage = Stage(model.prune(range(1, 3), False, False), 1, 3, CPU, torch.float32, dense_token_loss)
     x = torch.randn(2, 16, 32)
     out = stage.forward(0, x, None, 1.0, 1.0)
     shape, alive = out.shape, weakref.ref(out)

@@ -6,10 +6,12 @@ import torch.nn.functional as F
 
 from minimind.config import MiniMindConfig
 from minimind.model import MiniMindForCausalLM
+from models import build_model, decoder_of
 from parallel.collectives import all_gather_cat
 from parallel.grid import ParallelGrid
-from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_tensor_parallel,
-                             check_tp_divisibility, vocab_parallel_cross_entropy)
+from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                             vocab_parallel_cross_entropy)
+from parallel.tensor_pass import apply_tensor_parallel, check_tp_divisibility
 from spawn import run_workers
 
 TP = 2
@@ -26,6 +28,11 @@ def tiny_config(use_moe: bool) -> MiniMindConfig:
 def tiny_model(use_moe: bool) -> MiniMindForCausalLM:
     torch.manual_seed(0)
     return MiniMindForCausalLM(tiny_config(use_moe))
+
+
+def tp_sizes(config: MiniMindConfig) -> dict[str, int]:
+    """The config sizes TP splits, as the family adapter names them (by config key)."""
+    return decoder_of(build_model(config, device="meta")).adapter.tp_sizes()
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +61,7 @@ def loss_of(model: MiniMindForCausalLM, grid: ParallelGrid) -> torch.Tensor:
 
 def _tp_worker(rank: int, world_size: int, use_moe: bool) -> dict:
     grid = ParallelGrid.build(dp=1, tp=TP, pp=1, backend="gloo", timeout_s=60)
-    model = apply_tensor_parallel(tiny_model(use_moe), grid)
+    model = apply_tensor_parallel(decoder_of(tiny_model(use_moe)), grid).module
     loss = loss_of(model, grid)
     loss.backward()
     ids, _ = batch()
@@ -75,11 +82,9 @@ def _tp_worker(rank: int, world_size: int, use_moe: bool) -> dict:
 
 def _pruned_last_stage(grid: ParallelGrid, use_moe: bool) -> dict:
     """A pipeline-pruned copy (no embedding, no layer 0) still shards: names kept, lm_head its own slice."""
-    model = tiny_model(use_moe)
-    dense_head = model.lm_head.weight.detach().clone()
-    model.model.embed_tokens = None
-    del model.model.layers["0"]
-    apply_tensor_parallel(model, grid)
+    decoder = decoder_of(tiny_model(use_moe))
+    dense_head = decoder.module.lm_head.weight.detach().clone()
+    model = apply_tensor_parallel(decoder.prune(range(1, 2), False, True), grid).module
     width = dense_head.shape[0] // grid.tp
     return {"pruned_keys": list(model.state_dict()),
             "pruned_head_ok": torch.equal(model.lm_head.weight, dense_head[grid.tp_rank * width:][:width])}
@@ -162,19 +167,19 @@ def test_vocab_parallel_cross_entropy_without_group_is_cross_entropy():
 
 def test_divisibility_error():
     with pytest.raises(ValueError, match=r"^parallel.tp=3 does not divide num_attention_heads=4; choose tp in \{1, 2\}$"):
-        apply_tensor_parallel(tiny_model(False), ParallelGrid(tp=3))
+        apply_tensor_parallel(decoder_of(tiny_model(False)), ParallelGrid(tp=3))
     config = tiny_config(False)
     config.num_attention_heads, config.num_key_value_heads = 6, 2
     with pytest.raises(ValueError, match=r"^parallel.tp=3 does not divide num_key_value_heads=2; choose tp in \{1, 2\}$"):
-        check_tp_divisibility(config, 3)
+        check_tp_divisibility(tp_sizes(config), 3)
     config = tiny_config(True)
     config.moe_intermediate_size = 97
     with pytest.raises(ValueError, match=r"^parallel.tp=2 does not divide moe_intermediate_size=97; choose tp in \{1\}$"):
-        check_tp_divisibility(config, 2)
-    check_tp_divisibility(tiny_config(True), 2)
+        check_tp_divisibility(tp_sizes(config), 2)
+    check_tp_divisibility(tp_sizes(tiny_config(True)), 2)
 
 
 def test_tp1_is_identity():
-    model = tiny_model(True)
-    assert apply_tensor_parallel(model, ParallelGrid.single("cpu")) is model
-    assert type(model.lm_head).__name__ == "Linear"
+    decoder = decoder_of(tiny_model(True))
+    assert apply_tensor_parallel(decoder, ParallelGrid.single("cpu")) is decoder
+    assert type(decoder.module.lm_head).__name__ == "Linear"

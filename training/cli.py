@@ -95,6 +95,10 @@ def explain_compose_error(error: Exception, job: list[str]) -> str:
         if group_dir.is_dir() and f"'{key}/{value}'" in text:
             presets = sorted(p.stem for p in group_dir.glob("*.yaml"))
             return f"{key}={value}: no such preset; use one of {', '.join(presets)}"
+    deleted = [o[1:].partition("=")[0] for o in job if o.startswith("~")]
+    if deleted and ("delet" in text.lower()):  # Hydra's words differ for a set key and a null one
+        return f"{deleted[0]}: deleting a key is not supported; set it instead ({deleted[0]}=null where null is " \
+               "allowed, or drop the override)"
     key = getattr(error.__cause__, "full_key", None)
     if key:  # OmegaConf names the key it refused (a type mismatch, a deletion): say that first
         reason = str(error.__cause__).strip().splitlines()[0]

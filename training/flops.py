@@ -16,26 +16,16 @@ BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def matmul_params_per_token(model_config) -> int:
-    """Weights one token multiplies with: every projection, the active experts and router, and the LM head."""
-    c = model_config
-    h, head_dim = c.hidden_size, c.head_dim
-    attention = h * c.num_attention_heads * head_dim * 2 + h * c.num_key_value_heads * head_dim * 2
-    if c.use_moe:  # a token runs through num_experts_per_tok experts; the router is one more h x E matmul
-        mlp = 3 * h * c.moe_intermediate_size * c.num_experts_per_tok + h * c.num_experts
-    else:
-        mlp = 3 * h * c.intermediate_size
-    return c.num_hidden_layers * (attention + mlp) + h * c.vocab_size  # embedding lookup is no matmul
-
-
-def flops_per_token(model_config, seq_len: int) -> float:
+def flops_per_token(decoder, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L H Q T.
 
-    N counts the matmul weights a token meets (`matmul_params_per_token`), L layers, H attention heads,
-    Q head dim, T the sequence length; attention scores are counted over the whole sequence (no causal
+    N counts the matmul weights a token meets (the family's `matmul_params_per_token`), L layers, H attention
+    heads, Q head dim, T the sequence length; attention scores are counted over the whole sequence (no causal
     halving), as PaLM, Megatron-LM and torchtitan do, so MFU figures compare across those reports."""
-    c = model_config
-    return 6.0 * matmul_params_per_token(c) + 12.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    c = decoder.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 6.0 * decoder.adapter.matmul_params_per_token() + \
+        12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len
 
 
 def device_peak_tflops(device: torch.device) -> float | None:

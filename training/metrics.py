@@ -10,9 +10,9 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from training.config import model_config
 from training.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
 from training.flops import device_peak_tflops, flops_per_token, throughput_record
+from training.schema import model_decoder
 from training.loggers import open_sinks
 
 log = logging.getLogger("sluice")
@@ -39,7 +39,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.started = time.perf_counter()
-        self.flops_token = flops_per_token(model_config(cfg), cfg.train.seq_len)
+        self.flops_token = flops_per_token(model_decoder(cfg), cfg.train.seq_len)
         self.peak_tflops = peak_tflops_for(cfg, device) if device is not None else OmegaConf.select(
             cfg, "train.peak_tflops")
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

@@ -134,23 +134,24 @@ LOGGER_BACKENDS = ("tensorboard", "wandb", "none")
 # One rule per schema key (a test holds this table and the schema to the same keys).
 KEY_RULES: dict[str, Check] = {
     "model.name": text,
-    "model.vocab_size": positive,
-    "model.hidden_size": positive,
+    "model.hf_config": optional(text),  # the folder and its config.json: models.model_config
+    "model.vocab_size": optional(positive),
+    "model.hidden_size": optional(positive),
     "model.intermediate_size": optional(positive),
-    "model.num_hidden_layers": positive,
-    "model.num_attention_heads": positive,
-    "model.num_key_value_heads": positive,
-    "model.max_position_embeddings": positive,
-    "model.rms_norm_eps": positive,
-    "model.rope_theta": positive,
-    "model.dropout": fraction(),
+    "model.num_hidden_layers": optional(positive),
+    "model.num_attention_heads": optional(positive),
+    "model.num_key_value_heads": optional(positive),
+    "model.max_position_embeddings": optional(positive),
+    "model.rms_norm_eps": optional(positive),
+    "model.rope_theta": optional(positive),
+    "model.dropout": optional(fraction()),
     "model.use_moe": any_of_type,
-    "model.num_experts": positive,
-    "model.num_experts_per_tok": positive,
+    "model.num_experts": optional(positive),
+    "model.num_experts_per_tok": optional(positive),
     "model.moe_intermediate_size": optional(positive),
     "model.norm_topk_prob": any_of_type,
-    "model.router_aux_loss_coef": non_negative,
-    "model.initializer_range": positive,
+    "model.router_aux_loss_coef": optional(non_negative),
+    "model.initializer_range": optional(positive),
     "model.tie_word_embeddings": any_of_type,
     "parallel.dp": optional(positive),
     "parallel.tp": positive,
@@ -222,17 +223,13 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
 
 # Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where
 # the user surely meant something else (a data path under synthetic data), a warning where it is harmless.
+# (A model key's scope depends on its family: `models.model_config` checks those.)
 SCOPES: dict[str, tuple[str, tuple[Any, ...], bool]] = {  # key -> (switch, values that read it, is_error)
     "data.path": ("data.name", ("jsonl",), True),
     "data.tokenizer": ("data.name", ("jsonl",), True),
     "data.num_docs": ("data.name", ("synthetic",), False),
     "data.vocab_size": ("data.name", ("synthetic",), False),
     "schedule.path": ("schedule.name", ("table",), True),
-    "model.num_experts": ("model.use_moe", (True,), True),
-    "model.num_experts_per_tok": ("model.use_moe", (True,), True),
-    "model.moe_intermediate_size": ("model.use_moe", (True,), True),
-    "model.norm_topk_prob": ("model.use_moe", (True,), True),
-    "model.router_aux_loss_coef": ("model.use_moe", (True,), True),
     "train.max_skipped_steps": ("train.on_nonfinite", ("skip",), True),
     "parallel.memory_budget_gb": ("parallel.plan", ("auto",), False),  # scripts/plan.py --search reads it too
 }

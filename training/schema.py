@@ -13,27 +13,29 @@ MIB = 1 << 20
 
 @dataclass
 class ModelSchema:
-    """MiniMindConfig fields a run may set; `name` is the preset."""
+    """The model: a preset `name`, `hf_config` (a transformers config.json folder; none: MiniMind) and fields set on
+    top of the family's defaults (null keeps the default: MiniMindConfig's, or the config.json's)."""
 
     name: str = "minimind3"
-    vocab_size: int = 6400
-    hidden_size: int = 768
+    hf_config: Optional[str] = None
+    vocab_size: Optional[int] = None
+    hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    dropout: float = 0.0
-    use_moe: bool = False
-    num_experts: int = 4
-    num_experts_per_tok: int = 1
+    num_hidden_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    rms_norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    dropout: Optional[float] = None
+    use_moe: Optional[bool] = None
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None
     moe_intermediate_size: Optional[int] = None
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 5e-4
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = True
+    norm_topk_prob: Optional[bool] = None
+    router_aux_loss_coef: Optional[float] = None
+    initializer_range: Optional[float] = None
+    tie_word_embeddings: Optional[bool] = None
 
 
 @dataclass
@@ -166,13 +168,24 @@ def register_schema() -> None:
 
 
 def model_config(cfg: Any):
-    """MiniMindConfig from the run config's model section (the preset name is not a model field)."""
-    from minimind import MiniMindConfig
+    """The transformers config of the run's model section (MiniMind's, or the family of `model.hf_config`)."""
     from omegaconf import OmegaConf
 
-    fields = OmegaConf.to_container(cfg.model, resolve=True)
-    fields.pop("name", None)
-    return MiniMindConfig(**fields)
+    from models import model_config as resolve
+
+    return resolve(OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def model_decoder(cfg: Any):
+    """The run's dense model on the meta device (shapes only, no memory), as a `parallel.decoder.Decoder`."""
+    from models import build_model, decoder_of
+
+    return decoder_of(build_model(model_config(cfg)))
+
+
+def model_keys() -> tuple[str, ...]:
+    """The model fields a run may set (the schema's model section, the preset name aside)."""
+    return tuple(f.name for f in dataclasses.fields(ModelSchema) if f.name != "name")
 
 
 def schema_defaults(node: Any = RunSchema, prefix: str = "") -> dict[str, Any]:

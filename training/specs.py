@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from checkpoint.manager import CheckpointSpec
 from parallel.spec import EngineSpec, PipelineSpec
@@ -40,14 +40,19 @@ def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
 def checkpoint_spec(cfg: DictConfig, run_dir: Path) -> CheckpointSpec:
     """Where and when this run saves and what it resumes; the folder defaults to `<run dir>/checkpoints`."""
     c = cfg.checkpoint
+    from training.schema import model_keys
+
     return CheckpointSpec(dir=Path(c.dir) if c.dir else Path(run_dir) / "checkpoints", every=int(c.every),
                           keep_last=int(c.keep_last), resume=c.resume or "none",
-                          save_final=bool(c.get("save_final", True)))
+                          save_final=bool(c.get("save_final", True)), model_keys=model_keys())
 
 
 def checkpoint_meta(cfg: DictConfig, grid) -> dict:
     """What a checkpoint records besides tensors: the model (checked on resume) and the writing layout."""
-    model = OmegaConf.to_container(cfg.model, resolve=True)
+    from models import config_record
+    from training.schema import model_config
+
+    model = config_record(model_config(cfg))
     p = cfg.parallel
     layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "schedule": cfg.schedule.name,
               "n_microbatches": cfg.schedule.n_microbatches, "micro_batch_size": cfg.train.micro_batch_size}

@@ -6,12 +6,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 from checkpoint.distributed import TrainingState
 from checkpoint.manager import CheckpointManager
-from minimind import MiniMindForCausalLM
+from models import build_model as build_module, decoder_of
+from parallel.decoder import Decoder
 from parallel.engine import build_engine
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
@@ -26,18 +26,17 @@ from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 log = logging.getLogger("sluice")
 
 
-def build_model(cfg: DictConfig) -> tuple[MiniMindForCausalLM, WeightSource]:
-    """The dense model on the meta device and where its weights come from: the dense checkpoint, or an
-    initialisation seeded per parameter name by train.seed (the same weights in every layout)."""
-    config = model_config(cfg)
-    with torch.device("meta"):
-        model = MiniMindForCausalLM(config)
+def build_model(cfg: DictConfig) -> tuple[Decoder, WeightSource]:
+    """The dense model on the meta device (as a Decoder: its plan and adapter) and where its weights come from:
+    the dense checkpoint, or an initialisation seeded per parameter name by train.seed (the same weights in
+    every layout)."""
+    decoder = decoder_of(build_module(model_config(cfg)))
     if not cfg.checkpoint.load_dense:
-        return model, seeded_init(config, cfg.train.seed)
+        return decoder, seeded_init(decoder, cfg.train.seed)
     from checkpoint.dense_source import dense_source
 
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    return model, dense_source(cfg.checkpoint.load_dense, expected)
+    expected = {name: tuple(t.shape) for name, t in decoder.module.state_dict().items()}
+    return decoder, dense_source(cfg.checkpoint.load_dense, expected, decoder.plan.ties, decoder.config.model_type)
 
 
 class Trainer:
@@ -48,14 +47,14 @@ class Trainer:
         self.grid = grid
         self.run_dir = Path(run_dir)
         self.guard = guard if guard is not None else StepGuard(cfg, grid)  # faults, hang watch, non-finite policy
-        model, weights = build_model(cfg)
-        self.engine = build_engine(engine_spec(cfg, grid.device), model, grid, weights)
+        decoder, weights = build_model(cfg)
+        self.engine = build_engine(engine_spec(cfg, grid.device), decoder, grid, weights)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
-        state = TrainingState(self.engine, self.optimizer, grid, bool(cfg.model.tie_word_embeddings))
+        state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
         self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,
                                              checkpoint_meta(cfg, grid), self.tokenizer)
 

@@ -9,7 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.layout import layout_world_size, resolve_global_batch, resolved_dp
 from training.loggers import check_logger
 from training.rules import ConfigError, check_keys
-from training.schema import model_config
+from training.schema import model_config, model_keys
 from training.strict import check_known_keys
 
 
@@ -24,28 +24,37 @@ def check_resolvable(cfg: DictConfig) -> None:
 
 
 def validate_model(cfg: DictConfig) -> None:
-    """Model shape rules that would otherwise fail deep inside the first forward."""
-    m = cfg.model
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-                          f"{m.num_attention_heads}; pick a head count that divides the hidden size")
-    if m.num_attention_heads % m.num_key_value_heads:
-        raise ConfigError(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
-                          f"{m.num_attention_heads} (grouped-query attention)")
-    if (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError(f"head_dim={m.hidden_size // m.num_attention_heads} is odd; RoPE needs an even head_dim "
+    """The model section names a buildable model (a supported family, consistent fields), checked before launch;
+    shape rules that would otherwise fail deep inside the first forward."""
+    from models import ModelError
+
+    try:
+        c = model_config(cfg)
+    except (ModelError, ValueError, TypeError) as error:
+        raise ConfigError(str(error).strip().splitlines()[0]) from None
+    heads, kv_heads, hidden = c.num_attention_heads, c.num_key_value_heads, c.hidden_size
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    if head_dim == hidden // heads and hidden % heads:  # a derived head_dim must split the hidden size exactly
+        raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}; "
+                          "pick a head count that divides the hidden size")
+    if heads % kv_heads:
+        raise ConfigError(f"model.num_key_value_heads={kv_heads} must divide model.num_attention_heads={heads} "
+                          "(grouped-query attention)")
+    if head_dim % 2:
+        raise ConfigError(f"head_dim={head_dim} is odd; RoPE needs an even head_dim "
                           "(change model.hidden_size or model.num_attention_heads)")
-    if m.use_moe and m.num_experts_per_tok > m.num_experts:
-        raise ConfigError(f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds model.num_experts="
-                          f"{m.num_experts}; lower it")
+    experts = getattr(c, "num_experts", 0) or 0
+    if getattr(c, "use_moe", experts > 0) and c.num_experts_per_tok > experts:
+        raise ConfigError(f"model.num_experts_per_tok={c.num_experts_per_tok} exceeds model.num_experts="
+                          f"{experts}; lower it")
 
 
 def validate_train(cfg: DictConfig) -> list[str]:
     """Loop and optimizer rules across keys; returns warnings (legal but probably unintended)."""
-    t = cfg.train
-    if t.seq_len > cfg.model.max_position_embeddings:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
-                          f"{cfg.model.max_position_embeddings}; lower train.seq_len or raise the model's limit")
+    t, positions = cfg.train, model_config(cfg).max_position_embeddings
+    if t.seq_len > positions:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings={positions}; "
+                          "lower train.seq_len or raise the model's limit")
     if t.trace_step is not None and t.trace_step > t.steps:
         raise ConfigError(f"train.trace_step={t.trace_step} is after the last step (train.steps={t.steps}); "
                           f"pick a step in 1..{t.steps}")
@@ -91,18 +100,20 @@ def resolve_partition(cfg: DictConfig) -> None:
 
 def validate_layout(cfg: DictConfig) -> None:
     """TP divisibility, then the pipeline plan (partition, schedule, vpp; lowered and simulated) before launch."""
+    from models import build_model, decoder_of
     from parallel.pipeline.partition import layer_partition
     from parallel.pipeline.plan import plan_pipeline
-    from parallel.tensor import check_tp_divisibility
+    from parallel.tensor_pass import check_tp_divisibility
     from training.specs import pipeline_spec
 
     p = cfg.parallel
+    config = model_config(cfg)
     try:
-        check_tp_divisibility(model_config(cfg), p.tp)
+        check_tp_divisibility(decoder_of(build_model(config)).adapter.tp_sizes(), p.tp)  # meta: shapes only
         if p.pp > 1:  # the planner is the one home of schedule/vpp/partition rules
-            plan_pipeline(pipeline_spec(cfg), cfg.model.num_hidden_layers)
+            plan_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
         else:
-            layer_partition(cfg.model.num_hidden_layers, 1,
+            layer_partition(config.num_hidden_layers, 1,
                             list(p.layers_per_stage) if p.layers_per_stage is not None else None)
     except ValueError as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
@@ -119,8 +130,9 @@ def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
         vocab = load_tokenizer_vocab_size(cfg)  # synthetic: data.vocab_size, known without training it
     except DataError as error:
         raise ConfigError(str(error)) from None
-    if vocab > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size={cfg.model.vocab_size}; "
+    model_vocab = model_config(cfg).vocab_size
+    if vocab > model_vocab:
+        raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size={model_vocab}; "
                           f"set model.vocab_size>={vocab} or use a smaller tokenizer")
 
 
@@ -132,7 +144,9 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     if resume not in (None, "auto", "none") and not Path(resume).exists():
         raise ConfigError(f"checkpoint.resume={resume} does not exist; give a checkpoint, a checkpoints folder or a "
                           "run directory, or use checkpoint.resume=auto|none")
-    problem = check_resume(resume, cfg.checkpoint.dir, OmegaConf.to_container(cfg.model, resolve=True))
+    from models import config_record
+
+    problem = check_resume(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys())
     if problem:
         raise ConfigError(problem)
 

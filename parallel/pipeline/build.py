@@ -1,22 +1,21 @@
-"""Building this rank's stages from a plan: prune the dense model per stage, apply TP, re-tie, wrap in Stage."""
+"""Building this rank's stages from a plan: prune the dense decoder per stage, apply TP, re-tie, wrap in Stage."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
+from parallel.decoder import Decoder, set_parameter
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, is_meta, materialize_
 from parallel.recompute import apply_recompute
 from parallel.step import TokenLoss
-from parallel.tensor import shard_modules, sync_replicated_grads
+from parallel.tensor_pass import shard_modules, sync_replicated_grads
 
 from .actions import Kind
 from .partition import rank_stages
 from .plan import PipelinePlan
-from .prune import prune_to_stage
 from .stage import Stage
 
 StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
@@ -32,40 +31,41 @@ class StageBuild:
     weights: WeightSource | None = None  # required when the model is on the meta device
 
 
-def build_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, ranks: list[int],
+def build_stages(plan: PipelinePlan, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
                  how: StageBuild) -> StagesByRank:
     """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
-    return {r: _rank_stages(plan, model, grid, r, how) for r in ranks}
+    return {r: _rank_stages(plan, decoder, grid, r, how) for r in ranks}
 
 
-def _rank_stages(plan: PipelinePlan, model: nn.Module, grid: ParallelGrid, rank: int,
+def _rank_stages(plan: PipelinePlan, decoder: Decoder, grid: ParallelGrid, rank: int,
                  how: StageBuild) -> dict[int, Stage]:
-    """One pipeline rank's chunks: pruned copies of the dense model, TP-sharded, on the compute device."""
+    """One pipeline rank's chunks: pruned copies of the dense decoder, TP-sharded, on the compute device."""
     spec, last = plan.spec, plan.n_stages - 1
-    modules = {s: prune_to_stage(model, plan.partition[s], s == 0, s == last)
-               for s in rank_stages(rank, spec.pp, spec.vpp, plan.placement)}
-    for module in modules.values():
-        shard_modules(module, grid)
-        apply_recompute(module, how.recompute)
-        place_(module, how.weights, grid)
-        sync_replicated_grads(module, grid)
-    tie_within_rank(modules, last)
+    chunks = {s: decoder.prune(plan.partition[s], s == 0, s == last)
+              for s in rank_stages(rank, spec.pp, spec.vpp, plan.placement)}
+    for chunk in chunks.values():
+        shard_modules(chunk, grid)
+        apply_recompute(chunk, how.recompute)
+        place_(chunk, how.weights, grid)
+        sync_replicated_grads(chunk, grid)
+    tie_within_rank(chunks, last)
     split = {a.stage for a in plan.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
-    return {s: Stage(module, s, plan.n_stages, grid.device, how.dtype, how.token_loss, s in split)
-            for s, module in modules.items()}
+    return {s: Stage(chunk, s, plan.n_stages, grid.device, how.dtype, how.token_loss, s in split)
+            for s, chunk in chunks.items()}
 
 
-def place_(module: nn.Module, weights: WeightSource | None, grid: ParallelGrid) -> None:
-    """A meta module is materialised on the device from `weights`; a built one is moved there."""
-    if is_meta(module):
+def place_(decoder: Decoder, weights: WeightSource | None, grid: ParallelGrid) -> None:
+    """A meta chunk is materialised on the device from `weights`; a built one is moved there."""
+    if is_meta(decoder.module):
         if weights is None:
             raise ValueError("a model built on the meta device needs a weight source (seeded init or checkpoint)")
-        materialize_(module, weights, grid.tp_rank, grid.tp, grid.device)
+        materialize_(decoder, weights, grid.tp_rank, grid.tp, grid.device)
     else:
-        module.to(grid.device)
+        decoder.module.to(grid.device)
 
 
-def tie_within_rank(modules: dict[int, nn.Module], last: int) -> None:
+def tie_within_rank(chunks: dict[int, Decoder], last: int) -> None:
     """V placement puts the first and last stage on one rank: their tied weights become one Parameter again."""
-    if last > 0 and {0, last} <= modules.keys() and modules[0].config.tie_word_embeddings:
-        modules[last].lm_head.weight = modules[0].model.embed_tokens.weight
+    if last > 0 and {0, last} <= chunks.keys():
+        for tied, source in chunks[0].plan.ties.items():
+            set_parameter(chunks[last].module, tied, chunks[0].parameter(source))

@@ -69,8 +69,8 @@ def plan_pipeline(spec: PipelineSpec, num_layers: int) -> PipelinePlan:
 def _plan(spec: PipelineSpec, num_layers: int, source: object) -> PipelinePlan:
     """`plan_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
     del source  # part of the cache key only
-    layers = list(spec.layers_per_stage) if spec.layers_per_stage is not None else None
-    partition = tuple(layer_partition(num_layers, spec.n_stages, layers))
+    counts = list(spec.layers_per_stage) if spec.layers_per_stage is not None else None
+    partition = tuple(layer_partition(num_layers, spec.n_stages, counts))
     compute, placement = load_schedule(spec)
     lowered = lower(compute, spec.pp, spec.n_stages, placement)
     checked = verify(lowered, spec.pp, spec.n_stages, spec.n_microbatches, placement)  # rank lists as tuples

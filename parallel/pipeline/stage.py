@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from parallel.decoder import Decoder
 from parallel.step import TokenLoss, autocast, shifted_loss_sum
 
 from .weight_grad import SplitLinears, WeightGradStore
@@ -26,9 +27,10 @@ class Saved:
 class Stage:
     """One pipeline stage (chunk) of the model on this rank: F, B, I and W for one micro-batch at a time."""
 
-    def __init__(self, module: nn.Module, index: int, n_stages: int, device: torch.device, dtype: torch.dtype,
+    def __init__(self, chunk: Decoder, index: int, n_stages: int, device: torch.device, dtype: torch.dtype,
                  token_loss: TokenLoss, split_backward: bool = False):
-        self.module = module
+        self.chunk = chunk
+        self.module: nn.Module = chunk.module
         self.index = index
         self.is_first = index == 0
         self.is_last = index == n_stages - 1
@@ -77,13 +79,13 @@ class Stage:
         split = SplitLinears(self.weight_grads) if self.weight_grads is not None else nullcontext()
         with autocast(self.device, self.dtype), split:
             if self.is_first:
-                hidden, aux = self.module.model(input_ids=inputs)
+                hidden, aux = self.chunk(input_ids=inputs)
             else:
                 # Cross-process autograd: the received activation is a leaf whose grad goes upstream.
                 leaf = inputs.detach().requires_grad_(True)
-                hidden, aux = self.module.model(inputs_embeds=leaf)
-            if self.is_last:
-                loss_sum = shifted_loss_sum(self.module.lm_head(hidden), labels, self.token_loss)
+                hidden, aux = self.chunk(hidden=leaf)
+            if self.is_last:  # the last chunk ends in the head: `hidden` holds the logits
+                loss_sum = shifted_loss_sum(hidden, labels, self.token_loss)
         if not torch.is_grad_enabled():
             if self.is_last:
                 self.loss_parts.append(loss_sum)

@@ -1,7 +1,7 @@
 """Split backward for zero-bubble schedules: I computes input gradients, W later computes the linear weights'.
 
 During a stage's forward, `SplitLinears` routes every `F.linear` on a Parameter (nn.Linear, the TP column/row
-layers, the lm_head) through `_SplitLinear`. Its backward always returns the input gradient; under B it also
+layers, the head) through `_SplitLinear`. Its backward always returns the input gradient; under B it also
 returns the weight gradient as autograd would, under I it queues `(input, grad_output)` for the micro-batch
 instead. W pops the queue and adds `grad_output^T @ input` to `.grad`: no part of I's work is redone.
 Small parameters (norms, embedding, q/k norms) keep taking their gradient in I. The model never knows.

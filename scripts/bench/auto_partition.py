@@ -62,7 +62,7 @@ def worker(rank: int, world: int, cfg_by_name: dict, rounds: int) -> dict | None
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(1)
         micro = [MicroBatch(ids, ids.clone()) for ids in torch.randint(
-            0, cfg.model.vocab_size, (cfg.schedule.n_microbatches, cfg.train.micro_batch_size, cfg.train.seq_len),
+            0, engine.stages[next(iter(engine.stages))].chunk.config.vocab_size, (cfg.schedule.n_microbatches, cfg.train.micro_batch_size, cfg.train.seq_len),
             generator=gen)]
         steps[name] = lambda e=engine, o=optimizer, m=micro: (e.step(m), o.step(), o.zero_grad(set_to_none=True))
     times = alternated(steps, rounds)

@@ -210,8 +210,16 @@ class _Held:
         self.meter.release(self.key)
 
 
+def boundary(chunk) -> nn.Module:
+    """The module whose output leaves a pipeline chunk (a `parallel.decoder.Decoder`): the last layer, or on the
+    last chunk the last piece before the head."""
+    if chunk.has_head:
+        return chunk.module.get_submodule(chunk.plan.finals[-1])
+    return chunk.blocks()[-1][1]
+
+
 def watch_outputs(modules: list[nn.Module], meter: ActivationMeter) -> list:
-    """Forward hooks that count each module's first output (MiniMindModel returns (hidden, aux))."""
+    """Forward hooks that count each module's first output (a MiniMind layer returns (hidden, aux))."""
 
     def hook(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output

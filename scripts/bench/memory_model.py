@@ -106,7 +106,7 @@ def measured_peaks(cfg) -> list[int]:
     for s, stage in engine.stages.items():
         meter_stage(stage, meters[s])
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.model.vocab_size, (cfg.schedule.n_microbatches, cfg.train.micro_batch_size,
+    ids = torch.randint(0, model.config.vocab_size, (cfg.schedule.n_microbatches, cfg.train.micro_batch_size,
                                                   cfg.train.seq_len), generator=gen)
     optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
     engine.step([MicroBatch(x, x.clone()) for x in ids])

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
@@ -45,7 +46,7 @@ class SluiceStep:
     def __init__(self, setup: Setup, optim_cfg):
         grid = ParallelGrid.single("cpu")
         spec = EngineSpec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size, setup.seq)
-        self.engine = build_engine(spec, dense_model(setup), grid)
+        self.engine = build_engine(spec, decoder_of(dense_model(setup)), grid)
         self.optimizer = build_optimizer(self.engine.parameters(), optim_cfg)
         self.cfg, self.grid, self.step_no = optim_cfg, grid, 0
 

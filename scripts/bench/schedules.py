@@ -29,6 +29,7 @@ from sleep_model import sleep_model, stage_costs_alone  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.pipeline.actions import Costs  # noqa: E402
@@ -84,7 +85,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
                 stage_costs[vpp] = measured_alone(model, PP * vpp, micro[0], rank)
             pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
             spec = EngineSpec(pipeline, 1, SEQ, timeout_s=120)
-            engines[name] = build_engine(spec, model, grid)  # the default transport: shared memory here
+            engines[name] = build_engine(spec, decoder_of(model), grid)  # the default transport: shared memory here
             plan = plan_pipeline(pipeline, PP * vpp)
             ideal[name] = plan.simulate(stage_costs[vpp]).makespan
             nominal[name] = plan.simulate(c).makespan
@@ -92,7 +93,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
             torch_pipe = build(name, model, PP, m, grid.pp_rank, tokens, None)
             variants[f"torch {name}"] = lambda t=torch_pipe: t.step(micro, tokens)
             if m == min(setup.microbatches):  # Sluice over gloo too, as torch runs: what the runtime alone gives
-                on_gloo = build_engine(replace(spec, transport="p2p"), model, grid)
+                on_gloo = build_engine(replace(spec, transport="p2p"), decoder_of(model), grid)
                 variants[f"sluice_gloo {name}"] = lambda e=on_gloo: e.step(micro)
         times = alternate(variants, setup.warmup, setup.rounds)
         traced = {name: traced_step(engine, name, setup, m, rank, stage_costs[SCHEDULES[name]])

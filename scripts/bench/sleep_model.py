@@ -21,7 +21,7 @@ from torch import nn
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.pipeline.actions import Costs
 from parallel.pipeline.partition import layer_partition
-from parallel.pipeline.prune import prune_to_stage
+from models import decoder_of
 from parallel.step import MicroBatch, shifted_loss_sum
 
 
@@ -92,7 +92,7 @@ class SleepLayer(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden, 1))
         self.f, self.i, self.w = f, i, w
 
-    def forward(self, x: torch.Tensor, cos, sin, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cos, sin, mask=None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         ones = torch.ones(1, 1, 1).as_subclass(_SleepOnes)
         ones.w = self.w
         x = _SleepInput.apply(x, self.f, self.i)
@@ -120,18 +120,18 @@ def stage_costs_alone(model: MiniMindForCausalLM, n_stages: int, batch: MicroBat
     f_s, b_s = [], []
     for s in range(n_stages):
         first, last = s == 0, s == n_stages - 1
-        chunk = prune_to_stage(model, partition[s], first, last)
+        chunk = decoder_of(model).prune(partition[s], first, last)
         shape = (*batch.input_ids.shape, hidden)
         grad = torch.ones(shape) if not last else None
         times: list[tuple[float, float]] = []
         for _ in range(repeats + 2):
             start = time.perf_counter()
             if first:
-                out, _ = chunk.model(input_ids=batch.input_ids)
+                out, _ = chunk(input_ids=batch.input_ids)
             else:
-                out, _ = chunk.model(inputs_embeds=torch.zeros(shape, requires_grad=True))
-            if last:
-                out = shifted_loss_sum(chunk.lm_head(out), batch.labels)
+                out, _ = chunk(hidden=torch.zeros(shape, requires_grad=True))
+            if last:  # the chunk's output is the logits
+                out = shifted_loss_sum(out, batch.labels)
             middle = time.perf_counter()
             out.backward(grad)
             times.append((middle - start, time.perf_counter() - middle))

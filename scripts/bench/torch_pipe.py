@@ -13,7 +13,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from minimind import MiniMindForCausalLM
 from parallel.pipeline.partition import layer_partition, rank_stages
-from parallel.pipeline.prune import prune_to_stage
+from models import decoder_of
+from parallel.decoder import Decoder
 from parallel.step import MicroBatch, shifted_loss_sum
 
 # Sluice schedule name -> (torch class, chunks per rank, placement). zb-h1 is ZB1P with one chunk per rank,
@@ -30,14 +31,14 @@ COUNTERPARTS = {
 class StageModule(nn.Module):
     """One pruned chunk behind torch's one-tensor stage interface: ids or hidden in, hidden or logits out."""
 
-    def __init__(self, chunk: MiniMindForCausalLM, is_first: bool, is_last: bool):
+    def __init__(self, chunk: Decoder, is_first: bool, is_last: bool):
         super().__init__()
-        self.chunk = chunk
+        self.chunk, self.decoder = chunk.module, chunk
         self.is_first, self.is_last = is_first, is_last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.chunk.model(input_ids=x) if self.is_first else self.chunk.model(inputs_embeds=x)
-        return self.chunk.lm_head(hidden) if self.is_last else hidden
+        out, _ = self.decoder(input_ids=x) if self.is_first else self.decoder(hidden=x)
+        return out  # logits on the last stage
 
 
 @dataclass
@@ -78,15 +79,16 @@ def build(name: str, model: MiniMindForCausalLM, pp: int, n_microbatches: int, r
     cls, vpp, placement = COUNTERPARTS[name]
     n_stages = pp * vpp
     partition = layer_partition(model.config.num_hidden_layers, n_stages)
-    tied = bool(model.config.tie_word_embeddings)
     stages, modules, copies = [], [], []
     for s in rank_stages(rank, pp, vpp, placement):
         first, last = s == 0, s == n_stages - 1
-        module = StageModule(prune_to_stage(model, partition[s], first, last), first, last)
-        if tied and first:
-            copies.append(module.chunk.model.embed_tokens.weight)
-        if tied and last:
-            copies.append(module.chunk.lm_head.weight)
+        chunk = decoder_of(model).prune(partition[s], first, last)
+        module = StageModule(chunk, first, last)
+        for tied_name, source in chunk.plan.ties.items():
+            if first:
+                copies.append(chunk.parameter(source))
+            if last:
+                copies.append(chunk.parameter(tied_name))
         modules.append(module)
         stages.append(PipelineStage(module, s, n_stages, torch.device("cpu")))
 

@@ -20,13 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RESULTS, ActivationMeter, alternate, paired, run_workers, stamped, update_results,  # noqa: E402
-                    watch_outputs)
+from common import (RESULTS, ActivationMeter, alternate, boundary, paired, run_workers, stamped,  # noqa: E402
+                    update_results, watch_outputs)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
@@ -79,11 +80,11 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
         vpp = SCHEDULES[name]
         spec = EngineSpec(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=setup.microbatches),
                           setup.micro_batch_size, setup.seq, timeout_s=300)
-        sluice[name] = build_engine(replace(spec, transport="p2p"), model, grid)
+        sluice[name] = build_engine(replace(spec, transport="p2p"), decoder_of(model), grid)
         theirs[name] = build(name, model, PP, setup.microbatches, grid.pp_rank, tokens, embed_group)
         variants[f"sluice {name}"] = lambda e=sluice[name]: _sluice_step(e, micro)
         variants[f"torch {name}"] = lambda t=theirs[name]: t.step(micro, tokens)
-        variants[f"sluice_shm {name}"] = lambda e=build_engine(replace(spec, transport="shm"), model, grid): \
+        variants[f"sluice_shm {name}"] = lambda e=build_engine(replace(spec, transport="shm"), decoder_of(model), grid): \
             _sluice_step(e, micro)
     times = alternate(variants, setup.warmup, setup.rounds)
     out = {}
@@ -94,9 +95,9 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
                      **times[f"sluice_shm {name}"].summary("sluice_shm"),
                      "sluice_loss": sluice_loss, "torch_loss": torch_loss,
                      "sluice_peak_bytes": _gathered(_peak(lambda e=sluice[name]: _sluice_step(e, micro),
-                                                          [s.module.model for s in sluice[name].stages.values()])),
+                                                          [boundary(s.chunk) for s in sluice[name].stages.values()])),
                      "torch_peak_bytes": _gathered(_peak(lambda t=theirs[name]: t.step(micro, tokens),
-                                                         [m.chunk.model for m in theirs[name].modules]))}
+                                                         [boundary(m.decoder) for m in theirs[name].modules]))}
     return out if rank == 0 else None
 
 

@@ -8,9 +8,8 @@ import logging
 from omegaconf import DictConfig
 
 from parallel.pipeline.partition import balanced_partition
-from training.flops import matmul_params_per_token
 from training.planner.costs import MeasuredCosts
-from training.schema import model_config
+from training.schema import model_config, model_decoder
 
 log = logging.getLogger("sluice")
 AUTO = "auto"
@@ -29,10 +28,12 @@ def measured_weights(costs: MeasuredCosts, recompute: str) -> tuple[float, float
 
 def flop_weights(cfg: DictConfig) -> tuple[float, float]:
     """The same from FLOPs (training/flops.py's count): the embedding is a lookup, the head a vocab-wide matmul."""
-    c = model_config(cfg)
+    decoder = model_decoder(cfg)
+    c = decoder.config
     head = c.hidden_size * c.vocab_size
-    per_layer = (matmul_params_per_token(c) - head) / c.num_hidden_layers
-    layer = 6 * per_layer + 12 * c.num_attention_heads * c.head_dim * cfg.train.seq_len
+    per_layer = (decoder.adapter.matmul_params_per_token() - head) / c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    layer = 6 * per_layer + 12 * c.num_attention_heads * head_dim * cfg.train.seq_len
     layer *= {"full": 8 / 6, "selective": 1.0}.get(cfg.train.recompute, 1.0)  # full: one more forward
     return 0.0, 6 * head / layer
 
@@ -52,7 +53,7 @@ def resolve_auto_partition(cfg: DictConfig) -> str | None:
     p = cfg.parallel
     if p.layers_per_stage != AUTO:
         return None
-    n_stages, layers = p.pp * p.vpp, cfg.model.num_hidden_layers
+    n_stages, layers = p.pp * p.vpp, model_config(cfg).num_hidden_layers
     embed, head, source = stage_weights(cfg)
     counts = cost_balanced_partition(layers, n_stages, embed, head) if n_stages <= layers else None
     if counts is None:

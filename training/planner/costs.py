@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per parameter
-VERSION = 3  # part of every key: a change in what is measured invalidates older cache files
+VERSION = 4  # part of every key: a change in what is measured invalidates older cache files
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,10 @@ def fixed_parts(at_one: dict[str, float], at_two: dict[str, float]) -> dict[str,
 
 def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: int) -> dict:
     """What the measurements depend on: model dims, micro-batch shape, dtype, device, backend, threads."""
-    m = cfg.model
-    dims = {k: m[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                              "num_key_value_heads", "use_moe", "num_experts", "num_experts_per_tok",
-                              "moe_intermediate_size", "tie_word_embeddings")}
+    from models import config_record
+    from training.schema import model_config
+
+    dims = {k: v for k, v in config_record(model_config(cfg)).items() if k != "num_hidden_layers"}  # one layer's
     return {"version": VERSION, "model": dims, "micro_batch_size": cfg.train.micro_batch_size,
             "seq_len": cfg.train.seq_len, "dtype": dtype, "device": device, "backend": backend, "threads": threads}
 

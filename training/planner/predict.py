@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from parallel.pipeline.actions import B, F, I, W, Costs, Lists
-from parallel.pipeline.partition import balanced_partition, rank_stages
+from parallel.pipeline.partition import rank_stages
 from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
-from training.flops import matmul_params_per_token
 from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
 from training.schema import model_config
 

@@ -18,14 +18,15 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from minimind import MiniMindForCausalLM
+from models import build_model, decoder_of
+from parallel.decoder import Decoder
 from parallel.pipeline.weight_grad import SplitLinears, WeightGradStore
 from parallel.recompute import apply_recompute
 from parallel.step import autocast, shifted_loss_sum
 from training.cluster import omp_threads
 from training.schema import model_config
 from training.layout import layout_world_size
-from training.planner.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cache_path, cost_key, fixed_parts,
+from training.planner.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cost_key, fixed_parts,
                                     load_cached, save, timed_fields)
 from training.planner.probe import measure_transport
 from training.specs import resolve_dtype
@@ -113,61 +114,79 @@ def saved_bytes(piece: Piece, x: torch.Tensor, device: torch.device, dtype: torc
 
 
 class _Layer:
-    """Decoder layer 0 of a model as a piece (RoPE tables fixed for the shape)."""
+    """The one layer of a one-layer model as a piece (its layer inputs, e.g. rotary tables, fixed for the shape)."""
 
-    def __init__(self, model: MiniMindForCausalLM, seq_len: int):
-        self.layer = model.model.layers["0"]
-        positions = torch.arange(seq_len, device=model.model.rope_cos.device)[None]
-        self.cos, self.sin = model.model.rope_cos[positions], model.model.rope_sin[positions]
+    def __init__(self, decoder: Decoder, seq_len: int):
+        ((self.layer_id, self.layer),) = decoder.blocks()
+        self.adapter = decoder.adapter
+        shape_of = torch.zeros(1, seq_len, decoder.config.hidden_size, device=_device_of(decoder))
+        positions = torch.arange(seq_len, device=shape_of.device)[None]
+        self.inputs = self.adapter.layer_inputs(decoder.module.get_submodule(decoder.plan.base), shape_of, positions)
         self.params = list(self.layer.parameters())
-        self.fixed = (self.cos, self.sin)  # one pair per stage, not per layer
+        self.fixed = _tensors(self.inputs)  # one set per stage, not per layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, self.cos, self.sin)[0]
+        return self.adapter.run_layer(self.layer_id, self.layer, x, self.inputs)[0]
 
 
 class _Head:
-    """Final norm, lm_head and the summed next-token loss against fixed labels."""
+    """The final pieces, the head and the summed next-token loss against fixed labels."""
 
-    def __init__(self, model: MiniMindForCausalLM, labels: torch.Tensor):
-        self.model, self.labels = model, labels
-        self.params = list(model.model.norm.parameters()) + list(model.lm_head.parameters())
+    def __init__(self, decoder: Decoder, labels: torch.Tensor):
+        self.finals = [decoder.module.get_submodule(name) for name in decoder.plan.finals]
+        self.head, self.labels = decoder.module.get_submodule(decoder.plan.head), labels
+        self.params = [p for m in self.finals for p in m.parameters()] + list(self.head.parameters())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return shifted_loss_sum(self.model.lm_head(self.model.model.norm(x)), self.labels)
+        for final in self.finals:
+            x = final(x)
+        return shifted_loss_sum(self.head(x), self.labels)
 
 
 class _Embed:
-    """The token embedding (input: token ids)."""
+    """The token embedding as the family runs it (input: token ids)."""
 
-    def __init__(self, model: MiniMindForCausalLM):
-        self.embed = model.model.embed_tokens
+    def __init__(self, decoder: Decoder):
+        self.base = decoder.module.get_submodule(decoder.plan.base)
+        self.embed, self.adapter = decoder.module.get_submodule(decoder.plan.embedding), decoder.adapter
         self.params = list(self.embed.parameters())
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(ids)
+        return self.adapter.embed(self.base, self.embed, ids)
 
 
-def one_layer_model(cfg: DictConfig, device: torch.device) -> MiniMindForCausalLM:
+def _device_of(decoder: Decoder) -> torch.device:
+    return next(decoder.module.parameters()).device
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor inside a nest of dicts, tuples and lists."""
+    if torch.is_tensor(value):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for item in items for t in _tensors(item)]
+
+
+def one_layer_model(cfg: DictConfig, device: torch.device) -> Decoder:
     """The run's model cut to one decoder layer, initialised on `device` (fp32 master weights, as trained)."""
     config = model_config(cfg)
     config.num_hidden_layers = 1
     torch.manual_seed(0)
-    with torch.device(device):
-        model = MiniMindForCausalLM(config)
-    model.model.reset_rope()
-    return model.train()
+    decoder = decoder_of(build_model(config, device))
+    decoder.module.train()
+    return decoder
 
 
 def measure_compute(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> dict:
     """Times, saved bytes and parameter counts of the embedding, one layer (per recompute mode) and the head."""
-    model = one_layer_model(cfg, device)
-    mbs, seq, h = cfg.train.micro_batch_size, cfg.train.seq_len, model.config.hidden_size
-    ids = torch.randint(0, model.config.vocab_size, (mbs, seq), device=device)
+    decoder = one_layer_model(cfg, device)
+    config = decoder.config
+    mbs, seq, h = cfg.train.micro_batch_size, cfg.train.seq_len, config.hidden_size
+    ids = torch.randint(0, config.vocab_size, (mbs, seq), device=device)
     x = torch.randn(mbs, seq, h, device=device, requires_grad=True)
-    layer, head, embed = _Layer(model, seq), _Head(model, ids), _Embed(model)
+    layer, head, embed = _Layer(decoder, seq), _Head(decoder, ids), _Embed(decoder)
     pieces = {"layer_" + mode: (layer if mode == "none" else
-                                _Layer(apply_recompute(copy.deepcopy(model), mode), seq), x)
+                                _Layer(apply_recompute(copy.deepcopy(decoder), mode), seq), x)
               for mode in RECOMPUTE_MODES}
     pieces.update(embed=(embed, ids), head=(head, x))
     tasks = {(name, kind): setup for name, (piece, inputs) in pieces.items()
@@ -183,13 +202,23 @@ def measure_compute(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
     for name in ("embed", "head"):
         out.update({f"{name}_{kind}": times[name, kind] for kind in "fbiw"})
         out[f"{name}_saved"], out[f"{name}_deferred"] = saved_bytes(*pieces[name], device, dtype)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    final_params = sum(_count(m.parameters()) for m in head.finals)
     out.update(layer_params=_count(layer.params), embed_params=_count(embed.params),
-               head_params=_count(model.model.norm.parameters()) + (0 if tied else _count(model.lm_head.parameters())),
-               param_bytes=model.lm_head.weight.element_size(),
+               head_params=final_params + (0 if decoder.plan.ties else _count(head.head.parameters())),
+               param_bytes=head.head.weight.element_size(),
                boundary_bytes=mbs * seq * h * 4,  # the residual stream stays fp32 under autocast
                optimizer_s_per_param=times["adamw", "step"] / _count(layer.params))
     return out
+
+
+def layer_saved_bytes(cfg: DictConfig, mode: str, dtype: torch.dtype) -> int:
+    """Bytes one layer of the run's model saves for backward per micro-batch, counted with saved-tensor hooks on the
+    CPU at tp=1 (for families without a closed formula)."""
+    device = torch.device("cpu")
+    decoder = one_layer_model(cfg, device)
+    layer = _Layer(apply_recompute(decoder, mode), cfg.train.seq_len)
+    x = torch.randn(cfg.train.micro_batch_size, cfg.train.seq_len, decoder.config.hidden_size, requires_grad=True)
+    return saved_bytes(layer, x, device, dtype)[0]
 
 
 def _count(params) -> int:

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from parallel.pipeline.schedules import SCHEDULES
 from training.planner.balance import cost_balanced_partition, measured_weights
+from training.schema import model_config
 from training.planner.costs import MeasuredCosts
 from training.planner.predict import Candidate, Prediction, predict
 from training.layout import resolve_global_batch
@@ -140,7 +141,7 @@ def layout_problem(cfg: DictConfig, candidate: Candidate, world_size: int) -> st
 
 def partitions(cfg: DictConfig, pp: int, vpp: int, costs: MeasuredCosts) -> list[tuple[int, ...] | None]:
     """The even split, and the cost-balanced one where it differs."""
-    layers, stages = cfg.model.num_hidden_layers, pp * vpp
+    layers, stages = model_config(cfg).num_hidden_layers, pp * vpp
     if stages == 1 or stages > layers:
         return [None]
     embed, head = measured_weights(costs, "none")
