@@ -16,10 +16,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from models.minimind import MiniMindAdapter
+from models.transformers_decoder import TransformersDecoderAdapter
 from parallel.decoder import ContractError, Decoder, DecoderPlan
 
 ROOT = Path(__file__).resolve().parent.parent  # presets name their config.json relative to the repository
-ADAPTERS = {"minimind": MiniMindAdapter}
+ADAPTERS = {"minimind": MiniMindAdapter, "llama": TransformersDecoderAdapter, "qwen3": TransformersDecoderAdapter,
+            "qwen3_moe": TransformersDecoderAdapter}
 SUPPORTED = ", ".join(ADAPTERS)
 MINIMIND_ONLY = ("dropout", "use_moe")  # MiniMind's own switches; transformers' families take theirs from config.json
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")

@@ -1,0 +1,144 @@
+"""The adapter of transformers' own decoders (Llama, Qwen3, Qwen3-MoE): their classes run unmodified, split by the
+plans they declare; this file says only what a plan cannot (see `parallel.decoder.FamilyAdapter`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from models.sizes import tp_sizes
+from parallel.decoder import DecoderPlan
+from parallel.recompute import GatedActivation, SdpaCore
+from parallel.tensor_pass import plan_pattern
+
+
+class TransformersDecoderAdapter:
+    """Rotary tables from the base model's `rotary_emb`, masks from transformers' own mask functions, layers called
+    as the base model calls them, and the MoE aux loss from the routers its class records outputs of."""
+
+    def __init__(self, model: nn.Module):
+        self.config = config = model.config
+        plan = DecoderPlan.of(model)
+        self.embedding_weight = f"{plan.embedding}.weight"
+        self.padding_idx = getattr(model.get_submodule(plan.embedding), "padding_idx", None)
+        recorded = getattr(type(model), "_can_record_outputs", None) or {}
+        attention, router = recorded.get("attentions"), recorded.get("router_logits")
+        self.attention_class = getattr(attention, "target_class", attention)
+        self.router_class = getattr(router, "target_class", router)
+        self.router_index = getattr(router, "index", 0)
+        routers = [m for m in model.modules() if self.router_class is not None and isinstance(m, self.router_class)]
+        # transformers adds the aux loss only with output_router_logits (its default is off); so do we.
+        on = bool(routers) and bool(getattr(config, "output_router_logits", False))
+        self.aux_coef = float(getattr(config, "router_aux_loss_coef", 0.0)) if on else 0.0
+        self.moe_layers = len(routers)
+        ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+        self.expert_patterns = [plan_pattern(f"{plan.base}.{key}") for key in ep_plan]
+        self.matmul_params = self._count_matmul_params(model, plan)
+
+    # --- the forward, piece by piece ---------------------------------------------------------------------------
+
+    def embed(self, base: nn.Module, embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return embedding(input_ids)
+
+    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """What the base model's forward hands each layer: (cos, sin) and the mask of each attention type."""
+        mask_args = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                         position_ids=position_ids)
+        masks = {"full_attention": create_causal_mask(**mask_args)}
+        if getattr(self.config, "sliding_window", None) is not None:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        return {"position_embeddings": base.rotary_emb(hidden, position_ids), "masks": masks,
+                "position_ids": position_ids}
+
+    def _mask_type(self, layer_id: int) -> str:
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return types[layer_id]
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) is not None else "full_attention"
+
+    def run_layer(self, layer_id: int, layer: nn.Module, hidden: torch.Tensor,
+                  inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kwargs = dict(attention_mask=inputs["masks"][self._mask_type(layer_id)], position_ids=inputs["position_ids"],
+                      position_embeddings=inputs["position_embeddings"])
+        if not (self.aux_coef and layer.training and torch.is_grad_enabled()):
+            return layer(hidden, **kwargs), None
+        logits: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda _m, _i, out: logits.append(out[self.router_index]))
+                 for m in layer.modules() if isinstance(m, self.router_class)]
+        try:
+            hidden = layer(hidden, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return hidden, sum(self._balance_loss(x) for x in logits) * (self.aux_coef / self.moe_layers)
+
+    def _balance_loss(self, router_logits: torch.Tensor) -> torch.Tensor:
+        """One layer's load-balancing loss, transformers' formula (Switch Transformer) on this layer alone.
+
+        transformers pools the routers of every layer into one product of averages; that couples all pipeline
+        stages, so each layer's loss is taken on its own and their mean stands for the pool (as Megatron-LM does)."""
+        probs = F.softmax(router_logits.float(), dim=-1)
+        experts = probs.shape[-1]
+        chosen = torch.topk(probs, self.config.num_experts_per_tok, dim=-1).indices
+        load = torch.zeros(experts, device=probs.device).index_add_(
+            0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device)) / probs.shape[0]
+        return (load * probs.mean(0)).sum() * experts
+
+    # --- weights ---------------------------------------------------------------------------------------------------
+
+    def init_tensor(self, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """transformers' `_init_weights` for these families: normal(0, initializer_range) for weights (experts and
+        routers included), ones for norms, zeros for biases, the padding row of the embedding zero."""
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        tensor = torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=generator)
+        if name == self.embedding_weight and self.padding_idx is not None:
+            tensor[self.padding_idx] = 0.0
+        return tensor
+
+    def init_buffers(self, module: nn.Module) -> None:
+        """The rotary tables (`inv_freq`), by transformers' own `_init_weights` for rotary modules."""
+        for sub in module.modules():
+            if "RotaryEmbedding" in type(sub).__name__ and hasattr(sub, "original_inv_freq"):
+                module._init_weights(sub)
+
+    # --- what the planner, recompute and TP need to know -------------------------------------------------------
+
+    def selective_recompute(self, layer: nn.Module) -> list:
+        targets = []
+        for sub in layer.modules():
+            if self.attention_class is not None and isinstance(sub, self.attention_class):
+                norms = tuple(getattr(sub, n) for n in ("q_norm", "k_norm") if isinstance(getattr(sub, n, None),
+                                                                                         nn.Module))
+                targets.append(SdpaCore(sub, norms))
+            elif all(isinstance(getattr(sub, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+                targets.append(GatedActivation(sub, sub.gate_proj, sub.up_proj, sub.down_proj, sub.act_fn))
+        return targets
+
+    def tp_sizes(self) -> dict[str, int]:
+        return tp_sizes(self.config, bool(self.moe_layers))
+
+    def matmul_params_per_token(self) -> int:
+        return self.matmul_params
+
+    def _count_matmul_params(self, model: nn.Module, plan: DecoderPlan) -> int:
+        """Every matrix a token multiplies with: routed experts weighed by top-k of all, the head once (tied or not),
+        never the embedding (a lookup)."""
+        share = getattr(self.config, "num_experts_per_tok", 1) / max(getattr(self.config, "num_experts", 1) or 1, 1)
+        total = 0.0
+        for name, param in model.named_parameters():
+            if param.dim() < 2 or plan.piece_of(name)[0] == "embedding":
+                continue
+            expert = any(p.fullmatch(name) or p.fullmatch(name.rpartition(".")[0]) for p in self.expert_patterns)
+            total += param.numel() * (share if expert else 1)
+        if plan.ties:
+            total += model.get_submodule(plan.head).weight.numel()
+        return int(total)
+
+    def saved_bytes_per_layer(self, micro_batch_size: int, seq_len: int, dtype_bytes: int, mode: str,
+                              tp: int = 1) -> None:
+        return None  # no closed formula: the planner measures a layer

@@ -1,0 +1,166 @@
+"""transformers' own Llama (untied), Qwen3 (tied) and Qwen3-MoE (aux loss on), unmodified, trained by the plans
+their classes declare: every layout equals one process in loss, aux loss, grad norm, gradients and parameters.
+
+The world-2 layouts of all three families share one spawn; the world-1 ones (emulated) run in this process.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from models import decoder_of
+from models.family import build_model, model_config
+from parallel.pipeline.plan import plan_pipeline
+from tests.equivalence import FP32, assert_equivalent, baseline, compose_run_config, layouts_worker, run_training
+from tests.spawn import run_workers
+from tests.test_equivalence import assert_tied_copies_bitwise_equal
+from training.specs import pipeline_spec
+
+STEPS = ["train.steps=3", "schedule.n_microbatches=4", "checkpoint.save_final=false"]
+EMU = "parallel.emulate=true"
+FAMILIES = {"llama": ["model=llama-tiny"], "qwen3": ["model=qwen3-tiny"], "qwen3-moe": ["model=qwen3-moe-tiny"]}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of the acceptance list; `world` processes (dp * tp, or dp * tp * pp when not emulated)."""
+
+    name: str
+    args: tuple[str, ...]
+    world: int
+    dp: int
+    run: tuple[str, ...] = ()  # shared with the single-process baseline (e.g. the compute dtype)
+
+
+LAYOUTS = [
+    Layout("pp2-1f1b", ("parallel.pp=2", "schedule=1f1b"), 2, 1),  # real P2P between two processes
+    Layout("tp2-pp2-vpp2-interleaved", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                                        "schedule=interleaved-1f1b", EMU), 2, 1),
+    Layout("dp2-pp2-zb-h1", ("parallel.dp=2", "parallel.pp=2", "schedule=zb-h1", EMU), 2, 2),
+    Layout("pp2-zbv", ("parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU), 1, 1),
+    # Beyond the acceptance list: ZeRO-1, recompute, an uneven partition; bf16 against a bf16 process.
+    Layout("dp2-pp2-zero1-selective-3-1", ("parallel.dp=2", "parallel.zero=1", "train.recompute=selective",
+                                           "parallel.pp=2", "parallel.layers_per_stage=[3,1]", EMU), 2, 2),
+    Layout("bf16-pp2-full-recompute", ("parallel.pp=2", "train.recompute=full", EMU), 1, 1, ("train.dtype=bf16",)),
+]
+CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A shared data cache, memoised baselines and the results of the one world-2 spawn."""
+    return {"root": tmp_path_factory.mktemp("families"), "baselines": {}, "grouped": {}}
+
+
+def _overrides(family: str, layout: Layout) -> list[str]:
+    return [*STEPS, *FAMILIES[family], *layout.run, *layout.args]
+
+
+def _reference(workspace, family: str, layout: Layout) -> dict:
+    key = (family, layout.dp, layout.run)
+    if key not in workspace["baselines"]:
+        run_dir = workspace["root"] / f"baseline-{family}-{len(workspace['baselines'])}"
+        workspace["baselines"][key] = baseline([*STEPS, *FAMILIES[family], *layout.run], workspace["root"] / "cache",
+                                               run_dir, layout.dp)
+    return workspace["baselines"][key]
+
+
+def _results(workspace, family: str, layout: Layout) -> list[dict]:
+    root, cache = workspace["root"], workspace["root"] / "cache"
+    if layout.world == 1:
+        from parallel.grid import ParallelGrid
+
+        cfg = compose_run_config(_overrides(family, layout), cache)
+        return [run_training(cfg, ParallelGrid.single(torch.device("cpu")), root / f"{family}-{layout.name}")]
+    if not workspace["grouped"]:
+        group = [(f, c) for f, c in CASES if c.world == 2]
+        runs = [(_overrides(f, c), str(root / f"{f}-{c.name}")) for f, c in group]
+        by_rank = run_workers(layouts_worker, 2, runs, str(cache), timeout=540)
+        workspace["grouped"].update({(f, c.name): [r[i] for r in by_rank] for i, (f, c) in enumerate(group)})
+    return workspace["grouped"][family, layout.name]
+
+
+@pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{c.name}" for f, c in CASES])
+def test_family_layout_equals_single_process(workspace, family, layout):
+    reference = _reference(workspace, family, layout)
+    results = _results(workspace, family, layout)
+    assert_equivalent(results, reference, FP32)
+    cfg = compose_run_config(_overrides(family, layout), workspace["root"] / "cache")
+    config = model_config({"hf_config": cfg.model.hf_config})
+    if family == "qwen3-moe":  # the load-balancing loss is on and reaches the metrics
+        assert all(m["aux_loss"] > 0 for m in reference["metrics"]), reference["metrics"]
+    if config.tie_word_embeddings and plan_pipeline(pipeline_spec(cfg), config.num_hidden_layers).placement != "v":
+        assert_tied_copies_bitwise_equal(results, steps=3)
+
+
+def test_the_presets_are_the_families_the_acceptance_names():
+    """Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on: transformers' own classes, nothing else."""
+    classes = {}
+    for family, args in FAMILIES.items():
+        config = model_config({"hf_config": f"models/configs/{args[0].split('=')[1]}"})
+        model = build_model(config)
+        classes[family] = (type(model).__module__.split(".")[:2], type(model).__name__, config.tie_word_embeddings)
+    assert classes == {"llama": (["transformers", "models"], "LlamaForCausalLM", False),
+                       "qwen3": (["transformers", "models"], "Qwen3ForCausalLM", True),
+                       "qwen3-moe": (["transformers", "models"], "Qwen3MoeForCausalLM", False)}
+    assert model_config({"hf_config": "models/configs/qwen3-moe-tiny"}).output_router_logits
+
+
+def test_pruning_a_module_list_keeps_dense_names():
+    """transformers keeps its layers in an nn.ModuleList; a pruned chunk keeps `model.layers.<global id>.`."""
+    decoder = decoder_of(build_model(model_config({"hf_config": "models/configs/llama-tiny"})))
+    chunk = decoder.prune(range(2, 4), first=False, last=True)
+    names = [n for n, _ in chunk.module.named_parameters()]
+    assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"2", "3"}
+    assert "model.embed_tokens.weight" not in names and "lm_head.weight" in names
+    assert set(names) <= {n for n, _ in decoder.module.named_parameters()}
+
+
+def _folder_with(tmp_path, model_type: str) -> str:
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    return str(folder)
+
+
+BAD = [
+    (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'gpt2')}"],
+     "model_type 'gpt2' declares no pipeline plan (base_model_pp_plan) and has no Sluice adapter; "
+     "Sluice trains minimind, llama, qwen3, qwen3_moe"),
+    (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'mistral')}"],
+     "model_type 'mistral' declares a pipeline plan and has no Sluice adapter; Sluice trains minimind, llama, qwen3, "
+     "qwen3_moe"),
+    (lambda tmp: [f"model.hf_config={tmp}"], "has no config.json; give a folder written by save_pretrained"),
+    (lambda tmp: ["model=llama-tiny", "parallel.tp=3"],
+     "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
+    (lambda tmp: ["model=qwen3-moe-tiny", "model.moe_intermediate_size=33", "parallel.tp=2"],
+     "parallel.tp=2 does not divide moe_intermediate_size=33; choose tp in {1}"),
+    (lambda tmp: ["model=llama-tiny", "model.use_moe=true"],
+     "model.use_moe does not apply to llama models; set it in model.hf_config's config.json or drop the override"),
+]
+
+
+@pytest.mark.parametrize("args, expected", BAD, ids=["gpt2", "mistral", "no-config", "llama-tp3", "moe-tp2",
+                                                     "llama-use-moe"])
+def test_an_uncovered_architecture_or_bad_split_is_one_line_before_launch(args, expected, tmp_path, capsys):
+    from tests.test_config_catalogue import run_preflight
+    from training.config import register_schema
+
+    register_schema()
+    code, lines = run_preflight([*args(tmp_path), f"hydra.run.dir={tmp_path}/run"], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "qwen3-moe-tiny"])
+def test_matmul_weights_per_token_are_the_linears_a_token_meets(preset):
+    """FLOPs and MFU count every projection, the head once, and of the experts only the top-k a token runs through."""
+    config = model_config({"hf_config": f"models/configs/{preset}"})
+    model = build_model(config)
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    routers = sum(p.numel() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))  # h x E each
+    share = config.num_experts_per_tok / config.num_experts if experts else 0.0
+    assert decoder_of(model).adapter.matmul_params_per_token() == linears + routers + int(experts * share)
