@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from checkpoint.distributed import TrainingState
@@ -39,6 +40,15 @@ def build_model(cfg: DictConfig) -> tuple[Decoder, WeightSource]:
     return decoder, dense_source(cfg.checkpoint.load_dense, expected, decoder.plan.ties, decoder.config.model_type)
 
 
+def seed_rng(seed: int, grid: ParallelGrid) -> None:
+    """Seed this rank's RNG (dropout draws from it) from train.seed and its (pp, dp) coordinate.
+
+    Every TP rank of a stage gets the same seed: they run the same ops on replicated activations (the embedding's
+    dropout), whose masks must agree, or the replicated parameters drift apart. DP replicas and pipeline stages get
+    their own streams, as a single process draws a fresh mask for every micro-batch and layer."""
+    torch.manual_seed(seed * 1_000_003 + grid.pp_rank * 1_009 + grid.dp_rank)
+
+
 class Trainer:
     """One rank's training loop; every layout differs only in the engine it builds."""
 
@@ -47,6 +57,7 @@ class Trainer:
         self.grid = grid
         self.run_dir = Path(run_dir)
         self.guard = guard if guard is not None else StepGuard(cfg, grid)  # faults, hang watch, non-finite policy
+        seed_rng(cfg.train.seed, grid)
         decoder, weights = build_model(cfg)
         self.engine = build_engine(engine_spec(cfg, grid.device), decoder, grid, weights)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero)
