@@ -30,6 +30,7 @@ class State:
     what: object  # a str, or an object whose str() says it (built only for a dump: the hot path stays cheap)
     waits_for: list[int] = field(default_factory=list)
     since: float = field(default_factory=time.monotonic)
+    startup: bool = False  # a start-up wait (peers still importing and joining): bounded by its own timeout
 
 
 class Watch:
@@ -46,14 +47,14 @@ class Watch:
         self.report_lock = threading.Lock()  # the main thread and the watchdog may both see the same timeout
         self.reported = False
 
-    def enter(self, what: object, waits_for: list[int] | None = None) -> None:
+    def enter(self, what: object, waits_for: list[int] | None = None, startup: bool = False) -> None:
         """This rank now does (or waits for) `what`; the timeout clock restarts."""
-        self.state = State(what, list(waits_for or []))
+        self.state = State(what, list(waits_for or []), startup=startup)
 
-    def collective(self, what: str, *groups: str) -> None:
+    def collective(self, what: str, *groups: str, startup: bool = False) -> None:
         """This rank now waits in a collective over `groups`: it waits for their other members."""
         peers = sorted({r for g in groups for r in self.groups.get(g, [])} - {self.rank})
-        self.enter(f"{what} over {'+'.join(groups)}", peers)
+        self.enter(f"{what} over {'+'.join(groups)}", peers, startup)
 
     def done(self, what: object) -> None:
         """`what` completed: progress."""

@@ -12,6 +12,8 @@ import time
 import traceback
 from pathlib import Path
 
+from tqdm import tqdm
+
 # The project's own error classes (ConfigError, CheckpointError, DataError, TransportTimeout, BoundaryMismatch,
 # ScheduleError, InjectedCrash, NonFiniteError, ...) exist to carry a message that says what is wrong and how to
 # fix it: those are printed as they are. Anything else is unexpected and keeps its traceback.
@@ -43,8 +45,9 @@ def record_failure(run_dir: Path, rank: int, message: str, announce: bool) -> No
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():  # the first failure of a rank is the cause; later ones are consequences
         path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": message}))
-    if announce:
-        print(f"sluice: {message}", file=sys.stderr, flush=True)
+    if announce:  # through tqdm: a progress bar on the screen is cleared first, not glued to the line
+        tqdm.write(f"sluice: {message}", file=sys.stderr)
+        sys.stderr.flush()
 
 
 def first_failure(run_dir: Path) -> str | None:

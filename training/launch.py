@@ -19,7 +19,7 @@ from training.console import check_run_dir, quiet_progress_bars
 from training.failures import FAILURE_DIR, describe_failure, first_failure, record_failure
 from training.faults import FaultInjector
 from training.layout import layout_world_size, process_pp
-from training.watchdog import EXIT_INTERRUPTED, report_hang, start_watchdog
+from training.watchdog import EXIT_INTERRUPTED, Limits, report_hang, start_watchdog
 
 log = logging.getLogger("sluice")
 SELF_LAUNCHED = "SLUICE_SELF_LAUNCHED"  # set for the workers of self_launch: their root reports failures
@@ -60,19 +60,20 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
     """A rank as a process: watchdog (timeouts, signals, launcher death) and failures as one line."""
     rank, launched = int(os.environ.get("RANK", 0)), under_torchrun()
     announce = os.environ.get(SELF_LAUNCHED) != "1"  # a self-launch root prints the first failure itself
-    timeout_s = float(cfg_dict["parallel"]["timeout_s"])
+    p = cfg_dict["parallel"]
+    limits = Limits(float(p["timeout_s"]), float(p["startup_timeout_s"]))
     watch = Watch(rank, groups={"world": list(range(int(os.environ.get("WORLD_SIZE", 1))))})
     watch.run_dir = Path(run_dir)
     if launched:
-        start_watchdog(watch, timeout_s, announce)
+        start_watchdog(watch, limits, announce)
     try:
         return run_worker(cfg_dict, run_dir, watch)
     except KeyboardInterrupt:
         print("sluice: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as error:
-        if watch.state.waits_for and watch.blocked_s() > 0.9 * timeout_s:
-            report_hang(watch, timeout_s, announce)  # a wait that timed out (not a dead peer): the hang report
+        if limits.exceeded(watch, 0.9):
+            report_hang(watch, limits, announce)  # a wait that timed out (not a dead peer): the hang report
         else:
             where = watch.run_dir
             record_failure(where, rank, describe_failure(error, where, rank), announce)
@@ -95,13 +96,15 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
             grid = ParallelGrid.single()
         else:
             world = range(int(os.environ.get("WORLD_SIZE", 1)))
-            watch.enter("start-up: joining the process group", [r for r in world if r != watch.rank])
+            watch.enter("start-up: joining the process group", [r for r in world if r != watch.rank], startup=True)
             if p.plan == "auto":
                 cfg = agreed_layout(cfg, watch)
                 p = cfg.parallel
-            grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend, timeout_s=p.timeout_s)
+            # The rendezvous waits for peers still importing: bounded by the start-up timeout, not the step's.
+            grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend,
+                                      timeout_s=max(p.timeout_s, p.startup_timeout_s))
         watch_grid(watch, grid)
-        watch.collective("start-up: agreeing on the run directory", "world")
+        watch.collective("start-up: agreeing on the run directory", "world", startup=True)
         run_dir = agree_on_run_dir(run_dir, grid)
         watch.run_dir = Path(run_dir)
         watch.enter("start-up: building model, engine and data")
@@ -182,7 +185,9 @@ def report_failed_launch(error, run_dir: Path, world_size: int) -> None:
     if message is None:  # the rank died without a word (killed, out of memory): what the launcher saw
         rank, failure = error.get_first_failure()
         message = f"rank {rank} died with exit code {failure.exitcode}"
-    print(f"sluice: {message} (the other workers were stopped)", file=sys.stderr)
+    # A worker stopped by its watchdog may leave rank 0's progress bar unfinished on the line: start it over.
+    restart = "\r\033[K" if sys.stderr.isatty() else "\r"
+    print(f"{restart}sluice: {message} (the other workers were stopped)", file=sys.stderr)
     dumps = read_dumps(run_dir)
     if any(d["reason"] == "timeout" for d in dumps):
         print(f"sluice: hang summary ({run_dir / DUMP_DIR}):", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The per-key rule catalogue: one range or choice rule for every schema key, unbuilt features, key scopes.
+"""The per-key rule catalogue: one range or choice rule for every schema key, and key scopes.
 
 Types come from the schema (OmegaConf refuses `train.steps=many` while composing); this table adds what
 a type cannot say. Cross-key rules live in `training.validate`.
@@ -160,6 +160,7 @@ KEY_RULES: dict[str, Check] = {
     "parallel.layers_per_stage": layer_counts,
     "parallel.backend": one_of("auto", "gloo", "nccl"),
     "parallel.timeout_s": positive,
+    "parallel.startup_timeout_s": positive,
     "parallel.emulate": any_of_type,
     "parallel.zero": one_of(0, 1),
     "parallel.bucket_mb": positive,
@@ -216,11 +217,6 @@ KEY_RULES: dict[str, Check] = {
     "debug.fault": optional(fault),
 }
 
-# Keys whose feature is not built yet: a value other than the schema default (or, with a test, one the test
-# refuses) gets "<key>: not implemented yet". The team that builds a feature deletes its entry.
-NOT_IMPLEMENTED: dict[str, Callable[[Any], bool] | None] = {
-}
-
 # Keys read only under another key's value: setting one elsewhere would be silently ignored. An error where
 # the user surely meant something else (a data path under synthetic data), a warning where it is harmless.
 # (A model key's scope depends on its family: `models.model_config` checks those.)
@@ -236,20 +232,13 @@ SCOPES: dict[str, tuple[str, tuple[Any, ...], bool]] = {  # key -> (switch, valu
 
 
 def check_keys(cfg: DictConfig) -> list[str]:
-    """Raise ConfigError for the first key that breaks its rule, asks for an unbuilt feature or is out of scope;
-    return warnings for harmless out-of-scope keys."""
+    """Raise ConfigError for the first key that breaks its rule or is out of scope; return warnings for harmless
+    out-of-scope keys."""
     defaults = schema_defaults()
     for key, check in KEY_RULES.items():
         problem = check(key, OmegaConf.select(cfg, key))
         if problem:
             raise ConfigError(problem)
-    for key, refused in NOT_IMPLEMENTED.items():
-        value = OmegaConf.select(cfg, key)
-        plain = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
-        if (refused(plain) if refused else plain != defaults[key]):
-            default = "null" if defaults[key] is None else shown(defaults[key])
-            raise ConfigError(f"{key}: not implemented yet ({key}={shown(value)}); drop the override "
-                              f"(the default is {default})")
     warnings = []
     for key, (switch, allowed, is_error) in SCOPES.items():
         value, state = OmegaConf.select(cfg, key), OmegaConf.select(cfg, switch)

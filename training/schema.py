@@ -49,6 +49,7 @@ class ParallelSchema:
     layers_per_stage: Any = None  # null (even), a list of layer counts per stage, or auto
     backend: str = "auto"
     timeout_s: float = 300.0
+    startup_timeout_s: float = 600.0
     emulate: bool = False
     zero: int = 0
     bucket_mb: float = 25.0

@@ -4,8 +4,9 @@ Every 0.2 s it checks three things and ends the process itself (os._exit: the ma
 a C call that never returns, and it must not print a traceback per rank):
 - the launcher died (the parent pid changed): exit at once, so no worker outlives its torchrun agent or
   self-launching root (polling works whatever the launcher is; PR_SET_PDEATHSIG follows the parent *thread*);
-- this rank has waited for peers (P2P, a collective, the rendezvous) longer than parallel.timeout_s: write
-  the hang dump and a one-line failure, exit 1 (local work is not timed: its peers time out waiting for it);
+- this rank has waited for peers (P2P, a collective) longer than parallel.timeout_s, or during start-up (peers
+  still importing and joining) longer than parallel.startup_timeout_s: write the hang dump and a one-line
+  failure, exit 1 (local work is not timed: its peers time out waiting for it);
 - SIGTERM / SIGINT arrived: their Python handlers do nothing, and the C-level handler writes the signal
   number to a wakeup socket this thread selects on, so it acts even while the main thread sits in a C call
   (a blocked sigmask does not work: torch starts threads at import that would take the signal). SIGTERM (the
@@ -20,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 
 from parallel.hang import Watch
 from training.failures import record_failure
@@ -39,16 +41,34 @@ def route_signals() -> tuple[socket.socket, socket.socket]:
     return reader, writer
 
 
-def start_watchdog(watch: Watch, timeout_s: float, announce: bool) -> threading.Thread:
+@dataclass(frozen=True)
+class Limits:
+    """How long a rank may wait for its peers: after start-up, and during it."""
+
+    timeout_s: float
+    startup_timeout_s: float
+
+    def of(self, watch: Watch) -> tuple[float, str]:
+        """The bound of the wait `watch` is in now, and the key that sets it."""
+        if watch.state.startup:
+            return self.startup_timeout_s, "parallel.startup_timeout_s"
+        return self.timeout_s, "parallel.timeout_s"
+
+    def exceeded(self, watch: Watch, share: float = 1.0) -> bool:
+        """`watch` waits for peers and has waited longer than `share` of its bound."""
+        return bool(watch.state.waits_for) and watch.blocked_s() > share * self.of(watch)[0]
+
+
+def start_watchdog(watch: Watch, limits: Limits, announce: bool) -> threading.Thread:
     """Start the daemon thread watching `watch`; `announce` also prints failures (no launcher of ours)."""
     sockets = route_signals()
-    thread = threading.Thread(target=_loop, args=(watch, timeout_s, os.getppid(), announce, sockets),
+    thread = threading.Thread(target=_loop, args=(watch, limits, os.getppid(), announce, sockets),
                               name="sluice-watchdog", daemon=True)
     thread.start()
     return thread
 
 
-def _loop(watch: Watch, timeout_s: float, parent: int, announce: bool, sockets: tuple) -> None:
+def _loop(watch: Watch, limits: Limits, parent: int, announce: bool, sockets: tuple) -> None:
     reader = sockets[0]  # the pair stays referenced here: closing the writer would silence the signals
     while True:
         if select.select([reader], [], [], POLL_S)[0]:
@@ -57,8 +77,8 @@ def _loop(watch: Watch, timeout_s: float, parent: int, announce: bool, sockets: 
                     _on_signal(watch, signo)
         if os.getppid() != parent:
             os._exit(1)  # the launcher is gone: nobody will collect this rank's result
-        if watch.state.waits_for and watch.blocked_s() > timeout_s:
-            report_hang(watch, timeout_s, announce)
+        if limits.exceeded(watch):
+            report_hang(watch, limits, announce)
             sys.stderr.flush()
             os._exit(1)
 
@@ -69,17 +89,18 @@ def _on_signal(watch: Watch, signo: int) -> None:
     os._exit(EXIT_INTERRUPTED if signo == signal.SIGINT else 128 + signo)
 
 
-def report_hang(watch: Watch, timeout_s: float, announce: bool) -> None:
+def report_hang(watch: Watch, limits: Limits, announce: bool) -> None:
     """Dump where this rank waits and leave the one-line failure naming it (once per rank)."""
     with watch.report_lock:  # a store timeout in the main thread and the watchdog's own can coincide
         if watch.reported:
             return
         watch.reported = True
-        _report(watch, timeout_s, announce)
+        _report(watch, limits, announce)
 
 
-def _report(watch: Watch, timeout_s: float, announce: bool) -> None:
+def _report(watch: Watch, limits: Limits, announce: bool) -> None:
     path = watch.dump("timeout")
-    message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s (parallel.timeout_s={timeout_s:g}) "
+    bound, key = limits.of(watch)
+    message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s ({key}={bound:g}) "
                f"in: {watch.state.what}; hang dump in {path.parent}")
     record_failure(path.parent.parent, watch.rank, message, announce)

@@ -41,7 +41,8 @@ def agree_on_layout(cfg: DictConfig, rank: int) -> DictConfig:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+        dist.init_process_group(backend, init_method="env://",  # peers may still be importing: start-up bound
+                                timeout=timedelta(seconds=max(cfg.parallel.timeout_s, cfg.parallel.startup_timeout_s)))
     decision: tuple[Candidate | None, str] = (None, "")
     if rank == 0:
         try:
