@@ -31,3 +31,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's pooled worker processes leave with it (tests/spawn.py)."""
+    from tests.spawn import close_pools
+
+    close_pools()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a module that starts processes (`run_workers`, `subprocess`) as `multiprocess`, so that
+    `pytest -m multiprocess` runs exactly those (the load and flakiness checks)."""
+    starts: dict[str, bool] = {}
+    for item in items:
+        path = str(item.path)
+        if path not in starts:
+            text = Path(path).read_text()
+            starts[path] = "run_workers(" in text or "subprocess." in text
+        if starts[path]:
+            item.add_marker(pytest.mark.multiprocess)

@@ -6,7 +6,9 @@ its dense name with its TP partition dim. `assert_equivalent` joins TP shards an
 DP replica, every TP rank of a replicated tensor, both copies of a tied embedding) with the single process.
 """
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +22,10 @@ from training.cli import CONF_DIR
 from training.config import register_schema
 
 BASE = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_docs=300", "logger=none",
-        "train.dtype=fp32", "optim.warmup_steps=1", "optim.lr=1e-3", "train.log_every=1"]
+        "train.dtype=fp32", "optim.warmup_steps=1", "optim.lr=1e-3", "train.log_every=1",
+        "checkpoint.save_final=false"]  # a test that wants checkpoints asks (checkpoint.every, save_final=true)
 TIED = "model.embed_tokens.weight"  # the dense name of a tied embedding/lm_head pair
+LOGGED = ("step", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_ppl")  # kept per logged step
 Tensors = dict[str, tuple[torch.Tensor, int | None, int]]  # dense name -> (tensor, TP partition dim or None, packing)
 
 
@@ -58,11 +62,41 @@ def _snapshot(named: dict, grads: bool) -> Tensors:
     return out
 
 
+def fingerprint(tensors: list[torch.Tensor]) -> str:
+    """A short digest of tensors' bytes (which samples a micro-batch holds, or an RNG state)."""
+    digest = hashlib.sha1()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class RecordedBatches:
+    """The trainer's step stream, noting a fingerprint of every micro-batch it hands out (what a replica read)."""
+
+    def __init__(self, inner, log: list[list[str]]):
+        self.inner, self.log = inner, log
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        micro_batches = next(self.inner)
+        self.log.append([fingerprint([mb.input_ids, mb.labels]) for mb in micro_batches])
+        return micro_batches
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
 def run_training(cfg: DictConfig, grid, run_dir: Path) -> dict:
-    """Train; return losses, rank 0's metrics, step-1 gradients, the final parameters and the tied copies."""
+    """Train; return losses, rank 0's metrics, step-1 gradients, the final parameters, the tied copies, and per
+    step the micro-batches read (fingerprints) and the RNG state after the step."""
     from training.trainer import Trainer
 
     trainer = Trainer(cfg, grid, run_dir)
+    data: list[list[str]] = []
+    trainer.data = RecordedBatches(trainer.data, data)
+    rng: list[str] = []
     tied_copies = []  # the first stage's embedding or the last stage's lm_head after every step
     grads: Tensors = {}
 
@@ -70,19 +104,21 @@ def run_training(cfg: DictConfig, grid, run_dir: Path) -> dict:
         if step == 1:
             grads.update(_snapshot(trainer.engine.named_parameters(), grads=True))
 
-    def record_tied(step: int) -> None:
+    def record_step(step: int) -> None:
+        rng.append(fingerprint([torch.get_rng_state()]))
         named = trainer.engine.named_parameters()
         for name in (TIED, "lm_head.weight"):
             if name in named:
                 tied_copies.append((step, name, named[name].detach().cpu().clone()))
 
-    losses = trainer.fit(on_step=record_tied, on_grads=record_grads)
+    losses = trainer.fit(on_step=record_step, on_grads=record_grads)
     metrics = None
     if grid.rank == 0:  # only global rank 0 writes metrics.jsonl
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        metrics = [{k: json.loads(line)[k] for k in ("step", "loss", "aux_loss", "grad_norm")} for line in lines]
+        lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        metrics = [{k: line[k] for k in LOGGED if k in line} for line in lines]
     return {"losses": losses, "metrics": metrics, "grads": grads, "coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank),
-            "params": _snapshot(trainer.engine.named_parameters(), grads=False), "tied": tied_copies}
+            "params": _snapshot(trainer.engine.named_parameters(), grads=False), "tied": tied_copies,
+            "data": data, "rng": rng}
 
 
 def layout_worker(rank: int, world_size: int, overrides: list[str], cache_dir: str, run_dir: str) -> dict:
@@ -161,28 +197,47 @@ def _relative_errors(results: list[dict], reference: dict, field: str, dp: int) 
     return errors
 
 
-def _close(what: str, got: list[float], want: list[float], rtol: float) -> list[tuple[float, str]]:
+def _close(what: str, got: list[float], want: list[float], rtol: float,
+           steps: list[int] | None = None) -> list[tuple[float, str]]:
     """(relative error, description) of every step where `got` is not within rtol of `want` (atol 0)."""
     if len(got) != len(want):
         return [(float("inf"), f"{what}: {len(got)} steps, expected {len(want)}")]
     out = []
-    for step, (g, w) in enumerate(zip(got, want), start=1):
+    for step, g, w in zip(steps or range(1, len(want) + 1), got, want):
         error = abs(g - w) / abs(w) if w else abs(g - w)
         if not error <= rtol:
             out.append((error, f"{what} step {step}: {g!r} vs {w!r}, relative error {error:.3g} exceeds {rtol:g}"))
     return out
 
 
+def data_failures(results: list[dict], reference: dict) -> list[tuple[float, str]]:
+    """Per step, the micro-batches every DP replica read together are the ones the single process read."""
+    by_replica = {r["coords"][1]: r["data"] for r in sorted(results, key=lambda r: r["coords"])}
+    failures = []
+    for step, want in enumerate(reference["data"], start=1):
+        got = sorted(f for log in by_replica.values() if step <= len(log) for f in log[step - 1])
+        extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        if got != sorted(want):
+            failures.append((float("inf"), f"data step {step}: the replicas read {len(got)} micro-batches, "
+                                           f"{len(extra)} of them not the single process's ({len(missing)} of its "
+                                           f"{len(want)} unread, or read twice)"))
+    return failures
+
+
 def step_failures(results: list[dict], reference: dict, tol: Tolerances = FP32) -> list[tuple[float, str]]:
-    """Every rank's per-step losses; rank 0's logged loss and aux_loss (rel tol.loss) and grad norm (tol.grad_norm)."""
+    """Every rank's per-step losses; rank 0's logged loss and aux_loss (rel tol.loss), grad norm (tol.grad_norm),
+    label tokens (exact) and validation loss; the micro-batches the replicas read."""
     failures = [f for result in results for f in _close(f"loss on rank {result['coords']}", result["losses"],
                                                          reference["losses"], tol.loss)]
     logged, want = results[0]["metrics"], reference["metrics"]
     if [m["step"] for m in logged] != [m["step"] for m in want]:
         return [*failures, (float("inf"), "metrics.jsonl: logged steps differ")]
-    for key, rtol in (("loss", tol.loss), ("aux_loss", tol.loss), ("grad_norm", tol.grad_norm)):
-        failures += _close(f"metrics.jsonl {key}", [m[key] for m in logged], [m[key] for m in want], rtol)
-    return failures
+    for key, rtol in (("loss", tol.loss), ("aux_loss", tol.loss), ("grad_norm", tol.grad_norm), ("tokens", 0.0),
+                      ("val_loss", tol.loss)):
+        at = [i for i, m in enumerate(want) if key in m]
+        failures += _close(f"metrics.jsonl {key}", [logged[i].get(key, float("nan")) for i in at],
+                           [want[i][key] for i in at], rtol, [want[i]["step"] for i in at])
+    return failures + data_failures(results, reference)
 
 
 def tensor_failures(results: list[dict], reference: dict, tol: Tolerances = FP32) -> list[tuple[float, str]]:
@@ -196,9 +251,53 @@ def tensor_failures(results: list[dict], reference: dict, tol: Tolerances = FP32
             for error, what in _relative_errors(results, reference, field, dp) if not error <= limit]
 
 
+def distance(results: list[dict], reference: dict) -> float:
+    """How far a layout is from a reference run: the largest relative difference of its per-step losses and of
+    any copy of its final parameters (to tell which of two references it is closer to)."""
+    dp = 1 + max(r["coords"][1] for r in results)
+    losses = [abs(g - w) / abs(w) for r in results for g, w in zip(r["losses"], reference["losses"])]
+    return max(losses + [error for error, _ in _relative_errors(results, reference, "params", dp)])
+
+
+def _quantity(failure: str) -> str:
+    """What a failure line is about, without where and when: `grads model.x.weight`, `metrics.jsonl tokens`."""
+    return re.split(r" step \d| dp\d|:", failure, maxsplit=1)[0]
+
+
 def assert_equivalent(results: list[dict], reference: dict, tol: Tolerances = FP32) -> None:
-    """The layout computed what one process computes: per-step numbers, step-1 gradients, final parameters.
-    A failure lists the worst mismatches first (at most 20)."""
+    """The layout computed what one process computes: per-step numbers, the data read, step-1 gradients, final
+    parameters. A failure names every quantity that differs, each with its worst mismatch, worst first."""
     failures = sorted(step_failures(results, reference, tol) + tensor_failures(results, reference, tol),
                       key=lambda f: -f[0])
-    assert not failures, f"{len(failures)} mismatches, worst first:\n" + "\n".join(f for _, f in failures[:20])
+    worst: dict[str, str] = {}
+    for _, line in failures:
+        worst.setdefault(_quantity(line), line)
+    assert not failures, (f"{len(failures)} mismatches in {len(worst)} quantities; the worst of each, worst first:\n"
+                          + "\n".join(list(worst.values())[:60]))
+
+
+def resume_failures(straight: list[dict], resumed: list[dict], start: int) -> list[str]:
+    """Bit for bit, per rank, after step `start`: each step's loss, the micro-batches it read and the RNG state
+    after it; then every final parameter. Each failure names what differs."""
+    out = []
+    for full, tail in zip(straight, resumed):
+        where = f"rank {tail['coords']}"
+        if len(tail["losses"]) != len(full["losses"]) - start:
+            out.append(f"the resumed run on {where} ran {len(tail['losses'])} steps, not {len(full['losses']) - start}")
+        for what, values in (("loss", "losses"), ("data", "data"), ("rng state after", "rng")):
+            for step, (want, got) in enumerate(zip(full[values][start:], tail[values]), start=start + 1):
+                if want != got:
+                    out.append(f"{what} step {step} of the resumed run on {where} differs from the uninterrupted run's"
+                               if what != "rng state after" else
+                               f"rng state after step {step} of the resumed run on {where} differs from the "
+                               "uninterrupted run's")
+        for name, (tensor, *_) in full["params"].items():
+            if not torch.equal(tensor, tail["params"][name][0]):
+                out.append(f"params {name} on {where}: not bit for bit after the resume")
+    return out
+
+
+def assert_bitwise_resume(straight: list[dict], resumed: list[dict], start: int) -> None:
+    """A run resumed after step `start` continues the uninterrupted run bit for bit (see `resume_failures`)."""
+    failures = resume_failures(straight, resumed, start)
+    assert not failures, f"{len(failures)} differences, first ones:\n" + "\n".join(failures[:20])
