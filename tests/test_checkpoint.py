@@ -12,8 +12,12 @@ import torch
 from checkpoint.manager import COMPLETE, complete_checkpoints
 from parallel.grid import ParallelGrid
 from tests.conftest import ROOT
-from tests.equivalence import compose_run_config, dense_params, run_training
+from tests.equivalence import assert_bitwise_resume, compose_run_config, dense_params, run_training
 from tests.spawn import run_workers
+
+# The module's shared runs are set up inside its first test: under load that can take minutes, so the
+# per-test bound is the whole module's, not pytest.ini's 600 s for one test.
+pytestmark = pytest.mark.timeout(1800)
 
 # 8 layers so that pp4 x vpp2 has a layer per stage; every layout runs 8 steps (one LR schedule).
 COMMON = ["model=tiny", "model.num_hidden_layers=8", "train.steps=8", "checkpoint.every=4"]
@@ -26,6 +30,17 @@ STEP4 = "checkpoints/step_00000004"
 # (run name, layout, run whose step-4 checkpoint it resumes or None)
 RUNS = [("tp2pp2", TP2_PP2, None), ("tp2pp2-resumed", TP2_PP2, "tp2pp2"), ("pp4vpp2-from-tp2pp2", PP4_VPP2, "tp2pp2"),
         ("dp2tp2-from-tp2pp2", DP2_TP2, "tp2pp2"), ("dp2pp2", DP2_PP2, None), ("dp2pp2-resumed", DP2_PP2, "dp2pp2")]
+# Exact resume of what keeps more state than weights: ZeRO-1's sharded AdamW, MoE routers, bf16 autocast, the V
+# placement (a tied embedding that is one Parameter on rank 0), dropout (every rank's RNG; TP ranks must agree) and
+# an untied head. Each runs 4 steps on two processes, saves at 2 and is resumed from there in the same layout.
+EXACT_COMMON = ["model=tiny", "train.steps=4", "checkpoint.every=2"]
+EXACT = {"zero1": ["parallel.zero=1", "parallel.dp=2", "schedule.n_microbatches=2"],
+         "moe": ["model=tiny-moe", "parallel.tp=2", "schedule.n_microbatches=4"],
+         "bf16": ["train.dtype=bf16", "parallel.dp=2", "schedule.n_microbatches=2"],
+         "zbv": ["parallel.pp=2", "parallel.vpp=2", "schedule=zbv", "schedule.n_microbatches=4"],
+         "dropout": ["model.dropout=0.1", "parallel.tp=2", "schedule.n_microbatches=4"],
+         "untied": ["model.tie_word_embeddings=false", "parallel.pp=2", "schedule.n_microbatches=4"]}
+STEP2 = "checkpoints/step_00000002"
 
 
 def overrides(layout: list[str], root: Path, resume_from: str | None) -> list[str]:
@@ -48,6 +63,26 @@ def one_process(layout: list[str], root: Path, name: str, resume_from: str | Non
     return run_training(cfg, ParallelGrid.single(torch.device("cpu")), root / name)
 
 
+def exact_worker(rank: int, world_size: int, root: str) -> list[dict]:
+    """Each EXACT layout, then its resume from step 2, on one process group of two."""
+    results = []
+    for name, layout in EXACT.items():
+        for run, extra in ((name, []), (f"{name}-resumed", [f"checkpoint.resume={Path(root) / name / STEP2}"])):
+            cfg = compose_run_config([*EXACT_COMMON, *layout, *extra], Path(root) / "cache")
+            grid = ParallelGrid.build(None, cfg.parallel.tp, 1 if cfg.parallel.emulate else cfg.parallel.pp,
+                                      backend="gloo", timeout_s=120)
+            results.append((run, run_training(cfg, grid, Path(root) / run)))
+    return results
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory) -> tuple[Path, dict]:
+    """The EXACT runs and their resumes (one job on the two-process pool), by run name then rank."""
+    root = tmp_path_factory.mktemp("exact")
+    by_rank = run_workers(exact_worker, 2, str(root), timeout=420)
+    return root, {name: [rank[i][1] for rank in by_rank] for i, (name, _) in enumerate(by_rank[0])}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """All four-process runs (one spawn), keyed by run name; each value is the list of per-rank results."""
@@ -55,14 +90,6 @@ def trained(tmp_path_factory):
     results = run_workers(runs_worker, 4, RUNS, str(root / "cache"), str(root), timeout=420)
     by_run = {name: [rank[i] for rank in results] for i, (name, _, _) in enumerate(RUNS)}
     return root, by_run
-
-
-def assert_bitwise_resume(straight: list[dict], resumed: list[dict]) -> None:
-    for full, tail in zip(straight, resumed):
-        assert tail["losses"] == full["losses"][4:]
-        assert full["params"].keys() == tail["params"].keys()
-        for name, (tensor, *_) in full["params"].items():
-            assert torch.equal(tensor, tail["params"][name][0]), name
 
 
 def assert_close_resume(straight: list[dict], resumed: list[dict]) -> None:
@@ -78,18 +105,33 @@ def assert_close_resume(straight: list[dict], resumed: list[dict]) -> None:
 def test_exact_resume_tp2_pp2_1f1b(trained):
     _, runs = trained
     assert len(runs["tp2pp2-resumed"][0]["losses"]) == 4
-    assert_bitwise_resume(runs["tp2pp2"], runs["tp2pp2-resumed"])
+    assert_bitwise_resume(runs["tp2pp2"], runs["tp2pp2-resumed"], start=4)
 
 
 def test_exact_resume_dp2_pp2_zb_h1(trained):
     _, runs = trained
-    assert_bitwise_resume(runs["dp2pp2"], runs["dp2pp2-resumed"])
+    assert_bitwise_resume(runs["dp2pp2"], runs["dp2pp2-resumed"], start=4)
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_exact_resume_of_optimizer_shards_routers_bf16_v_placement_and_dropout(exact, name):
+    """Losses, the data read, every rank's RNG state after each step and the final parameters, bit for bit."""
+    _, runs = exact
+    assert_bitwise_resume(runs[name], runs[f"{name}-resumed"], start=2)
+    if name == "dropout":  # the RNG really is drawn, and TP ranks draw the same masks for replicated activations
+        assert len(set(runs[name][0]["rng"])) == 4
+        by_coords = {r["coords"]: r for r in runs[name]}
+        for (pp, dp, tp), result in by_coords.items():
+            assert result["rng"] == by_coords[pp, dp, 0]["rng"], (pp, dp, tp)
+            for param, (tensor, dim, _) in result["params"].items():
+                if dim is None:  # replicated over TP: bitwise one value
+                    assert torch.equal(tensor, by_coords[pp, dp, 0]["params"][param][0]), param
 
 
 def test_exact_resume_one_process(tmp_path):
     straight = one_process(ONE, tmp_path, "straight")
     resumed = one_process(ONE, tmp_path, "resumed", resume_from="straight")
-    assert_bitwise_resume([straight], [resumed])
+    assert_bitwise_resume([straight], [resumed], start=4)
 
 
 @pytest.mark.parametrize("run", ["pp4vpp2-from-tp2pp2", "dp2tp2-from-tp2pp2"])
@@ -165,6 +207,43 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, capsys):
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000002", "step_00000003"]
 
 
+INTERRUPTED = ["model=tiny", "train.steps=3", "checkpoint.every=1", "parallel.dp=2", "schedule.n_microbatches=2",
+               "parallel.timeout_s=60"]
+
+
+def _dies_in_second_save_worker(rank: int, world_size: int, root: str) -> None:
+    """Rank 1 is killed inside the DCP write of the step-2 checkpoint; rank 0 is left in the collective."""
+    from checkpoint import distributed
+
+    if rank == 1:
+        real, calls = distributed.dcp.save, []
+
+        def dying(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+
+        distributed.dcp.save = dying
+    cfg = compose_run_config(INTERRUPTED, Path(root) / "cache")
+    run_training(cfg, ParallelGrid.build(2, 1, 1, backend="gloo", timeout_s=60), Path(root) / "run")
+
+
+def _resume_worker(rank: int, world_size: int, root: str, name: str, extra: list[str]) -> dict:
+    cfg = compose_run_config([*INTERRUPTED, *extra], Path(root) / "cache")
+    return run_training(cfg, ParallelGrid.build(2, 1, 1, backend="gloo", timeout_s=60), Path(root) / name)
+
+
+def test_a_save_interrupted_on_one_rank_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    with pytest.raises(RuntimeError, match=r"rank 0 failed|ranks exited without reporting"):
+        run_workers(_dies_in_second_save_worker, 2, str(tmp_path), timeout=120, fresh=True)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in complete_checkpoints(checkpoints)] == ["step_00000001"]
+    straight = run_workers(_resume_worker, 2, str(tmp_path), "straight", [], timeout=120)
+    resumed = run_workers(_resume_worker, 2, str(tmp_path), "run", ["checkpoint.resume=auto"], timeout=120)
+    assert_bitwise_resume(straight, resumed, start=1)  # steps 2 and 3 again, from step 1's checkpoint
+
+
 def test_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
     cfg = compose_run_config(["model=tiny", "train.steps=1", "schedule.n_microbatches=1", "checkpoint.resume=auto",
                               "checkpoint.keep_last=1", "checkpoint.save_final=false"], tmp_path / "cache")
@@ -177,6 +256,7 @@ LOAD_ELSEWHERE = """
 import importlib.util, sys, torch
 assert importlib.util.find_spec("minimind") is None and importlib.util.find_spec("checkpoint") is None
 from transformers import AutoModelForCausalLM
+
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 ids = torch.arange(3, 19).view(1, 16)
 with torch.no_grad():
@@ -222,6 +302,28 @@ def test_export_loads_without_the_repository(trained, tmp_path):
     fresh.load_state_dict(torch.load(tmp_path / "pth" / "pretrain_64.pth", weights_only=True), strict=True)
     with torch.no_grad():
         torch.testing.assert_close(fresh(input_ids=torch.arange(3, 19).view(1, 16)).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["moe", "untied"])
+def test_export_of_moe_and_untied_models_gives_the_trained_logits(exact, name, tmp_path):
+    """The exported folder (and .pth) of an MoE model and of an untied one hold exactly the trained weights."""
+    from checkpoint.export import export_checkpoint
+    from minimind import MiniMindForCausalLM
+
+    root, runs = exact
+    folder = export_checkpoint(root / name, tmp_path / "hf")
+    exported = MiniMindForCausalLM.from_pretrained(str(folder)).eval()
+    tied = exported.config.tie_word_embeddings
+    assert tied == (name != "untied") and exported.config.use_moe == (name == "moe")
+    trained_model = MiniMindForCausalLM(exported.config).eval()
+    dense = dense_params(runs[name], tied=tied)
+    trained_model.load_state_dict({**dense, **({"lm_head.weight": dense["model.embed_tokens.weight"]} if tied else {})})
+    ids = torch.arange(3, 35).view(2, 16)
+    with torch.no_grad():  # the same weights; a CPU kernel may round differently with another memory alignment
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained_model(input_ids=ids).logits, rtol=0,
+                                   atol=1e-5)
+    pth = export_checkpoint(root / name, tmp_path / "pth", fmt="pth")
+    assert set(torch.load(pth, weights_only=True)) == set(trained_model.state_dict())
 
 
 def test_train_py_saves_then_resumes_auto(tmp_path):

@@ -14,7 +14,7 @@ from tests.equivalence import compose_run_config
 from training.config import ConfigError, validate
 from training.trainer import Trainer
 
-BASE = ["model=tiny", "train.steps=1", "schedule.n_microbatches=1"]
+BASE = ["model=tiny", "train.steps=1", "schedule.n_microbatches=1", "checkpoint.save_final=true"]
 
 
 @pytest.fixture(scope="module")

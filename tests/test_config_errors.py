@@ -1,7 +1,8 @@
 """End to end through `python train.py`: a bad config exits 2 with one line before anything starts.
 
-A representative subset: the full catalogue runs in-process in tests/test_config_catalogue.py (each
-subprocess pays ~10 s of imports on 2 cores)."""
+Three representatives (a bad value, an unknown key added with `+`, an override Hydra itself refuses): the whole
+catalogue runs through the same pre-launch check in-process in tests/test_config_catalogue.py, since each
+`python train.py` pays seconds of imports on two cores."""
 
 import subprocess
 import sys
@@ -11,17 +12,9 @@ import pytest
 from tests.conftest import ROOT
 
 BAD_CONFIGS = [
-    (["model=nope"], "model=nope: no such preset"),
-    (["train.steps=many"], "train.steps"),
-    (["optim.lr=inf"], "optim.lr=inf must be a finite number > 0"),
-    (["parallel.vpp=2"], "parallel.vpp=2 needs a pipeline"),
     (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
-    (["train.steps=${nope}"], "train.steps: cannot resolve its interpolation"),
-    (["checkpoint.resume=no/such/dir"], "checkpoint.resume=no/such/dir does not exist"),
-    (["train.global_batch_size=20"], "train.global_batch_size=20 is not a multiple of dp 1 x train.micro_batch_size 8"),
     (["+train.eval_evry=10"], "train.eval_evry: unknown config key; did you mean train.eval_every?"),
-    (["train.stpes=5"], "train.stpes: unknown config key; did you mean train.steps?"),
-    (["+foo=1"], "foo: unknown config key; did you mean "),
+    (["model=nope"], "model=nope: no such preset"),
 ]
 
 

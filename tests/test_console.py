@@ -12,8 +12,7 @@ from tests.conftest import ROOT
 from training.console import RunSummary, check_run_dir, format_summary
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
-        "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.tp=2",
-        "parallel.pp=2"]
+        "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.pp=2"]
 
 
 def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):
@@ -35,12 +34,12 @@ def test_summary_lines():
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_torchrun_tp2_pp2_console_then_a_second_fresh_run_is_refused(tmp_path):
+def test_torchrun_pp2_console_then_a_second_fresh_run_is_refused(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     run_dir = tmp_path / "run"
     common = [*TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"]
     # One pipe for stdout and stderr, unbuffered: what a terminal would show, in order.
-    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "4", "train.py", *common], cwd=ROOT,
+    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", *common], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = result.stdout

@@ -95,10 +95,12 @@ def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeyp
     from omegaconf import OmegaConf
 
     from training import launch
-    from tests.spawn import free_port
+    from tests.spawn import rendezvous_store
 
+    store = rendezvous_store(60)  # held here: the process group joins it as a client, no port is re-bound
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
 
@@ -108,7 +110,7 @@ def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeyp
 
     monkeypatch.setattr(ParallelGrid, "build", build)
     cfg = OmegaConf.create({"parallel": {"dp": None, "tp": 1, "pp": 1, "emulate": False, "backend": "gloo",
-                                         "timeout_s": 10, "plan": None}})
+                                         "timeout_s": 10, "startup_timeout_s": 10, "plan": None}})
     with pytest.raises(RuntimeError, match="mesh failed"):
         launch.run_worker(OmegaConf.to_container(cfg), "unused")
     assert not dist.is_initialized()

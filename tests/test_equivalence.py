@@ -6,6 +6,7 @@ of its (dp, tp) coordinate: the same stages, lists and runtime loop over in-proc
 world > 1 share one spawn per world size. Real P2P pipelines are covered by the distributed layouts above them.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -13,11 +14,15 @@ import torch
 
 from parallel.pipeline.plan import plan_pipeline
 from parallel.pipeline.tables import dump_builtin
-from tests.equivalence import (FP32, Tolerances, assert_equivalent, baseline, compose_run_config, layout_worker,
-                               layouts_worker, run_training)
+from tests.equivalence import (FP32, Tolerances, assert_equivalent, baseline, compose_run_config, distance,
+                               layout_worker, layouts_worker, run_training)
 from tests.spawn import run_workers
 from training.config import model_config
 from training.specs import pipeline_spec
+
+# The module's shared runs are set up inside its first test: under load that can take minutes, so the
+# per-test bound is the whole module's, not pytest.ini's 600 s for one test.
+pytestmark = pytest.mark.timeout(1800)
 
 STEPS = ["train.steps=3", "schedule.n_microbatches=4"]
 EMU = "parallel.emulate=true"
@@ -62,7 +67,7 @@ LAYOUTS = [Layout(*case) for case in [
     ("dp2", TINY, ["parallel.dp=2"], 2, 2),
     ("tp2-pp2-1f1b", TINY, ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b"], 4, 1),
     ("dp2-pp2-gpipe", TINY, ["parallel.dp=2", "parallel.pp=2", "schedule=gpipe"], 4, 2),
-    ("dp2-tp2-pp2-1f1b", TINY, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"], 8, 2),
+
     ("uneven-5-layers-pp2", ["model=tiny", "model.num_hidden_layers=5"], ["parallel.pp=2"], 2, 1),
     ("explicit-1-3-1", ["model=tiny", "model.num_hidden_layers=5"],
      ["parallel.pp=3", "parallel.layers_per_stage=[1,3,1]"], 3, 1),
@@ -88,10 +93,14 @@ LAYOUTS = [Layout(*case) for case in [
     ("dp2-pp2-zbv-emu", TINY, ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU], 2, 2),
     ("bf16-dp2-pp2-emu", BF16, ["parallel.dp=2", "parallel.pp=2", EMU], 2, 2),
     ("bf16-tp2-pp2-emu", BF16, ["parallel.tp=2", "parallel.pp=2", EMU], 2, 1, BF16_TP_TOL),
+    ("dp2-tp2-pp2-1f1b-emu", TINY, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
     ("moe-top1-dp2-tp2-pp2-emu", MOE, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
     ("moe-top2-dp2-tp2-pp2-emu", [*MOE, "model.num_experts_per_tok=2"],
      ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
     ("untied-dp2-tp2-pp2-emu", UNTIED, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", EMU], 4, 2),
+    # Validation through the pipeline under DP: the held-out loss at steps 2 and 3 equals one process's.
+    ("validation-dp2-pp2-emu", ["model=tiny", "data.val_fraction=0.1", "train.eval_every=2", "train.eval_batches=2"],
+     ["parallel.dp=2", "parallel.pp=2", EMU], 2, 2),
 ]]
 
 
@@ -154,6 +163,12 @@ def test_layout_equals_single_process(workspace, case):
     reference = reference_run(workspace, case)
     results = layout_results(workspace, case)
     assert_equivalent(results, reference, case.tol)
+    if "train.dtype=bf16" in case.run:  # the tolerances alone would pass an fp32 layout: it must be nearer bf16
+        fp32 = reference_run(workspace, dataclasses.replace(case, run=[*case.run, "train.dtype=fp32"]))
+        assert distance(results, reference) < distance(results, fp32), (distance(results, reference),
+                                                                         distance(results, fp32))
+    if any(a.startswith("train.eval_every") for a in case.run):
+        assert {m["step"] for m in results[0]["metrics"] if "val_loss" in m} == {2, 3}
     cfg = compose_run_config(overrides(workspace, case), workspace["root"] / "cache")
     config = model_config(cfg)  # resolved: a field the preset leaves null is the family default
     if cfg.parallel.pp == 1 or not config.tie_word_embeddings:

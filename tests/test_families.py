@@ -17,6 +17,10 @@ from tests.spawn import run_workers
 from tests.test_equivalence import assert_tied_copies_bitwise_equal
 from training.specs import pipeline_spec
 
+# The module's shared runs are set up inside its first test: under load that can take minutes, so the
+# per-test bound is the whole module's, not pytest.ini's 600 s for one test.
+pytestmark = pytest.mark.timeout(1800)
+
 STEPS = ["train.steps=3", "schedule.n_microbatches=4", "checkpoint.save_final=false"]
 EMU = "parallel.emulate=true"
 FAMILIES = {"llama": ["model=llama-tiny"], "qwen3": ["model=qwen3-tiny"], "qwen3-moe": ["model=qwen3-moe-tiny"]}

@@ -15,6 +15,10 @@ from tests.equivalence import compose_run_config, dense_params, layouts_worker
 from tests.spawn import run_workers
 from training.data import build_data
 
+# The module's shared runs are set up inside its first test: under load that can take minutes, so the
+# per-test bound is the whole module's, not pytest.ini's 600 s for one test.
+pytestmark = pytest.mark.timeout(1800)
+
 PRESETS = {"qwen3": "qwen3-tiny", "qwen3-moe": "qwen3-moe-tiny"}  # tied (stored once); packed experts under TP
 LAYOUT = ["parallel.pp=2", "parallel.tp=2", "schedule=1f1b", "schedule.n_microbatches=4", "train.steps=4",
           "checkpoint.every=2"]
@@ -101,5 +105,6 @@ def test_exported_folder_loads_without_custom_code_and_gives_the_trained_logits(
     weights = dense_params(trained["results"][family], tied=exported.config.tie_word_embeddings)
     trained_model.load_state_dict(weights, strict=not exported.config.tie_word_embeddings)
     ids = torch.randint(0, exported.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert torch.equal(exported(input_ids=ids).logits, trained_model(input_ids=ids).logits)
+    with torch.no_grad():  # the same weights; a CPU kernel may round differently with another memory alignment
+        torch.testing.assert_close(exported(input_ids=ids).logits, trained_model(input_ids=ids).logits, rtol=0,
+                                   atol=1e-5)

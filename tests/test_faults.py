@@ -81,16 +81,16 @@ def test_a_timeout_seen_by_the_main_thread_and_the_watchdog_at_once_is_reported_
     """The rendezvous store times out in the main thread just as the watchdog's clock runs out (seen in CI)."""
     import threading
 
-    from training.watchdog import report_hang
+    from training.watchdog import Limits, report_hang
 
     watch = Watch(0)
     watch.run_dir = tmp_path
-    watch.enter("start-up: joining the process group", [1])
+    watch.enter("start-up: joining the process group", [1], startup=True)
     barrier = threading.Barrier(8)
 
     def reporter():
         barrier.wait()
-        report_hang(watch, 10, announce=True)
+        report_hang(watch, Limits(10, 10), announce=True)
 
     threads = [threading.Thread(target=reporter) for _ in range(8)]
     for thread in threads:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.spawn import free_port
+from tests.spawn import rendezvous_store
 
 # No warm-up and a real learning rate: the runs compared below must move (the default warm-up keeps lr ~1e-5).
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
@@ -17,9 +17,9 @@ TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.
         "optim.lr=1e-3"]
 
 
-def run(cmd: list[str], run_dir, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], run_dir, tmp_path, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
     result = subprocess.run([*cmd, *TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+                            cwd=cwd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     return result
 
 
@@ -28,16 +28,16 @@ def losses(run_dir) -> list[float]:
 
 
 def test_self_launch_tp2_pp2_equals_single_process(tmp_path):
-    single = run([sys.executable, "train.py", "train.steps=5"], tmp_path / "single", tmp_path)
+    single = run([sys.executable, "train.py", "train.steps=3"], tmp_path / "single", tmp_path)
     assert single.returncode == 0, single.stderr[-2000:]
-    layout = run([sys.executable, "train.py", "train.steps=5", "parallel.tp=2", "parallel.pp=2"],
+    layout = run([sys.executable, "train.py", "train.steps=3", "parallel.tp=2", "parallel.pp=2"],
                  tmp_path / "layout", tmp_path)
     assert layout.returncode == 0, layout.stderr[-2000:]
     expected, got = losses(tmp_path / "single"), losses(tmp_path / "layout")
-    assert len(got) == 5  # one record per step: only rank 0 writes metrics
+    assert len(got) == 3  # one record per step: only rank 0 writes metrics
     assert got == pytest.approx(expected, rel=1e-5)
     log_lines = (tmp_path / "layout" / "train.log").read_text()
-    assert log_lines.count("step 5 loss") == 1  # only rank 0 logs
+    assert log_lines.count("step 3 loss") == 1  # only rank 0 logs
     assert "launching 4 local workers" in log_lines
     assert sorted(p.name for p in (tmp_path / "layout").iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "train.log"]
 
@@ -45,11 +45,13 @@ def test_self_launch_tp2_pp2_equals_single_process(tmp_path):
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
 def test_torchrun_ranks_share_rank_zeros_run_directory(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    result = run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", "train.steps=2", "parallel.pp=2"],
-                 tmp_path / "run", tmp_path)
+    cwd = tmp_path / "cwd"  # a working directory of its own: whatever the repository holds cannot matter
+    cwd.mkdir()
+    result = run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), "train.steps=2",
+                  "parallel.pp=2"], tmp_path / "run", tmp_path, cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(losses(tmp_path / "run")) == 2
-    assert not (ROOT / ".hydra").exists()  # rank 1 wrote no Hydra files of its own
+    assert not list(cwd.iterdir())  # rank 1 wrote no Hydra files of its own (`.hydra/` in its working directory)
 
 
 def test_world_size_mismatch_is_refused_before_training(tmp_path):
@@ -80,8 +82,9 @@ def test_slurm_script_launches_torchrun_per_node(tmp_path):
         (bin_dir / tool).chmod(0o755)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1", "SLURM_NNODES": "1",
            "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "2",
-           "PYTHON_BIN": os.path.dirname(sys.executable), "RUN_DIR": str(tmp_path / "run"),
-           "RDZV_PORT": str(free_port())}
+           "PYTHON_BIN": os.path.dirname(sys.executable), "RUN_DIR": str(tmp_path / "run")}
+    store = rendezvous_store(300)  # held here: torchrun's rendezvous joins it as a client, no port is re-bound
+    env["RDZV_PORT"] = str(store.port)
     result = subprocess.run(["bash", "scripts/slurm/train.sbatch", "parallel.pp=2", *TINY, "train.steps=2",
                              f"data.cache_dir={tmp_path}/cache"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300, env={**os.environ, **env})

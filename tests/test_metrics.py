@@ -81,7 +81,7 @@ def _peaks(rank: int, world_size: int) -> dict:
 
 
 def test_peak_memory_is_gathered_with_the_rank_that_holds_it():
-    records = run_workers(_peaks, 2, timeout=120)
+    records = run_workers(_peaks, 2, timeout=120, fresh=True)  # its own process group and peak memory
     assert records[0] == records[1]  # every rank gets the same answer
     assert records[0]["peak_mem_rank"] == 1 and records[0]["peak_mem_bytes"] >= 384 * 2**20
 
@@ -107,12 +107,11 @@ def test_mfu_appears_when_a_peak_is_set(tmp_path):
 def test_a_pp2_run_logs_tflops_and_peak_memory_to_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from tests.equivalence import layout_worker
+
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "train.py", "model=tiny", "train.seq_len=32", "train.micro_batch_size=2",
-                             "schedule.n_microbatches=2", "data.num_docs=300", "train.log_every=1", "train.steps=2",
-                             "parallel.pp=2", f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    overrides = ["model=tiny", "schedule.n_microbatches=2", "train.steps=2", "parallel.pp=2", "logger=tensorboard"]
+    run_workers(layout_worker, 2, overrides, str(tmp_path / "cache"), str(run_dir), timeout=300)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for record in records:

@@ -43,6 +43,51 @@ def test_moe_golden_eval_and_train(golden_moe):
         torch.testing.assert_close(params[name].grad, grad, atol=ATOL, rtol=0, msg=name)
 
 
+def per_token_moe(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMind's routed MLP as the reference describes it, one token at a time (written here, independent of
+    minimind.model): softmax router, top-k experts, renormalised weights, SwiGLU experts; in training mode the
+    aux loss sum(load * mean(scores)) * num_experts * coef."""
+    tokens = x.reshape(-1, x.shape[-1])
+    gate = block.gate.weight
+    rows, all_scores, chosen_all = [], [], []
+    for token in tokens:
+        scores = torch.softmax(gate @ token, dim=-1)
+        top = torch.topk(scores, block.top_k).indices
+        weights = scores[top] / scores[top].sum() if block.norm_topk_prob else scores[top]
+        out = torch.zeros_like(token)
+        for weight, e in zip(weights, top.tolist()):
+            expert = block.experts[e]
+            hidden = torch.nn.functional.silu(expert.gate_proj.weight @ token) * (expert.up_proj.weight @ token)
+            out = out + weight * (expert.down_proj.weight @ hidden)
+        rows.append(out)
+        all_scores.append(scores)
+        chosen_all.append(top)
+    scores, chosen = torch.stack(all_scores), torch.stack(chosen_all)
+    experts = scores.shape[-1]
+    load = torch.zeros(experts)
+    for e in chosen.flatten().tolist():
+        load[e] += 1.0 / chosen.numel()
+    aux = (load * scores.mean(0)).sum() * experts * block.aux_loss_coef if block.training else x.new_zeros(())
+    return torch.stack(rows).view_as(x), aux
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_moe_golden_file_agrees_with_a_per_token_loop_over_the_experts(golden_moe, train, monkeypatch):
+    """The MoE fixture checked against something independent: its logits (eval) and aux loss (training) with every
+    MoE block replaced by the per-token loop above."""
+    from minimind.model import MoEFeedForward
+
+    monkeypatch.setattr(MoEFeedForward, "forward", per_token_moe)
+    model = golden_model(golden_moe, train=train)
+    with torch.no_grad():
+        out = model(golden_moe["input_ids"], labels=golden_moe["input_ids"])
+    if train:
+        torch.testing.assert_close(out["aux_loss"], golden_moe["train_aux_loss"], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.loss, golden_moe["train_loss"], atol=ATOL, rtol=0)
+    else:
+        torch.testing.assert_close(out.logits, golden_moe["eval_logits"], atol=ATOL, rtol=0)
+
+
 def test_state_dict_keys_are_exactly_the_reference(golden_dense, golden_moe):
     for golden in (golden_dense, golden_moe):
         model = golden_model(golden)

@@ -161,12 +161,13 @@ def test_write_trace_writes_the_chrome_trace_and_the_picture(tmp_path):
     assert is_png(tmp_path / "run" / "trace_step3.png")
 
 
-def test_plan_memory_follows_train_recompute(tmp_path):
+def test_plan_memory_follows_train_recompute(tmp_path, capsys):
+    plan = load_plan_module()
+
     def memory(*extra: str) -> list[int]:
-        out = subprocess.run([sys.executable, "scripts/plan.py", "model=tiny", "parallel.pp=2", "train.seq_len=256",
-                              *extra, f"--out={tmp_path}/p.png"], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        return [int(n.replace(",", "")) for n in re.findall(r"peak activation memory ([\d,]+) bytes", out.stdout)]
+        assert plan.main(["model=tiny", "parallel.pp=2", "train.seq_len=256", *extra, f"--out={tmp_path}/p.png"]) == 0
+        return [int(n.replace(",", "")) for n in re.findall(r"peak activation memory ([\d,]+) bytes",
+                                                             capsys.readouterr().out)]
 
     none, full, selective = memory(), memory("train.recompute=full"), memory("train.recompute=selective")
     assert all(f <= 0.5 * n and f < s < n for n, f, s in zip(none, full, selective)), (none, full, selective)

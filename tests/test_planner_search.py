@@ -121,16 +121,24 @@ def test_applying_a_candidate_equals_composing_its_overrides():
     assert OmegaConf.to_container(apply_candidate(cfg, c), resolve=True) == expected
 
 
-def plan_script(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/plan.py", "--search", *TINY, f"data.cache_dir={tmp_path}/cache", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def plan_script(*args: str, tmp_path, capsys) -> tuple[int, str, str]:
+    """`scripts/plan.py --search` run in this process: exit code, stdout, stderr."""
+    from tests.test_plan import load_plan_module
+
+    try:
+        code = load_plan_module().main(["--search", *TINY, f"data.cache_dir={tmp_path}/cache", *args])
+    except SystemExit as leave:
+        code = leave.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path):
+def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path, capsys):
     out = tmp_path / "best.png"
-    proc = plan_script("world_size=2", "parallel.memory_budget_gb=8", f"--out={out}", tmp_path=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    code, stdout, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=8", f"--out={out}",
+                                       tmp_path=tmp_path, capsys=capsys)
+    assert code == 0, stderr
+    lines = stdout.splitlines()
     assert lines[0] == "search: 2 ranks, global batch 6 sequences of 32 tokens, memory budget 8 GiB per rank"
     assert lines[1].split() == ["rank", "candidate", "step", "s", "peak/rank", "fits"]
     assert lines[2].split()[0] == "1" and lines[2].split()[-1] == "yes"
@@ -140,11 +148,11 @@ def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path):
     assert f"timeline: {out}" in lines and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(tmp_path):
-    proc = plan_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=tmp_path)
-    assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith("sluice: config error: no layout of 2 ranks fits parallel.memory_budget_gb=1e-06: "
+def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(tmp_path, capsys):
+    code, _, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=tmp_path, capsys=capsys)
+    assert code == 2
+    assert len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith("sluice: config error: no layout of 2 ranks fits parallel.memory_budget_gb=1e-06: "
                                   "the smallest predicted peak is ")
 
 

@@ -24,8 +24,10 @@ def train(args: list[str], tmp_path: Path, run_dir: Path) -> subprocess.Complete
 
 
 def sluice_lines(stderr: str) -> list[str]:
+    """The `sluice:` lines as a terminal shows them (a progress bar's carriage returns start a line over)."""
     assert "Traceback" not in stderr, stderr[-3000:]
-    return [line for line in stderr.splitlines() if line.startswith("sluice:")]
+    screen = [segment.strip(" ") for line in stderr.split("\n") for segment in line.split("\r")]
+    return [line for line in screen if line.startswith("sluice:")]
 
 
 def pids_where(field: int, value: int) -> list[int]:
@@ -75,8 +77,9 @@ def test_injected_crash_is_one_line_without_traceback(tmp_path):
 ], ids=["pipeline", "data-parallel", "start-up"])
 def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, layout, fault, waiting):
     run_dir = tmp_path / "run"
-    result = train(["train.steps=3", layout, f"parallel.timeout_s={TIMEOUT_S}", f"debug.fault='{fault}'"],
-                   tmp_path, run_dir)
+    # Start-up gets its own bound: a busy machine may take long to import, which must not count as a stall after it.
+    bound = "parallel.startup_timeout_s" if "start-up" in waiting else "parallel.timeout_s"
+    result = train(["train.steps=3", layout, f"{bound}={TIMEOUT_S}", f"debug.fault='{fault}'"], tmp_path, run_dir)
     assert result.returncode == 1
     lines = sluice_lines(result.stderr)
     assert lines[0].startswith(f"sluice: rank 0: no progress for") and waiting in lines[0]
@@ -101,15 +104,15 @@ def start_long_run(cmd: list[str], run_dir: Path) -> subprocess.Popen:
     return proc
 
 
-def test_ctrl_c_stops_a_four_worker_run_with_one_line_and_exit_130(tmp_path):
-    proc = start_long_run([sys.executable, "train.py", "parallel.tp=2", "parallel.pp=2"], tmp_path / "run")
+def test_ctrl_c_stops_a_two_worker_run_with_one_line_and_exit_130(tmp_path):
+    proc = start_long_run([sys.executable, "train.py", "parallel.pp=2"], tmp_path / "run")
     try:
-        assert len(pids_where(3, proc.pid)) >= 4  # the four workers are the launcher's children
+        assert len(pids_where(3, proc.pid)) >= 2  # the two workers are the launcher's children
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 130
         assert sluice_lines(stderr) == ["sluice: interrupted; every worker was stopped"]
-        wait_until(lambda: not pids_where(4, proc.pid), 10, "no process of the run's group left")
+        wait_until(lambda: not pids_where(4, proc.pid), 30, "no process of the run's group left")
     finally:
         if proc.poll() is None or pids_where(4, proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -126,7 +129,7 @@ def test_workers_exit_when_their_launcher_is_killed(tmp_path, launcher):
         proc.kill()  # SIGKILL: the launcher cannot stop anybody
         proc.communicate(timeout=30)
         wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and pid in pids_where(4, proc.pid)
-                                   for pid in workers), 15, "every worker to exit after its launcher died")
+                                   for pid in workers), 30, "every worker to exit after its launcher died")
     finally:
         if pids_where(4, proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -60,9 +60,11 @@ def _message(kind: Kind, microbatch: int, stage: int, peer: int, tensor: torch.T
 
 
 def _transport(rank: int, timeout_s: float) -> ShmTransport:
+    """A connected pair; connecting gets 60 s whatever the wait under test is bounded by (a busy machine)."""
     ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
-    transport = shm_transport.shm_transport(rank, BOUNDARY, timeout_s, {1 - rank: 2}, required=True)
+    transport = shm_transport.shm_transport(rank, BOUNDARY, 60, {1 - rank: 2}, required=True)
     assert transport is not None
+    transport.timeout_s = timeout_s  # the wait under test
     return transport
 
 
@@ -111,13 +113,14 @@ def test_a_message_that_never_comes_times_out_naming_the_transfer():
 def _hosts_worker(rank: int, world_size: int) -> tuple[str | None, bool]:
     """Ranks that report different hosts: auto falls back (None), shm refuses naming them."""
     ParallelGrid.build(1, 1, 2, backend="gloo", timeout_s=60)
-    shm_transport.socket.gethostname = lambda: f"node{rank}"
-    shm_transport._machine = lambda: (f"boot-id-of-node{rank}", 4026531840)
-    fallback = shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=False)
-    try:
-        shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=True)
-    except ValueError as error:
-        return str(error), fallback is None
+    with pytest.MonkeyPatch.context() as mp:  # the pooled process serves later tests: put the host back after
+        mp.setattr(shm_transport.socket, "gethostname", lambda: f"node{rank}")
+        mp.setattr(shm_transport, "_machine", lambda: (f"boot-id-of-node{rank}", 4026531840))
+        fallback = shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=False)
+        try:
+            shm_transport.shm_transport(rank, BOUNDARY, 5, {1 - rank: 1}, required=True)
+        except ValueError as error:
+            return str(error), fallback is None
     return None, fallback is None
 
 
