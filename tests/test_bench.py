@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from common import ActivationMeter  # noqa: E402
 
-SLEEP = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
-REAL = ("gpipe", "1f1b", "interleaved-1f1b")
+SLEEP = ("1f1b", "zbv")  # the smoke runs a loop schedule and a V one (make bench runs all five)
+REAL = ("1f1b", "interleaved-1f1b")
 
 
 @pytest.mark.timeout(900)

@@ -34,16 +34,20 @@ def test_summary_lines():
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_torchrun_pp2_console_then_a_second_fresh_run_is_refused(tmp_path):
+def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refused(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     run_dir = tmp_path / "run"
     common = [*TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"]
+    cwd = tmp_path / "cwd"  # a working directory of its own: whatever the repository holds cannot matter
+    cwd.mkdir()
     # One pipe for stdout and stderr, unbuffered: what a terminal would show, in order.
-    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py", *common], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
+    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), *common],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = result.stdout
     assert result.returncode == 0, out[-3000:]
+    assert not list(cwd.iterdir())  # rank 1 wrote no Hydra files of its own: rank 0's directory is the run's
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
     assert out.count("train:   0%") == 1  # one training bar, drawn by rank 0
     assert out.count("tokenizing:   0%") <= 1  # the data bar too, when the corpus is tokenised
     screen = [segment for line in out.split("\n") for segment in line.split("\r")]

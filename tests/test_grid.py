@@ -85,7 +85,9 @@ def _hanging_worker(rank: int, world_size: int) -> int:
 
 def test_run_workers_returns_by_rank_and_surfaces_errors_and_hangs():
     assert run_workers(_ok_worker, 2) == [(0, 2), (1, 2)]
+    # Fresh processes for the failing jobs: a failure discards the pool it ran on, and the session's serves others.
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed:.*KeyError: 'boom from rank 1'"):
-        run_workers(_failing_worker, 2)
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 5s"):
-        run_workers(_hanging_worker, 2, timeout=5)
+        run_workers(_failing_worker, 2, fresh=True)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 3s"):
+        run_workers(_hanging_worker, 2, timeout=3, fresh=True)
+    assert run_workers(_ok_worker, 2) == [(0, 2), (1, 2)]  # the session's pool still serves

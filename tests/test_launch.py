@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -27,31 +26,28 @@ def losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def single_process_losses(tmp_path, *extra: str) -> list[float]:
+    """The same run in this process, one rank (the reference the launched layouts must equal)."""
+    import torch
+
+    from parallel.grid import ParallelGrid
+    from tests.equivalence import compose_run_config, run_training
+
+    cfg = compose_run_config([*TINY, *extra], tmp_path / "cache")
+    return run_training(cfg, ParallelGrid.single(torch.device("cpu")), tmp_path / "single")["losses"]
+
+
 def test_self_launch_tp2_pp2_equals_single_process(tmp_path):
-    single = run([sys.executable, "train.py", "train.steps=3"], tmp_path / "single", tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
     layout = run([sys.executable, "train.py", "train.steps=3", "parallel.tp=2", "parallel.pp=2"],
                  tmp_path / "layout", tmp_path)
     assert layout.returncode == 0, layout.stderr[-2000:]
-    expected, got = losses(tmp_path / "single"), losses(tmp_path / "layout")
+    expected, got = single_process_losses(tmp_path, "train.steps=3"), losses(tmp_path / "layout")
     assert len(got) == 3  # one record per step: only rank 0 writes metrics
     assert got == pytest.approx(expected, rel=1e-5)
     log_lines = (tmp_path / "layout" / "train.log").read_text()
     assert log_lines.count("step 3 loss") == 1  # only rank 0 logs
     assert "launching 4 local workers" in log_lines
     assert sorted(p.name for p in (tmp_path / "layout").iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "train.log"]
-
-
-@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_torchrun_ranks_share_rank_zeros_run_directory(tmp_path):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cwd = tmp_path / "cwd"  # a working directory of its own: whatever the repository holds cannot matter
-    cwd.mkdir()
-    result = run([torchrun, "--standalone", "--nproc-per-node", "2", str(ROOT / "train.py"), "train.steps=2",
-                  "parallel.pp=2"], tmp_path / "run", tmp_path, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert len(losses(tmp_path / "run")) == 2
-    assert not list(cwd.iterdir())  # rank 1 wrote no Hydra files of its own (`.hydra/` in its working directory)
 
 
 def test_world_size_mismatch_is_refused_before_training(tmp_path):
@@ -97,6 +93,4 @@ def test_emulated_pipeline_runs_in_one_process_from_the_command_line(tmp_path):
                    tmp_path / "emulated", tmp_path)
     assert emulated.returncode == 0, emulated.stderr[-2000:]
     assert "launching" not in (tmp_path / "emulated" / "train.log").read_text()  # no workers were started
-    single = run([sys.executable, "train.py", "train.steps=2"], tmp_path / "single", tmp_path)
-    assert single.returncode == 0, single.stderr[-2000:]
-    assert losses(tmp_path / "emulated") == pytest.approx(losses(tmp_path / "single"), rel=1e-5)
+    assert losses(tmp_path / "emulated") == pytest.approx(single_process_losses(tmp_path, "train.steps=2"), rel=1e-5)

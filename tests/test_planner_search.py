@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 import sys
 from dataclasses import replace
 
@@ -121,22 +122,28 @@ def test_applying_a_candidate_equals_composing_its_overrides():
     assert OmegaConf.to_container(apply_candidate(cfg, c), resolve=True) == expected
 
 
+@pytest.fixture(scope="module")
+def costs_cache(tmp_path_factory) -> Path:
+    """One data and cost cache for the module: the layouts' costs are measured once, then read."""
+    return tmp_path_factory.mktemp("planner-cache")
+
+
 def plan_script(*args: str, tmp_path, capsys) -> tuple[int, str, str]:
     """`scripts/plan.py --search` run in this process: exit code, stdout, stderr."""
     from tests.test_plan import load_plan_module
 
     try:
-        code = load_plan_module().main(["--search", *TINY, f"data.cache_dir={tmp_path}/cache", *args])
+        code = load_plan_module().main(["--search", *TINY, f"data.cache_dir={tmp_path}", *args])
     except SystemExit as leave:
         code = leave.code
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
-def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path, capsys):
+def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path, costs_cache, capsys):
     out = tmp_path / "best.png"
     code, stdout, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=8", f"--out={out}",
-                                       tmp_path=tmp_path, capsys=capsys)
+                                       tmp_path=costs_cache, capsys=capsys)
     assert code == 0, stderr
     lines = stdout.splitlines()
     assert lines[0] == "search: 2 ranks, global batch 6 sequences of 32 tokens, memory budget 8 GiB per rank"
@@ -148,8 +155,9 @@ def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path, capsys):
     assert f"timeline: {out}" in lines and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(tmp_path, capsys):
-    code, _, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=tmp_path, capsys=capsys)
+def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(costs_cache, capsys):
+    code, _, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=costs_cache,
+                                  capsys=capsys)
     assert code == 2
     assert len(stderr.strip().splitlines()) == 1
     assert stderr.startswith("sluice: config error: no layout of 2 ranks fits parallel.memory_budget_gb=1e-06: "
@@ -162,10 +170,10 @@ RUN = ["train.steps=2", "data.num_docs=300", "logger=none", "train.dtype=fp32", 
        "optim.warmup_steps=0", "parallel.plan=auto", "parallel.memory_budget_gb=8"]
 
 
-def train(launcher: list[str], tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+def train(launcher: list[str], tmp_path, cache: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     """Run train.py with plan=auto; the process result and the layout its final checkpoint recorded."""
     run_dir = tmp_path / "run"
-    cmd = [*launcher, "train.py", *TINY, *RUN, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}", *extra]
+    cmd = [*launcher, "train.py", *TINY, *RUN, f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     meta = json.loads(next((run_dir / "checkpoints").glob("step_*/meta.json")).read_text())
@@ -182,16 +190,16 @@ def chosen_layout(stdout: str) -> dict:
     return {k: pairs[v] if k == "schedule" else int(pairs[v]) for k, v in keys.items()}
 
 
-def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(tmp_path):
-    proc, layout = train([sys.executable], tmp_path, "parallel.dp=2")
+def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(tmp_path, costs_cache):
+    proc, layout = train([sys.executable], tmp_path, costs_cache, "parallel.dp=2")
     assert layout == chosen_layout(proc.stdout)
     assert layout["dp"] * layout["tp"] * layout["pp"] == 2
     assert layout["dp"] * layout["n_microbatches"] * layout["micro_batch_size"] == 12  # as written: dp=2 x 3 x 2
 
 
-def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path):
+def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, costs_cache):
     cmd = [sys.executable, "train.py", *TINY, *RUN[:-1], "parallel.memory_budget_gb=1e-6",
-           f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path}/run"]
+           f"data.cache_dir={costs_cache}", f"hydra.run.dir={tmp_path}/run"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
@@ -201,9 +209,9 @@ def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(tmp_path):
+def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(tmp_path, costs_cache):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc, layout = train([torchrun, "--standalone", "--nproc-per-node", "2"], tmp_path)
+    proc, layout = train([torchrun, "--standalone", "--nproc-per-node", "2"], tmp_path, costs_cache)
     assert proc.stdout.count("sluice: parallel.plan=auto chose ") == 1  # rank 0 chose, once
     assert layout == chosen_layout(proc.stdout)
 

@@ -163,20 +163,21 @@ def summarise(by_m: dict) -> dict:
 
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny run to check the script works (m=4, 1 round)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny run to check the script works (m=4, 1 round, 1f1b and zbv unless --schedules)")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
-    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "timelines")
     args = parser.parse_args(argv)
-    if args.smoke:
-        setup = Setup((4,), 0.004, 1, 1, str(args.png_dir), tuple(args.schedules))
+    if args.smoke:  # a loop schedule and a V one: every code path of the script, in a fraction of the time
+        setup = Setup((4,), 0.004, 1, 1, str(args.png_dir), tuple(args.schedules or ("1f1b", "zbv")))
     else:
         setup = Setup(tuple(args.microbatches), args.f_ms / 1000, args.warmup, args.rounds, str(args.png_dir),
-                      tuple(args.schedules))
+                      tuple(args.schedules or SCHEDULES))
     section = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
     pngs = sorted(args.png_dir.glob(f"sleep_*_m{min(setup.microbatches)}.png"))
     timelines = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in pngs]

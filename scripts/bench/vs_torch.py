@@ -146,17 +146,19 @@ def summarise(by_name: dict) -> tuple[dict, dict]:
 
 def main(argv: list[str]) -> tuple[dict, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round: checks the script works")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model, 1 round, 1f1b and interleaved unless --schedules: checks the script works")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES))
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
-        setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules))
+        setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules or ("1f1b", "interleaved-1f1b")))
     else:
-        setup = Setup(8, 256, 128, args.micro_batch_size, 8, args.warmup, args.rounds, tuple(args.schedules))
+        setup = Setup(8, 256, 128, args.micro_batch_size, 8, args.warmup, args.rounds,
+                      tuple(args.schedules or SCHEDULES))
     real, memory = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
     update_results("real", {**real, "setup": asdict(setup)}, args.results)
     update_results("memory", memory, args.results)
