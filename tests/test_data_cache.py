@@ -172,10 +172,11 @@ def _build_counting(rank: int, world_size: int, cache: str, marks: str) -> list[
             return fn(*args, **kwargs)
         return wrapper
 
-    tokenizer.train_bpe_tokenizer = counted("train", tokenizer.train_bpe_tokenizer)
-    build.write_cache = counted("cache", build.write_cache)
-    stream, _ = build.build_data(make_cfg(data_section(**SMALL, cache_dir=cache)), rank, world_size)
-    return first_column(next(stream))
+    with pytest.MonkeyPatch.context() as mp:  # a pooled worker runs other tests next: undo the patches
+        mp.setattr(tokenizer, "train_bpe_tokenizer", counted("train", tokenizer.train_bpe_tokenizer))
+        mp.setattr(build, "write_cache", counted("cache", build.write_cache))
+        stream, _ = build.build_data(make_cfg(data_section(**SMALL, cache_dir=cache)), rank, world_size)
+        return first_column(next(stream))
 
 
 def test_one_process_trains_and_tokenises_the_others_wait(tmp_path):

@@ -36,12 +36,13 @@ def _untouched_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def _moe_dp_worker(rank: int, world_size: int) -> dict:
     """dp2, pp1: replica 1 feeds one repeated token, so top-1 routing sends every position to one expert and
     the other experts get no gradient there, while replica 0 (random tokens) gives every expert one."""
-    MoEFeedForward.forward = _untouched_experts
-    grid = ParallelGrid.build(None, 1, 1, backend="gloo", timeout_s=60)
-    spec = dataclasses.replace(layout_cfg("1f1b", 1, 2), emulate=False)
-    engine = ParallelEngine(spec, tiny(moe=True), grid)
-    engine.step(replica_batches(rank))
-    return {name: p.grad for name, p in engine.named_parameters().items()}
+    with pytest.MonkeyPatch.context() as mp:  # a pooled worker runs other tests next: undo the patch
+        mp.setattr(MoEFeedForward, "forward", _untouched_experts)
+        grid = ParallelGrid.build(None, 1, 1, backend="gloo", timeout_s=60)
+        spec = dataclasses.replace(layout_cfg("1f1b", 1, 2), emulate=False)
+        engine = ParallelEngine(spec, tiny(moe=True), grid)
+        engine.step(replica_batches(rank))
+        return {name: p.grad for name, p in engine.named_parameters().items()}
 
 
 def replica_batches(dp_rank: int) -> list[MicroBatch]:
