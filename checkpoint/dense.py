@@ -1,7 +1,9 @@
 """Dense checkpoints (HF folder, .safetensors, MiniMind .pth): read the global-key state_dict, load it strictly."""
 
 import json
+import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -14,6 +16,17 @@ class CheckpointError(ValueError):
     """A dense checkpoint that cannot be read or does not match the model; one readable message."""
 
 
+def load_weights_only(path: Path, **kwargs) -> Any:
+    """torch.load that admits tensors and plain containers only; anything else is refused in one line."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError as error:
+        lines = [line for line in str(error).splitlines() if "Unsupported" in line or "GLOBAL" in line]
+        detail = lines[0].strip() if lines else str(error).splitlines()[0]
+        raise CheckpointError(f"{path}: refusing to unpickle it ({detail}); a weights file holds tensors only: use "
+                              "one from a source you trust") from None
+
+
 def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
     """A transformers save_pretrained folder: single or sharded safetensors, or pytorch_model.bin."""
     if (folder / "model.safetensors").exists():
@@ -23,7 +36,7 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
     if (folder / "pytorch_model.bin").exists():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return load_weights_only(folder / "pytorch_model.bin")
     raise CheckpointError(f"checkpoint.load_dense={folder}: no model.safetensors, model.safetensors.index.json "
                           "or pytorch_model.bin in that folder")
 
@@ -38,7 +51,7 @@ def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         return _read_folder(path)
     if path.suffix == ".safetensors":
         return load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_weights_only(path)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a training checkpoint that wraps the weights
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

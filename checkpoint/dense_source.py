@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from checkpoint.conversions import build, converted_keys
-from checkpoint.dense import CheckpointError, check_keys
+from checkpoint.dense import CheckpointError, check_keys, load_weights_only
 from parallel.materialize import WeightSource
 
 Reader = Callable[[str], torch.Tensor]
@@ -119,7 +119,9 @@ def _open_safetensors(files: dict[str | None, Path]) -> tuple[list[str], Reader]
 def _open_torch(path: Path) -> tuple[list[str], Reader]:
     """A MiniMind .pth (or pytorch_model.bin), memory-mapped; a wrapping {"model": ...} is unwrapped."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = load_weights_only(path, mmap=True)
+    except CheckpointError:
+        raise
     except Exception as error:
         raise CheckpointError(f"checkpoint.load_dense={path} cannot be read as a state_dict: "
                               f"{str(error).splitlines()[0]}") from None

@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, Shard
 
 from checkpoint.dense import CheckpointError
+from checkpoint.safe_reader import SafeReader
 from parallel.collectives import all_gather_cat, all_reduce_
 from parallel.grid import ParallelGrid
 from parallel.step import Engine
@@ -141,14 +143,20 @@ def save_state(path: Path, state: TrainingState) -> None:
         dcp.save(state_to_save(state), storage_writer=writer, no_dist=not _distributed())
 
 
-def read_keys(path: Path) -> dict[str, torch.Size]:
-    """Stored key -> global shape (tensors only), from the DCP metadata at `path`."""
+def read_metadata(path: Path) -> Metadata:
+    """The DCP metadata at `path`, read through the allow-list (`safe_reader`); one line when it is unreadable."""
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        return SafeReader(str(path)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as error:  # noqa: BLE001  any unreadable metadata is one message
         raise CheckpointError(f"checkpoint {path}: unreadable metadata ({type(error).__name__}); the checkpoint "
                               "is corrupt or truncated: resume from another one") from None
-    return {k: getattr(v, "size", None) for k, v in metadata.state_dict_metadata.items()}
+
+
+def read_keys(path: Path) -> dict[str, torch.Size]:
+    """Stored key -> global shape (tensors only), from the DCP metadata at `path`."""
+    return {k: getattr(v, "size", None) for k, v in read_metadata(path).state_dict_metadata.items()}
 
 
 def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path, unpack: list):
@@ -190,7 +198,7 @@ def load_state(path: Path, state: TrainingState) -> None:
            if k.startswith(f"{RNG}rank{state.grid.rank}/")}
     try:
         with quiet_dcp():
-            dcp.load({**into, **rng}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+            dcp.load({**into, **rng}, storage_reader=SafeReader(str(path)), no_dist=not _distributed())
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
         detail = lines[-1][:200] if lines else type(error).__name__

@@ -18,7 +18,8 @@ from torch import nn
 
 import minimind
 from checkpoint.dense import CheckpointError, fill_ties
-from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_keys
+from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
+from checkpoint.safe_reader import SafeReader
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
 from models import build_model as build_module, config_from_record, native
 from parallel.decoder import DecoderPlan
@@ -43,14 +44,13 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     """The dense global-key weights (tied head restored) and meta.json of a training checkpoint, in one process."""
     folder = locate(path)
     meta = read_meta(folder)
-    read_keys(folder)  # a readable metadata file, or one clear line
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    metadata = read_metadata(folder)  # through the allow-list, or one clear line
     state = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
              for key, m in metadata.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and not key.startswith((OPTIM, RNG))}
     try:
         with quiet_dcp():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(str(folder)), no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         raise CheckpointError(f"checkpoint {folder} is corrupt or truncated ({type(error).__name__}); "
                               "export another checkpoint") from None

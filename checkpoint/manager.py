@@ -57,7 +57,7 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+    return sorted(found, key=_step)
 
 
 def find_checkpoint(path: Path) -> Path | None:
@@ -228,10 +228,33 @@ class CheckpointManager:
             os.close(fd)
 
     def _prune(self) -> None:
-        """Delete complete checkpoints beyond the newest keep_last (0 keeps all)."""
-        if self.spec.keep_last > 0:
-            for old in complete_checkpoints(self.spec.dir)[: -self.spec.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        prune(self.spec.dir, self.spec.keep_last)
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Delete complete checkpoints beyond the newest `keep_last` (0 keeps all), and finish earlier prunes."""
+    for leftover in directory.glob(".step_*.pruning"):
+        shutil.rmtree(leftover, ignore_errors=True)  # a prune killed during its delete
+    complete = complete_checkpoints(directory)
+    newest = _step(complete[-1]) if complete else 0
+    for folder in directory.glob("step_*"):  # visible but incomplete: half-deleted (a save becomes visible only
+        if folder.is_dir() and STEP_DIR.fullmatch(folder.name) and not is_complete(folder) \
+                and _step(folder) < newest:  # once complete), so never loaded and never pruned otherwise
+            _remove(folder)
+    if keep_last > 0:
+        for old in complete[:-keep_last]:
+            _remove(old)
+
+
+def _step(folder: Path) -> int:
+    return int(STEP_DIR.fullmatch(folder.name).group(1))
+
+
+def _remove(folder: Path) -> None:
+    """Hide a checkpoint folder by one rename, then delete it: a kill mid-delete leaves only a hidden folder."""
+    hidden = folder.with_name(f".{folder.name}.pruning")
+    os.rename(folder, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def mark_complete(folder: Path) -> None:

@@ -1,0 +1,84 @@
+"""Reading a DCP checkpoint without running code from it: its `.metadata` pickle through an allow-list.
+
+DCP writes `.metadata` with `pickle` and reads it back with `pickle.load`, so a crafted file runs whatever it
+names on `checkpoint.resume=<path>`, `resume=auto` or an export. `SafeReader` unpickles it with a
+`find_class` that admits only what DCP's metadata is made of (its metadata dataclasses, torch.Size, dtypes,
+layouts, memory formats, paths) and refuses anything else in one line naming the file and the class. A key
+stored as pickled bytes (BytesStorageMetadata) is refused too: DCP would `torch.load(weights_only=False)` it.
+Tensor data (`*.distcp`) DCP already reads with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from checkpoint.dense import CheckpointError
+
+METADATA_FILE = ".metadata"
+# module -> names admitted from it (None: every class the module defines; checked against the module itself)
+ALLOWED: dict[str, set[str] | None] = {
+    "torch.distributed.checkpoint.metadata": None,
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # dtypes, layouts and memory formats are admitted by their type below
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the allow-listed names; anything else is refused, never imported."""
+
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), TORCH_VALUE_TYPES):
+            return getattr(torch, name)
+        names = ALLOWED.get(module, set())
+        if module == "torch.distributed.checkpoint.metadata" and names is None:
+            value = getattr(dcp_metadata, name, None)
+            if isinstance(value, type) and value.__module__ == module:
+                return value
+        elif names and name in names:
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint {self.source} names {module}.{name}, which DCP checkpoint metadata never "
+                              "holds; refusing to unpickle it (the file may be crafted to run code): use a "
+                              "checkpoint from a source you trust")
+
+
+def load_metadata(path: Path) -> Metadata:
+    """The DCP metadata at `path` (a file), unpickled through the allow-list; refuses pickled-object keys."""
+    with open(path, "rb") as file:
+        metadata = RestrictedUnpickler(file, path).load()
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {path} holds a {type(metadata).__name__}, not DCP metadata; the "
+                              "checkpoint is corrupt or not a Sluice checkpoint")
+    pickled = [key for key, value in metadata.state_dict_metadata.items() if isinstance(value, BytesStorageMetadata)]
+    if pickled:
+        raise CheckpointError(f"checkpoint {path}: {pickled[0]} is stored as a pickled object, which a Sluice "
+                              "checkpoint never holds; refusing to unpickle it (it could run code)")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader with the metadata read through `load_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        metadata = load_metadata(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
