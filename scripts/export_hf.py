@@ -1,11 +1,12 @@
 """Export a trained model: a self-contained Hugging Face folder (default) or a MiniMind .pth.
 
 Usage:
-  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|pth]
+  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|pth] [--force]
   python scripts/export_hf.py DENSE.pth|DENSE.safetensors|HF_DIR OUT [--format hf|pth] [--tokenizer DIR] [model=...]
 
 A training checkpoint (a run directory, its checkpoints/ folder or one step_<N>/) carries its model config and
 tokenizer. A dense file does not: give the model with Hydra overrides (e.g. model=tiny) and --tokenizer.
+OUT must be new (or an empty folder): --force writes into an existing one, replacing files of the same name.
 The folder loads anywhere with `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`.
 """
 
@@ -30,10 +31,32 @@ def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrid
 
     register_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        try:
+            cfg = compose(config_name="config", overrides=overrides)
+        except Exception as error:  # Hydra's composition errors: one line
+            raise CheckpointError(f"overrides {' '.join(overrides)}: {str(error).strip().splitlines()[0]}") from None
     model = build_model(model_config(cfg), "cpu")
     load_dense_into(model, source)
     return save_pth(model, out) if fmt == "pth" else save_hf_folder(model, out, tokenizer)
+
+
+def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
+    """The source exists; OUT can be written and holds nothing an export would silently mix with."""
+    from training.output_paths import output_dir_problem, output_file_problem
+
+    if not source.exists():
+        raise CheckpointError(f"SOURCE={source} does not exist; give a run directory, a checkpoint or dense weights")
+    if fmt == "pth":
+        problem = output_file_problem(out, "OUT")
+        if problem is None and out.exists() and not force:
+            problem = f"OUT={out} exists; choose a new file or pass --force to replace it"
+    else:
+        problem = output_dir_problem(out, "OUT")
+        if problem is None and out.is_dir() and any(out.iterdir()) and not force:
+            problem = (f"OUT={out} is a folder that already holds files; choose a new one or pass --force to write "
+                       "into it")
+    if problem:
+        raise CheckpointError(problem)
 
 
 def main(argv: list[str]) -> int:
@@ -42,8 +65,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--format", choices=("hf", "pth"), default="hf")
     parser.add_argument("--tokenizer", help="tokenizer folder (dense sources only)")
+    parser.add_argument("--force", action="store_true", help="write into an existing, non-empty OUT")
     args, overrides = parser.parse_known_args(argv)
     try:
+        check_paths(Path(args.source), Path(args.out), args.format, args.force)
         if find_checkpoint(Path(args.source)) is not None:
             if overrides or args.tokenizer:
                 parser.error("a training checkpoint carries its model and tokenizer: drop the overrides")

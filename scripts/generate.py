@@ -1,31 +1,79 @@
 """Greedy or sampled text generation from an exported folder (scripts/export_hf.py): model + tokenizer.
 
 Usage: python scripts/generate.py MODEL_DIR "prompt" [--max-new-tokens N] [--temperature T]
-Needs only torch and transformers: the folder carries its own modeling code (trust_remote_code).
+Needs only torch and transformers: the folder carries its own modeling code (trust_remote_code), so generate only
+from folders you trust (docs/checkpoints.md). Bad input is one line and exit 2.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
-def main() -> None:
+class InputError(ValueError):
+    """A bad argument, said in one line."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
     parser.add_argument("prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, local_files_only=True,
-                                                 trust_remote_code=True).eval()
-    ids = tokenizer((tokenizer.bos_token or "") + args.prompt, return_tensors="pt").input_ids
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
+    if not args.temperature >= 0:  # also refuses nan
+        raise InputError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    folder = Path(args.model_dir)
+    if not (folder / "config.json").is_file():
+        raise InputError(f"{folder} is not an exported model folder (no config.json); make one with "
+                         "scripts/export_hf.py")
+    return args
+
+
+def loading(what: str, folder: str, load):
+    """`load(folder)`, or one line saying why the folder does not load."""
+    try:
+        return load(folder)
+    except (OSError, ValueError) as error:
+        raise InputError(f"{folder}: its {what} does not load: {str(error).strip().splitlines()[0]}") from None
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
+    """The prompt and the tokens to generate fit the model's context (its rotary tables end there)."""
+    if context is None or prompt_tokens + max_new_tokens <= context:
+        return
+    if prompt_tokens >= context:
+        raise InputError(f"the prompt alone is {prompt_tokens} tokens, over the model's context of {context}; "
+                         "shorten it")
+    raise InputError(f"the prompt is {prompt_tokens} tokens and --max-new-tokens={max_new_tokens}: together over the "
+                     f"model's context of {context} tokens; use --max-new-tokens {context - prompt_tokens} or fewer")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        args = parse_args(argv)
+        config = loading("config", args.model_dir,
+                         lambda f: AutoConfig.from_pretrained(f, local_files_only=True, trust_remote_code=True))
+        tokenizer = loading("tokenizer", args.model_dir,
+                            lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True))
+        ids = tokenizer((tokenizer.bos_token or "") + args.prompt, return_tensors="pt").input_ids
+        check_context(ids.shape[1], args.max_new_tokens, getattr(config, "max_position_embeddings", None))
+        model = loading("model", args.model_dir, lambda f: AutoModelForCausalLM.from_pretrained(
+            f, local_files_only=True, trust_remote_code=True).eval())
+    except InputError as error:
+        print(f"generate: {error}", file=sys.stderr)
+        return 2
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                              temperature=args.temperature or None, pad_token_id=tokenizer.pad_token_id)
     print(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -30,6 +30,7 @@ from training.cli import compose_validated, fail  # noqa: E402
 from training.config import model_config  # noqa: E402
 from training.schema import model_decoder  # noqa: E402
 from training.layout import layout_world_size  # noqa: E402
+from training.output_paths import output_file_problem  # noqa: E402
 from training.planner.profile import measured_costs  # noqa: E402
 from training.planner.search import search  # noqa: E402
 from training.planner.search_report import chosen, no_fit_message, rejections, table  # noqa: E402
@@ -134,6 +135,8 @@ def human(n: float) -> str:
 def main(argv: list[str]) -> int:
     """Print the plan of the composed config and write its timeline PNG."""
     overrides, out = split_args(argv)
+    if problem := output_file_problem(out, "--out"):
+        fail(problem)
     if "--search" in overrides:
         return search_main([o for o in overrides if o != "--search"], out)
     cfg = compose_validated(overrides)

@@ -153,8 +153,11 @@ BAD = [
     # the whole config: unknown sections, interpolations, output directories
     (["+foo=1"], "foo: unknown config key; did you mean"),
     (["train.steps=${nope}"], "train.steps: cannot resolve its interpolation"),
-    (["hydra.run.dir={tmp}/file/run"], "hydra.run.dir={tmp}/file/run: {tmp}/file is a file, not a directory"),
-    (["-m", "hydra.sweep.dir={tmp}/file", "train.steps=1,2"], "hydra.sweep.dir={tmp}/file: {tmp}/file is a file"),
+    (["hydra.run.dir={tmp}/file/run"], "hydra.run.dir={tmp}/file/run cannot be created: {tmp}/file is a file"),
+    (["-m", "hydra.sweep.dir={tmp}/file", "train.steps=1,2"], "hydra.sweep.dir={tmp}/file is a file, not a folder"),
+    (["checkpoint.dir={tmp}/file"], "checkpoint.dir={tmp}/file is a file, not a folder; choose another checkpoint.dir"),
+    (["checkpoint.dir={tmp}/file/ckpt"], "checkpoint.dir={tmp}/file/ckpt cannot be created: {tmp}/file is a file"),
+    (["data.cache_dir={tmp}/file/cache"], "data.cache_dir={tmp}/file/cache cannot be created: {tmp}/file is a file"),
     (["-m", "train.steps=1,0"], "train.steps=0 must be positive"),
 ]
 

@@ -40,7 +40,7 @@ def test_bad_output_directory_is_one_line(tmp_path):
     result = run_train([f"hydra.run.dir={tmp_path}/file/run"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"sluice: config error: hydra.run.dir={tmp_path}/file/run: {tmp_path}/file is a file, not a directory; "
+        f"sluice: config error: hydra.run.dir={tmp_path}/file/run cannot be created: {tmp_path}/file is a file; "
         "choose another hydra.run.dir"]
 
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import CONF_DIR, ConfigError, register_schema, validate
+from training.output_paths import output_dir_problem
 from training.strict import check_override_keys
 
 EXIT_CONFIG_ERROR = 2
@@ -116,13 +117,8 @@ def check_output_dir(hydra_cfg: DictConfig, multirun: bool) -> None:
         path = Path(str(OmegaConf.select(hydra_cfg, key, throw_on_resolution_failure=True)))
     except OmegaConfBaseException as error:
         raise ConfigError(f"hydra.{key}: cannot resolve it ({str(error).splitlines()[0]})") from None
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"hydra.{key}={path}: {existing} is a file, not a directory; choose another hydra.{key}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"hydra.{key}={path}: {existing} is not writable; choose a writable hydra.{key}")
+    if problem := output_dir_problem(path, f"hydra.{key}"):
+        raise ConfigError(problem)
 
 
 def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[str]:

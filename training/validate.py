@@ -137,8 +137,14 @@ def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:
-    """A checkpoint to resume exists, is complete and readable, and was written for this model."""
+    """A checkpoint to resume exists, is complete and readable, and was written for this model; the folders the
+    run writes (checkpoint.dir, data.cache_dir) can be created and written."""
     from checkpoint.manager import check_resume
+    from training.output_paths import output_dir_problem
+
+    for key in ("checkpoint.dir", "data.cache_dir"):
+        if (value := OmegaConf.select(cfg, key)) and (problem := output_dir_problem(value, key)):
+            raise ConfigError(problem)
 
     resume = cfg.checkpoint.resume
     if resume not in (None, "auto", "none") and not Path(resume).exists():
