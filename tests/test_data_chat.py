@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.data_helpers import SMALL, all_samples, data_section, make_cfg, spec
-from training.data import IGNORE_INDEX, build_data, build_tokenizer, check_data, load_tokenizer, synthetic_corpus
+from training.data import (IGNORE_INDEX, DataError, build_data, build_tokenizer, check_data, load_tokenizer,
+                           synthetic_corpus)
 
 CONVERSATIONS = [
     [{"role": "system", "content": "you are a kind robot."},
@@ -71,7 +72,8 @@ def test_padded_chat_labels_only_assistant_tokens(tmp_path, tokenizer_dir):
     assert ids.shape == (16, 96)
     first = tokenizer.decode(ids[0][ids[0] != tokenizer.pad_token_id])
     assert first == tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
-    assert labelled_text(tokenizer, ids[0], labels[0]) == ["17 plus 5 is 22.<|im_end|>\n", "3 times 4 is 12.<|im_end|>\n"]
+    assert labelled_text(tokenizer, ids[0], labels[0]) == ["17 plus 5 is 22.<|im_end|>\n",
+                                                           "3 times 4 is 12.<|im_end|>\n"]
     assert labelled_text(tokenizer, ids[1], labels[1]) == ["counting: 3 4 5 6 7.<|im_end|>\n"]
     assert (labels[ids == tokenizer.pad_token_id] == IGNORE_INDEX).all()
 
@@ -111,3 +113,36 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer_dir):
     (plain / "chat_template.jinja").unlink(missing_ok=True)
     path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
     assert "has no chat_template" in check_data(chat_cfg(tmp_path, path, plain))
+
+
+LONG_SYSTEM = {"role": "system", "content": " ".join(["you are a careful robot who answers in one line."] * 12)}
+CUT = [LONG_SYSTEM, {"role": "user", "content": "and 3 times 4?"}, {"role": "assistant", "content": "12."}]
+
+
+def test_chat_data_cut_before_most_answers_is_refused(tmp_path, tokenizer_dir):
+    path = chat_file(tmp_path / "sft.jsonl", [CUT, CUT, CONVERSATIONS[1]])
+    with pytest.raises(DataError, match=r"in 67% of the chat samples \(24 checked\) every assistant token lies "
+                                        r"beyond train.seq_len=64, so they would train on nothing"):
+        build_data(chat_cfg(tmp_path, path, tokenizer_dir), 0, 1)
+
+
+def test_a_step_without_labels_warns_with_its_cause(tmp_path, tokenizer_dir, caplog):
+    from parallel.grid import ParallelGrid
+    from tests.equivalence import compose_run_config
+    from training.trainer import Trainer
+
+    path = chat_file(tmp_path / "sft.jsonl", [CUT, CONVERSATIONS[1]])
+    cfg = compose_run_config(["model=tiny", "data=jsonl", f"data.path={path}", f"data.tokenizer={tokenizer_dir}",
+                              "data.format=chat", "train.seq_len=64", "train.micro_batch_size=1",
+                              "schedule.n_microbatches=1", "train.steps=8", "checkpoint.save_final=false"],
+                             tmp_path / "cache")
+    with caplog.at_level("WARNING", logger="sluice"):
+        losses = Trainer(cfg, ParallelGrid.single("cpu"), tmp_path / "run").fit()
+    empty = [step for step, loss in enumerate(losses, 1) if loss == 0.0]
+    assert empty, losses
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    cause = "every assistant token of their samples lies beyond train.seq_len=64"
+    assert warnings[0] == f"step {empty[0]} has no label token on any rank: loss 0 and no gradient ({cause}; raise " \
+                          "train.seq_len or use shorter conversations)"
+    if len(empty) > 1:
+        assert warnings[-1].startswith(f"{len(empty)} of 8 steps ({', '.join(map(str, empty))}) had no label token")

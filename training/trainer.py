@@ -49,6 +49,16 @@ def seed_rng(seed: int, grid: ParallelGrid) -> None:
     torch.manual_seed(seed * 1_000_003 + grid.pp_rank * 1_009 + grid.dp_rank)
 
 
+def no_label_warning(steps: list[int], cfg: DictConfig, of: int | None = None) -> str:
+    """A warning naming the steps that had no label token on any rank, with the likely cause."""
+    cause = (f"every assistant token of their samples lies beyond train.seq_len={cfg.train.seq_len}; raise "
+             "train.seq_len or use shorter conversations") if str(cfg.data.format).startswith("chat") \
+        else "their samples hold no label token"
+    which = f"step {steps[0]} has" if of is None else f"{len(steps)} of {of} steps ({', '.join(map(str, steps[:8]))}" \
+        f"{', ...' if len(steps) > 8 else ''}) had"
+    return f"{which} no label token on any rank: loss 0 and no gradient ({cause})"
+
+
 class Trainer:
     """One rank's training loop; every layout differs only in the engine it builds."""
 
@@ -87,6 +97,7 @@ class Trainer:
         metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first,
                                 device=self.grid.device)
         losses: list[float] = []
+        unlabeled: list[int] = []  # steps whose samples held no label token on any rank: they train on nothing
         guard = self.guard
         # The same Parameter objects all run (resuming loads in place): list them once, not twice per step.
         params, norm_params = self.engine.parameters(), self.engine.norm_parameters()
@@ -99,6 +110,10 @@ class Trainer:
                 traced = step + 1 == cfg.train.trace_step
                 result = self.engine.step(micro_batches, trace=traced)
                 result.loss = guard.after_engine(step + 1, result.loss, params)
+                if result.tokens == 0:
+                    unlabeled.append(step + 1)
+                    if len(unlabeled) == 1 and self.grid.rank == 0:
+                        log.warning(no_label_warning(unlabeled, cfg))
                 if on_grads is not None:
                     on_grads(step + 1)
                 grad_norm = clip_grad_norm(params, norm_params, cfg.train.grad_clip, self.grid.mp_group,
@@ -138,6 +153,8 @@ class Trainer:
                 self.checkpoints.after_step(step + 1)
                 guard.end(step + 1)
             self.checkpoints.finish(max(first, steps))
+            if len(unlabeled) > 1 and self.grid.rank == 0:
+                log.warning(no_label_warning(unlabeled, cfg, of=steps - first))
         finally:
             metrics.close()
         return losses

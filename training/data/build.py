@@ -16,11 +16,14 @@ from training.data.check import spec_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents
 from training.data.jsonl import JsonlRows
-from training.data.samples import Samples, make_samples
+from training.data.samples import Samples, make_samples, unlabeled_share
 from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, section
 from training.data.split import split_documents
 from training.data.stream import StepBatches
 from training.data.tokenizer import CORPUS_VERSION, build_tokenizer, tokenizer_vocab_size
+
+# Above this share of chat samples without a label inside seq_len, most steps would train on (almost) nothing.
+MAX_UNLABELED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,14 @@ def _prepare(cfg: Any, verbose: bool) -> tuple[DataSpec, Geometry, PreTrainedTok
     if geo.seq_len < 2:
         raise DataError(f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens")
     tokenizer = build_tokenizer(spec)
-    return spec, geo, tokenizer, build_splits(spec, geo, tokenizer, verbose)
+    splits = build_splits(spec, geo, tokenizer, verbose)
+    if spec.chat:
+        share, looked_at = unlabeled_share(splits.train)
+        if share > MAX_UNLABELED_SHARE:
+            raise DataError(f"data.path: in {share:.0%} of the chat samples ({looked_at} checked) every assistant "
+                            f"token lies beyond train.seq_len={geo.seq_len}, so they would train on nothing; raise "
+                            "train.seq_len or use shorter conversations")
+    return spec, geo, tokenizer, splits
 
 
 def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
