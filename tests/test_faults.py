@@ -2,16 +2,17 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from parallel.hang import Watch, read_dumps, summarize
 from parallel.pipeline.actions import Action
 from training.faults import FaultInjector, InjectedCrash
-from training.metrics import MetricsLogger
 from training.nonfinite import NonFiniteError, SkipPolicy, nonfinite_vote
 from tests.equivalence import compose_run_config
 from tests.spawn import run_workers
@@ -41,9 +42,9 @@ def test_stall_at_an_action_reports_itself_before_blocking(monkeypatch):
     injector.before_action(Action.parse("F0@s1"))
     assert seen == []
     injector.before_action(Action.parse("F1@s1"))
-    assert seen == ["stalled by debug.fault (step 2, before F1@s1)"]
+    assert seen == ["a debug.fault stall (step 2, before F1@s1)"]
     FaultInjector("stall@rank=0,step=0", rank=0, on_stall=seen.append).start_up()
-    assert seen[-1] == "stalled by debug.fault (start-up, before joining the process group)"
+    assert seen[-1] == "a debug.fault stall (start-up, before joining the process group)"
 
 
 def test_stop_names_the_step_and_what_was_non_finite():
@@ -64,14 +65,14 @@ def test_skip_counts_and_stops_after_max_skipped_steps_in_a_row():
 
 def test_hang_summary_names_the_stalled_rank_and_who_waits_for_whom(tmp_path):
     stalled, recv, coll = Watch(1, {"pp": 1}), Watch(0, {"pp": 0}), Watch(2, {"pp": 0}, {"dp": [2, 3]})
-    stalled.enter("stalled by debug.fault (step 2, before F0@s1)")
+    stalled.enter("a debug.fault stall (step 2, before F0@s1)")
     recv.enter("waiting: rank 0: receiving gradient from rank 1 for micro-batch 0", [1])
     coll.collective("step 2: label-token all-reduce", "dp")
     for watch in (stalled, recv, coll):
         watch.run_dir = tmp_path
         watch.dump("timeout")
     lines = summarize(read_dumps(tmp_path), world_size=4)
-    assert lines[0].startswith("rank 1 (pp=1) is the stalled rank: stalled by debug.fault")
+    assert lines[0].startswith("rank 1 (pp=1) is the stalled rank: a debug.fault stall")
     assert "no dump from rank(s) [3]" in lines[1]
     assert any(line.startswith("rank 0 (pp=0): waiting") and "waits for rank(s) [1]" in line for line in lines)
     assert any(line.startswith("rank 2") and "over dp" in line and "waits for rank(s) [3]" in line for line in lines)
@@ -147,3 +148,48 @@ def test_known_errors_are_one_line_and_unexpected_ones_keep_their_traceback_in_t
     log = tmp_path / "logs" / "rank2.log"
     assert line == f"rank 2: unexpected KeyError: 'missing' (traceback in {log})"
     assert log.read_text().startswith("Traceback") and "{}[\"missing\"]" in log.read_text()
+
+
+def beat(rank: int, step: int, what: str, waits_for: list[int], blocked_s: float, age: float, pid: int | None = None):
+    from parallel.heartbeat import Beat
+
+    return Beat(rank, step, what, waits_for, blocked_s, time=1000.0 - age, pid=pid or os.getpid())
+
+
+def test_the_heartbeats_name_the_rank_that_stopped_died_or_never_waited():
+    from parallel.heartbeat import blame_line, find_culprit
+
+    waiting = {r: beat(r, 7, "gradient all-reduce over dp", [2], 15.0, 0.5) for r in (0, 1, 3)}
+    stopped = {**waiting, 2: beat(2, 7, "computing B3@s1", [], 0.2, 16.0)}
+    culprit = find_culprit(stopped, 0, 1000.0, 4, waited_s=15.0)
+    assert (culprit.rank, culprit.kind) == (2, "stopped")
+    assert blame_line(culprit, stopped, 0) == ("rank 2 stalled at step 7 in computing B3@s1, last heard 16s ago; "
+                                              "rank(s) 0, 1, 3 waiting on it")
+    busy = {**waiting, 2: beat(2, 7, "a debug.fault stall (start of step 7)", [], 15.5, 0.3)}
+    culprit = find_culprit(busy, 0, 1000.0, 4, waited_s=15.0)
+    assert (culprit.rank, culprit.kind, culprit.line) == (2, "busy", "rank 2 stalled at step 7 in a debug.fault "
+                                                                     "stall (start of step 7) for 16s")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = {**waiting, 2: beat(2, 7, "computing F1@s1", [], 0.1, 0.4, pid=gone.pid)}
+    assert find_culprit(dead, 0, 1000.0, 4).line == "rank 2 died (its process is gone; last heard at step 7 in " \
+                                                    "computing F1@s1)"
+    pair = {r: beat(r, 7, "gradient all-reduce over dp", [1 - r], 15.0, 0.5) for r in (0, 1)}
+    assert find_culprit(pair, 0, 1000.0, 2) is None  # everybody waits, nobody is late: the dumps must say
+    assert find_culprit(waiting, 0, 1000.0, 4).line == "rank 2 never reported (stalled or died in start-up)"
+
+
+def test_heartbeats_travel_through_the_launchers_store():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from parallel.heartbeat import Heartbeats
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_RESTART_COUNT": "1"}
+    links = [Heartbeats.connect(env, rank, 2) for rank in (0, 1)]
+    links[1].publish(beat(1, 3, "computing F0@s1", [], 0.5, 0.0))
+    assert list(links[0].read()) == [1] and links[0].read()[1].what == "computing F0@s1"
+    assert Heartbeats.connect({**env, "TORCHELASTIC_RESTART_COUNT": "2"}, 0, 2).read() == {}  # a new attempt
+    assert Heartbeats.connect({}, 0, 2) is None  # no launcher's store: no heartbeats, the dumps still work

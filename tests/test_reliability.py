@@ -70,21 +70,22 @@ def test_injected_crash_is_one_line_without_traceback(tmp_path):
         "sluice: rank 1: debug.fault: injected crash on rank 1 at step 2 (the other workers were stopped)"]
 
 
-@pytest.mark.parametrize("layout, fault, waiting", [
-    ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1"),
-    ("parallel.dp=2", "stall@rank=1,step=2", "gradient all-reduce over dp"),
-    ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group"),
-], ids=["pipeline", "data-parallel", "start-up"])
-def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, layout, fault, waiting):
+@pytest.mark.parametrize("layout, fault, waiting, at", [
+    ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1", "at step 2 "),
+    ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group", ""),
+], ids=["pipeline", "start-up"])  # a stalled DP rank: tests/test_launch_faults.py (SIGSTOP under torchrun dp2)
+def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, layout, fault, waiting, at):
     run_dir = tmp_path / "run"
     # Start-up gets its own bound: a busy machine may take long to import, which must not count as a stall after it.
     bound = "parallel.startup_timeout_s" if "start-up" in waiting else "parallel.timeout_s"
     result = train(["train.steps=3", layout, f"{bound}={TIMEOUT_S}", f"debug.fault='{fault}'"], tmp_path, run_dir)
     assert result.returncode == 1
     lines = sluice_lines(result.stderr)
-    assert lines[0].startswith(f"sluice: rank 0: no progress for") and waiting in lines[0]
+    # The heartbeats name the stalled rank first (alive, busy with no peer to wait for), then the wait that timed out.
+    assert lines[0].startswith(f"sluice: rank 1 stalled {at}in a debug.fault stall (") and waiting in lines[0]
+    assert "; rank(s) 0 waiting on it (rank 0: no progress for" in lines[0]
     summary = result.stderr[result.stderr.index("hang summary"):].splitlines()[1:]
-    assert summary[0].strip().startswith("rank 1 ") and "is the stalled rank: stalled by debug.fault" in summary[0]
+    assert summary[0].strip().startswith("rank 1 ") and "is the stalled rank: a debug.fault stall" in summary[0]
     assert any(line.strip().startswith("rank 0 ") and "waits for rank(s) [1]" in line for line in summary)
     dumps = {d: json.loads((run_dir / "hang" / f"rank{d}.json").read_text()) for d in (0, 1)}
     assert dumps[0]["reason"] == "timeout" and dumps[1]["reason"] == "terminated"

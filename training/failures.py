@@ -39,23 +39,46 @@ def describe_failure(error: BaseException, run_dir: Path, rank: int) -> str:
     return f"rank {rank}: unexpected {type(error).__name__}: {text} (traceback in {path})"
 
 
-def record_failure(run_dir: Path, rank: int, message: str, announce: bool) -> None:
-    """Leave the line for the launcher; print it too when no launcher of ours will."""
+def record_failure(run_dir: Path, rank: int, message: str, announce: bool, culprit: int | None = None,
+                   kind: str | None = None) -> None:
+    """Leave the line for the launcher (with the rank the heartbeats blame, if any); print it too when no
+    launcher of ours will."""
     path = Path(run_dir) / FAILURE_DIR / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():  # the first failure of a rank is the cause; later ones are consequences
-        path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": message}))
+        record = {"rank": rank, "time": time.time(), "message": message, "culprit": culprit, "kind": kind}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(path)  # the launcher never reads half a record
     if announce:  # through tqdm: a progress bar on the screen is cleared first, not glued to the line
         tqdm.write(f"sluice: {message}", file=sys.stderr)
         sys.stderr.flush()
 
 
-def first_failure(run_dir: Path) -> str | None:
-    """The earliest failure line any rank left, or None."""
+def read_failures(run_dir: Path) -> list[dict]:
+    """Every failure record the ranks left, earliest first."""
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return min(records, key=lambda r: r["time"])["message"] if records else None
+    return sorted(records, key=lambda r: r["time"])
+
+
+def first_failure(run_dir: Path, killed: dict[int, str] | None = None) -> str | None:
+    """The cause of a failed group, as one line: the rank the heartbeats blame (its own line where it left one),
+    a rank killed by a signal (`killed`: rank -> signal name, as its launcher saw it), else the earliest line."""
+    records = read_failures(run_dir)
+    own = {r["rank"]: r for r in records}
+    blamed = [r for r in records if r.get("culprit") is not None]
+    if blamed:
+        culprit = blamed[0]["culprit"]
+        if culprit in own and own[culprit].get("culprit") in (None, culprit):
+            return own[culprit]["message"]  # it failed itself (a crash): its words, not its peers' guess
+        if blamed[0].get("kind") != "died" or culprit not in (killed or {}):
+            return blamed[0]["message"]
+    for rank, signal in sorted((killed or {}).items()):
+        if rank not in own:
+            return f"rank {rank} died ({signal})"
+    return records[0]["message"] if records else None

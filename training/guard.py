@@ -31,6 +31,7 @@ class StepGuard:
 
     def begin(self, step: int) -> None:
         """Start of 1-based `step`: an injected crash or stall; the engine's waits are recorded as they come."""
+        self.watch.step = step
         self.faults.begin_step(step)
         self.watch.enter(f"step {step}: starting")  # no collective here: the data carries the token count
 

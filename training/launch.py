@@ -1,9 +1,12 @@
 """From a composed config to running workers: in-process, under torchrun, or self-launched locally."""
 
+import itertools
+import json
 import logging
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -13,16 +16,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel.collectives import broadcast_object
 from parallel.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
+from parallel.heartbeat import Beater
 from training.cluster import is_launch_leader, node_launch, omp_threads
 from training.config import CONF_DIR, ConfigError, validate
 from training.console import check_run_dir, quiet_progress_bars
-from training.failures import FAILURE_DIR, describe_failure, first_failure, record_failure
+from training.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
 from training.faults import FaultInjector
 from training.layout import layout_world_size, process_pp
+from training.restarts import RestartBudget, newest_step, restart_resume
+from training.specs import checkpoint_spec
 from training.watchdog import EXIT_INTERRUPTED, Limits, report_hang, start_watchdog
 
 log = logging.getLogger("sluice")
 SELF_LAUNCHED = "SLUICE_SELF_LAUNCHED"  # set for the workers of self_launch: their root reports failures
+WORKER_ENTRY = Path(__file__).resolve().parent / "worker_entry.py"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -65,6 +72,8 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
     watch = Watch(rank, groups={"world": list(range(int(os.environ.get("WORLD_SIZE", 1))))})
     watch.run_dir = Path(run_dir)
     if launched:
+        name_process(f"sluice-rank{rank}")
+        watch.beater = Beater(dict(os.environ), rank, len(watch.groups["world"]))
         start_watchdog(watch, limits, announce)
     try:
         return run_worker(cfg_dict, run_dir, watch)
@@ -76,8 +85,26 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
             report_hang(watch, limits, announce)  # a wait that timed out (not a dead peer): the hang report
         else:
             where = watch.run_dir
-            record_failure(where, rank, describe_failure(error, where, rank), announce)
+            message = describe_failure(error, where, rank)
+            dead = watch.beater.blame(rank, dead_only=True) if watch.beater and not is_known(error) else None
+            if dead is None:
+                record_failure(where, rank, message, announce)
+            else:  # a peer's death surfaces here as a connection error: the dead peer is the cause
+                culprit, line = dead
+                record_failure(where, rank, f"{line} (rank {rank} saw: {message.removeprefix(f'rank {rank}: ')})",
+                               announce, culprit.rank, culprit.kind)
         sys.exit(1)
+
+
+def name_process(name: str) -> None:
+    """Show this worker as `name` in ps, top and /proc/<pid>/comm (Linux; elsewhere a no-op): which pid is rank 2
+    is then one `pgrep sluice-rank2` away, for a debugger, py-spy or a deliberate kill."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list[float]:
@@ -145,49 +172,88 @@ def agree_on_run_dir(run_dir: str, grid) -> str:
 
 
 def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
-    """Start world_size local workers through the torchrun launcher API and wait for all of them.
+    """Start world_size local workers through the torchrun launcher API and wait for all of them; with
+    train.max_restarts, start them again after a failure, from the newest complete checkpoint.
 
-    A failure is reported once: the first failing rank's line, and with a timeout the merged hang summary."""
+    A failure is reported once: the culprit's line, and with a timeout the merged hang summary."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     node = node_launch(world_size, os.environ)  # this node's share under a multi-node submitit job
+    budget = RestartBudget(int(cfg.train.max_restarts))
+    if budget.limit and node.nnodes > 1:
+        print("sluice: config error: train.max_restarts restarts a single-node self-launch; on several nodes use "
+              "torchrun --max-restarts with checkpoint.resume=auto (docs/launching.md)", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("OMP_NUM_THREADS", str(omp_threads(node.nproc_per_node)))  # workers inherit it
-    config = LaunchConfig(
-        min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=node.nproc_per_node, run_id=node.run_id,
-        rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint, max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
-    )
     log.info("launching %d local workers (dp*tp*pp) into %s", world_size, run_dir)
-    for stale in (FAILURE_DIR, DUMP_DIR):  # a resumed run's directory may hold an earlier run's reports
-        shutil.rmtree(Path(run_dir) / stale, ignore_errors=True)
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):  # we report failures ourselves, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[SELF_LAUNCHED] = "1"  # inherited by the workers
-    # A worker that ends itself (os._exit) leaves its semaphores to the resource tracker, which would warn.
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    checkpoints = checkpoint_spec(cfg, run_dir).dir
     try:
-        elastic_launch(config, entrypoint=worker_main)(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
+        for attempt in itertools.count():
+            try:
+                launch_workers(node, attempt, cfg_dict, Path(run_dir))
+                return
+            except ChildFailedError as error:
+                cause = launch_failure(error, Path(run_dir))
+                step = newest_step(checkpoints)
+                if not budget.allow(step):
+                    report_failed_launch(cause, Path(run_dir), world_size, budget, step)
+                    sys.exit(1)
+                where = f"checkpoint step {step}" if step else "the start (no checkpoint yet)"
+                note = f"{cause}; restart {budget.used(step)} of {budget.limit} from {where}"
+                print(f"sluice: {note}", file=sys.stderr, flush=True)
+                log.warning("restart: %s", note)
+                cfg_dict["checkpoint"]["resume"] = restart_resume(cfg_dict["checkpoint"]["resume"], checkpoints)
     except (KeyboardInterrupt, SignalException):
         print("sluice: interrupted; every worker was stopped", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    except ChildFailedError as error:
-        report_failed_launch(error, Path(run_dir), world_size)
-        sys.exit(1)
     finally:
         os.environ.pop(SELF_LAUNCHED, None)
 
 
-def report_failed_launch(error, run_dir: Path, world_size: int) -> None:
-    """Print the first failing rank's line once; after a timeout, the hang summary from every rank's dump."""
-    message = first_failure(run_dir)
+def launch_workers(node, attempt: int, cfg_dict: dict, run_dir: Path) -> None:
+    """One start of this node's workers (a fresh rendezvous per attempt); raises ChildFailedError on a failure."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for stale in (FAILURE_DIR, DUMP_DIR):  # a resumed run's directory may hold an earlier attempt's reports
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    # The agent's error files and the workers' config: ours to remove, not left in the system's temp folder.
+    scratch = Path(tempfile.mkdtemp(prefix="sluice-launch-"))
+    (scratch / "config.json").write_text(json.dumps(cfg_dict))
+    config = LaunchConfig(
+        min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=node.nproc_per_node,
+        run_id=f"{node.run_id}-{attempt}", rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint, max_restarts=0,
+        monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=str(scratch / "agent")),
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(str(WORKER_ENTRY), str(scratch / "config.json"),
+                                                          str(run_dir))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def launch_failure(error, run_dir: Path) -> str:
+    """One line for a failed group: the culprit's own words, the heartbeats' verdict or the launcher's."""
+    killed = {rank: f.signal_name() for rank, f in error.failures.items() if f.exitcode < 0}
+    message = first_failure(run_dir, killed)
     if message is None:  # the rank died without a word (killed, out of memory): what the launcher saw
         rank, failure = error.get_first_failure()
         message = f"rank {rank} died with exit code {failure.exitcode}"
+    return message
+
+
+def report_failed_launch(cause: str, run_dir: Path, world_size: int, budget: RestartBudget, step: int) -> None:
+    """Print the cause once; after a timeout, the hang summary from every rank's dump."""
     # A worker stopped by its watchdog may leave rank 0's progress bar unfinished on the line: start it over.
     restart = "\r\033[K" if sys.stderr.isatty() else "\r"
-    print(f"{restart}sluice: {message} (the other workers were stopped)", file=sys.stderr)
+    gave_up = (f"; it failed {budget.used(step)} times after checkpoint step {step}, more than "
+               f"train.max_restarts={budget.limit}") if budget.limit else ""
+    print(f"{restart}sluice: {cause} (the other workers were stopped{gave_up})", file=sys.stderr)
     dumps = read_dumps(run_dir)
     if any(d["reason"] == "timeout" for d in dumps):
         print(f"sluice: hang summary ({run_dir / DUMP_DIR}):", file=sys.stderr)

@@ -184,6 +184,7 @@ KEY_RULES: dict[str, Check] = {
     "train.eval_batches": positive,
     "train.on_nonfinite": one_of("stop", "skip"),
     "train.max_skipped_steps": positive,
+    "train.max_restarts": non_negative,
     "train.peak_tflops": optional(positive),
     "optim.name": one_of("adamw"),
     "optim.lr": positive,

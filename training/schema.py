@@ -85,6 +85,7 @@ class TrainSchema:
     eval_batches: int = 10
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 3
+    max_restarts: int = 0
     peak_tflops: Optional[float] = None
 
 

@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 
 from parallel.hang import Watch
+from parallel.heartbeat import end_stopped
 from training.failures import record_failure
 
 POLL_S = 0.2
@@ -77,6 +78,8 @@ def _loop(watch: Watch, limits: Limits, parent: int, announce: bool, sockets: tu
                     _on_signal(watch, signo)
         if os.getppid() != parent:
             os._exit(1)  # the launcher is gone: nobody will collect this rank's result
+        if watch.beater is not None:
+            watch.beater.tick(watch)
         if limits.exceeded(watch):
             report_hang(watch, limits, announce)
             sys.stderr.flush()
@@ -103,4 +106,10 @@ def _report(watch: Watch, limits: Limits, announce: bool) -> None:
     bound, key = limits.of(watch)
     message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s ({key}={bound:g}) "
                f"in: {watch.state.what}; hang dump in {path.parent}")
-    record_failure(path.parent.parent, watch.rank, message, announce)
+    blamed = watch.beater.blame(watch.rank, watch.blocked_s()) if watch.beater is not None else None
+    if blamed is None:
+        record_failure(path.parent.parent, watch.rank, message, announce)
+        return
+    culprit, line = blamed  # the heartbeats name who stopped: that comes first, this rank's wait after it
+    record_failure(path.parent.parent, watch.rank, f"{line} ({message})", announce, culprit.rank, culprit.kind)
+    end_stopped(culprit)

@@ -1,0 +1,177 @@
+"""Real faults from outside: a worker stopped (SIGSTOP) or killed (SIGKILL) under self-launch and torchrun is named
+first, promptly; train.max_restarts survives a kill bit for bit, and gives up on a fault that keeps coming back."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.test_reliability import TINY, pids_where, wait_until
+
+TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--monitor-interval", "0.1",
+            "--log-dir", "{tmp}/torchrun"]  # torchrun's own logs: in the test's folder, not the system's temp folder
+LAUNCHERS = {  # launcher -> (command, layout, the rank to fault: one whose peers wait on it in P2P and a collective)
+    "self-launch": ([sys.executable, "train.py"], ["parallel.pp=2", "parallel.dp=2"], 2),
+    "torchrun": ([*TORCHRUN, "--nproc-per-node", "2", "train.py"], ["parallel.dp=2"], 1),
+}
+TIMEOUT_S = 15
+
+
+def residue() -> set[str]:
+    """What a run could leave behind outside its run directory: semaphores and shared memory, launcher temp
+    folders, and anything in the repository root."""
+    temp = Path(tempfile.gettempdir())
+    return ({f"/dev/shm/{p.name}" for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()) \
+        | {str(p) for pattern in ("torchelastic_*", "sluice-launch-*") for p in temp.glob(pattern)} \
+        | {str(p) for p in ROOT.iterdir()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leaves_nothing_behind():
+    """Every run of this module, killed, stopped or restarted, leaves nothing behind once it ended."""
+    before = residue()
+    yield
+    assert residue() - before == set()
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the worker of global `rank` among the launcher's children (each names itself sluice-rank<R>)."""
+    for pid in pids_where(3, launcher_pid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"sluice-rank{rank}":
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
+
+
+def start(cmd: list[str], args: list[str], run_dir: Path) -> subprocess.Popen:
+    """A run in its own session that returns once rank 0 logged step 2 (every worker is past start-up); a thread
+    keeps its stderr lines with their arrival times in `proc.lines` (a full pipe would block the run)."""
+    cmd = [part.replace("{tmp}", str(run_dir.parent)) for part in cmd]
+    proc = subprocess.Popen([*cmd, *TINY, *args, f"data.cache_dir={run_dir.parent}/cache", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    proc.lines = []
+    proc.reader = timed_lines(proc.stderr, proc.lines)
+    wait_until(lambda: logged_steps(run_dir) >= 2 or proc.poll() is not None, 240, "step 2")
+    assert proc.poll() is None, stderr_of(proc)[-3000:]
+    return proc
+
+
+def timed_lines(stream, out: list[tuple[float, str]]) -> threading.Thread:
+    """Read `stream` line by line in a thread, keeping when each line arrived."""
+    def read() -> None:
+        for line in stream:
+            out.append((time.monotonic(), line.rstrip("\n")))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def stderr_of(proc: subprocess.Popen) -> str:
+    proc.reader.join(timeout=10)
+    return "\n".join(line for _, line in proc.lines)
+
+
+def logged_steps(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, float]:
+    """Wait for the run to end (killing its group if it does not); its stderr and how long that took."""
+    began = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None or pids_where(4, proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - began
+    return stderr_of(proc), took
+
+
+def first_sluice_line(stderr: str) -> str:
+    screen = [segment.strip(" ") for line in stderr.split("\n") for segment in line.split("\r")]
+    return next((line for line in screen if line.startswith("sluice: ")), "")
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_stopped_worker_is_named_first_within_timeout_plus_15s(tmp_path, launcher):
+    cmd, layout, target = LAUNCHERS[launcher]
+    proc = start(cmd, [*layout, "train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"], tmp_path / "run")
+    os.kill(rank_pid(proc.pid, target), signal.SIGSTOP)
+    stderr, took = finish(proc, TIMEOUT_S + 60)
+    line = first_sluice_line(stderr)
+    assert line.startswith(f"sluice: rank {target} stalled "), stderr[-3000:]
+    assert "last heard" in line and "waiting on it" in line
+    assert took <= TIMEOUT_S + 15, f"named after {took:.1f}s: {line}"
+
+
+def test_a_killed_worker_is_named_dead_within_5s_under_torchrun(tmp_path):
+    cmd, layout, target = LAUNCHERS["torchrun"]
+    proc = start(cmd, [*layout, "train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"], tmp_path / "run")
+    os.kill(rank_pid(proc.pid, target), signal.SIGKILL)
+    stderr, took = finish(proc, 60)
+    line = first_sluice_line(stderr)  # the agent may stop the survivors before they speak: its report names it then
+    named = line.startswith(f"sluice: rank {target} died") if line else \
+        f"local_rank: {target}" in stderr and "Signal 9 (SIGKILL)" in stderr
+    assert named, stderr[-3000:]
+    assert took <= 5, f"the run ended {took:.1f}s after the kill"
+
+
+RESTARTS = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1", "train.max_restarts=1"]
+PP2_DP2 = LAUNCHERS["self-launch"][1]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from checkpoint.export import read_training_weights
+
+    return read_training_weights(run_dir)[0]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Each step's loss in metrics.jsonl; a step run again after a restart keeps its last record."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_killed_worker_is_named_dead_within_5s_and_the_restarted_run_is_bit_for_bit(tmp_path):
+    straight = subprocess.run([sys.executable, "train.py", *TINY, *PP2_DP2, *RESTARTS,
+                               f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path / 'straight'}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = start([sys.executable, "train.py"], [*PP2_DP2, *RESTARTS], tmp_path / "killed")
+    wait_until(lambda: logged_steps(tmp_path / "killed") >= 3 or proc.poll() is not None, 120, "step 3")
+    os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    text, _ = finish(proc, 240)
+    assert proc.returncode == 0, text[-3000:]
+    said = [(at, line) for at, line in proc.lines if line.startswith("sluice: ")]
+    at, line = next((at, line) for at, line in said if "restart 1 of 1" in line)
+    assert line.startswith("sluice: rank 1 died (SIGKILL); restart 1 of 1 from checkpoint step "), text[-3000:]
+    assert at - killed_at <= 5, f"named {at - killed_at:.1f}s after the kill"
+    assert losses_by_step(tmp_path / "killed") == losses_by_step(tmp_path / "straight")
+    mine, theirs = final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_fault_that_comes_back_after_the_same_checkpoint_ends_the_run(tmp_path):
+    fault = "debug.fault='kill@rank=1,step=5'"
+    result = subprocess.run([sys.executable, "train.py", *TINY, "parallel.dp=2", *RESTARTS, fault,
+                             f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.startswith("sluice: ")]
+    assert lines == ["sluice: rank 1 died (SIGKILL); restart 1 of 1 from checkpoint step 4",
+                     "sluice: rank 1 died (SIGKILL) (the other workers were stopped; it failed 2 times after "
+                     "checkpoint step 4, more than train.max_restarts=1)"], result.stderr[-3000:]
