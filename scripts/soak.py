@@ -134,7 +134,7 @@ def main() -> None:
                                          random.Random(args.seed), args.timeout)
     for line in kills:
         print(f"soak: {line}")
-    for line in stderr.splitlines():
+    for line in (part for row in stderr.splitlines() for part in row.split("\r")):  # a bar shares the line
         if line.startswith("sluice: ") and "restart" in line:
             print(f"soak: run said: {line}")
     print(f"soak: run with {len(kills)} kills ended with exit {code} after {time.monotonic() - start:.0f}s")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.test_reliability import TINY, pids_where, wait_until
+from tests.test_reliability import TINY, pids_where, sluice_lines, wait_until
 
 TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--monitor-interval", "0.1",
             "--log-dir", "{tmp}/torchrun"]  # torchrun's own logs: in the test's folder, not the system's temp folder
@@ -156,7 +156,7 @@ def test_a_killed_worker_is_named_dead_within_5s_and_the_restarted_run_is_bit_fo
     killed_at = time.monotonic()
     text, _ = finish(proc, 240)
     assert proc.returncode == 0, text[-3000:]
-    said = [(at, line) for at, line in proc.lines if line.startswith("sluice: ")]
+    said = [(at, part) for at, line in proc.lines for part in line.split("\r") if part.startswith("sluice: ")]
     at, line = next((at, line) for at, line in said if "restart 1 of 1" in line)
     assert line.startswith("sluice: rank 1 died (SIGKILL); restart 1 of 1 from checkpoint step "), text[-3000:]
     assert at - killed_at <= 5, f"named {at - killed_at:.1f}s after the kill"
@@ -165,13 +165,14 @@ def test_a_killed_worker_is_named_dead_within_5s_and_the_restarted_run_is_bit_fo
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_a_fault_that_comes_back_after_the_same_checkpoint_ends_the_run(tmp_path):
-    fault = "debug.fault='kill@rank=1,step=5'"
+def test_a_crash_that_comes_back_after_the_same_checkpoint_ends_the_run_in_one_line_each(tmp_path):
+    fault = "debug.fault='crash@rank=1,step=5'"
     result = subprocess.run([sys.executable, "train.py", *TINY, "parallel.dp=2", *RESTARTS, fault,
                              f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    lines = [line for line in result.stderr.splitlines() if line.startswith("sluice: ")]
-    assert lines == ["sluice: rank 1 died (SIGKILL); restart 1 of 1 from checkpoint step 4",
-                     "sluice: rank 1 died (SIGKILL) (the other workers were stopped; it failed 2 times after "
-                     "checkpoint step 4, more than train.max_restarts=1)"], result.stderr[-3000:]
+    crash = "sluice: rank 1: debug.fault: injected crash on rank 1 at step 5"
+    assert sluice_lines(result.stderr) == [  # no traceback, the crashing rank's own words, not its peer's
+        f"{crash}; restart 1 of 1 from checkpoint step 4",
+        f"{crash} (the other workers were stopped; it failed 2 times after checkpoint step 4, more than "
+        "train.max_restarts=1)"]

@@ -1,11 +1,11 @@
-"""`debug.fault`: the fault-injection setting, parsed once (`stall|crash|nan|kill@rank=R,step=S[,action=A]`)."""
+"""`debug.fault`: the fault-injection setting, parsed once (`stall|crash|nan@rank=R,step=S[,action=A]`)."""
 
 from dataclasses import dataclass
 
 from parallel.pipeline.actions import Action
 
-FAULT_KINDS = ("stall", "crash", "nan", "kill")
-SYNTAX = "use stall|crash|nan|kill@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3,action=F2@s1"
+FAULT_KINDS = ("stall", "crash", "nan")
+SYNTAX = "use stall|crash|nan@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3,action=F2@s1"
 
 
 @dataclass(frozen=True)

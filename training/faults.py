@@ -2,8 +2,6 @@
 
 KIND is one of
   crash  global rank R raises InjectedCrash at the start of step S (a known error: one line, exit 1);
-  kill   global rank R sends itself SIGKILL at the start of step S (a death without a word: the launcher and the
-         heartbeats must name it; with train.max_restarts the group restarts, and dies again at step S);
   nan    global rank R's loss and every gradient it holds become NaN in step S, after the gradient sums,
          so the non-finite check sees a single bad rank (`train.on_nonfinite` decides what happens);
   stall  global rank R blocks forever (until killed) at the start of step S, or right before compute action
@@ -16,8 +14,6 @@ quote the value for Hydra: `python train.py parallel.pp=2 "debug.fault='stall@ra
 from __future__ import annotations
 
 import math
-import os
-import signal
 import threading
 
 import torch
@@ -53,8 +49,6 @@ class FaultInjector:
         self.step = step
         if self._here("crash", step):
             raise InjectedCrash(f"debug.fault: injected crash on rank {self.rank} at step {step}")
-        if self._here("kill", step):
-            os.kill(os.getpid(), signal.SIGKILL)
         if self._here("stall", step) and self.spec.action is None:
             self._stall(f"start of step {step}")
 

@@ -205,7 +205,7 @@ def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
                     sys.exit(1)
                 where = f"checkpoint step {step}" if step else "the start (no checkpoint yet)"
                 note = f"{cause}; restart {budget.used(step)} of {budget.limit} from {where}"
-                print(f"sluice: {note}", file=sys.stderr, flush=True)
+                say_over_bar(note)
                 log.warning("restart: %s", note)
                 cfg_dict["checkpoint"]["resume"] = restart_resume(cfg_dict["checkpoint"]["resume"], checkpoints)
     except (KeyboardInterrupt, SignalException):
@@ -247,13 +247,18 @@ def launch_failure(error, run_dir: Path) -> str:
     return message
 
 
+def say_over_bar(message: str) -> None:
+    """Print a `sluice:` line on stderr; a worker stopped mid-step may leave rank 0's progress bar unfinished on
+    the line, so the line is started over."""
+    restart = "\r\033[K" if sys.stderr.isatty() else "\r"
+    print(f"{restart}sluice: {message}", file=sys.stderr, flush=True)
+
+
 def report_failed_launch(cause: str, run_dir: Path, world_size: int, budget: RestartBudget, step: int) -> None:
     """Print the cause once; after a timeout, the hang summary from every rank's dump."""
-    # A worker stopped by its watchdog may leave rank 0's progress bar unfinished on the line: start it over.
-    restart = "\r\033[K" if sys.stderr.isatty() else "\r"
     gave_up = (f"; it failed {budget.used(step)} times after checkpoint step {step}, more than "
                f"train.max_restarts={budget.limit}") if budget.limit else ""
-    print(f"{restart}sluice: {cause} (the other workers were stopped{gave_up})", file=sys.stderr)
+    say_over_bar(f"{cause} (the other workers were stopped{gave_up})")
     dumps = read_dumps(run_dir)
     if any(d["reason"] == "timeout" for d in dumps):
         print(f"sluice: hang summary ({run_dir / DUMP_DIR}):", file=sys.stderr)
