@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from training.data.corpus import synthetic_corpus
+from training.data.corpus import MIN_DOCUMENT_WORDS, synthetic_corpus
 from training.data.jsonl import bounded_lines, parse_row
 from training.data.spec import FORMATS, NAMES, DataError, DataSpec, Geometry, PACKED_FORMATS, data_spec, geometry, optional_field, section
 from training.data.split import split_documents, val_count
@@ -111,25 +111,31 @@ def _file_bound(spec: DataSpec, path: str, seq_len: int, fraction: float) -> tup
     return tokens // seq_len, (tokens // seq_len if held else 0)
 
 
-def _synthetic_bounds(spec: DataSpec, seq_len: int) -> tuple[int, int, int]:
-    """(lower bound on training samples, upper bound on training samples, upper bound on held-out samples).
+def _synthetic_bounds(spec: DataSpec, seq_len: int, enough: int) -> tuple[int, int]:
+    """Upper bounds on (training, held-out) samples of the synthetic corpus, except that a count at or above
+    `enough` may be a lower bound: enough to pass, known from the document count without generating the corpus
+    (a pp=64 plan of 10^5 documents would spend seconds writing text only to count it).
 
     Byte-level BPE gives each whitespace-separated word at least one token and each byte at most one."""
-    corpus = synthetic_corpus(spec.num_docs, spec.seed)
-    train_ids, val_ids = split_documents(len(corpus), spec.val_fraction, spec.seed)
-    train_ids = np.arange(len(corpus)) if train_ids is None else train_ids
+    train_ids, val_ids = split_documents(spec.num_docs, spec.val_fraction, spec.seed)
+    n_train = spec.num_docs if train_ids is None else len(train_ids)
     if spec.format not in PACKED_FORMATS:
-        return len(train_ids), len(train_ids), len(val_ids)
-    low = np.array([len(d.split()) + 2 for d in corpus])
+        return n_train, len(val_ids)
+    least = MIN_DOCUMENT_WORDS + 2  # a word is at least one token; plus bos and eos
+    cheap = n_train * least // seq_len, len(val_ids) * least // seq_len
+    if cheap[0] >= enough and (len(val_ids) == 0 or cheap[1] >= enough):
+        return cheap
+    corpus = synthetic_corpus(spec.num_docs, spec.seed)
+    train_ids = np.arange(len(corpus)) if train_ids is None else train_ids
     high = np.array([len(d.encode()) + 2 for d in corpus])
-    return int(low[train_ids].sum()) // seq_len, int(high[train_ids].sum()) // seq_len, int(high[val_ids].sum()) // seq_len
+    return int(high[train_ids].sum()) // seq_len, int(high[val_ids].sum()) // seq_len
 
 
 def _batch_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
     """Data too small for one global batch, for training or (when a split is configured) for validation."""
     batch = geo.global_batch(dp)
     if spec.name == "synthetic":
-        _, train, val = _synthetic_bounds(spec, geo.seq_len)
+        train, val = _synthetic_bounds(spec, geo.seq_len, batch)
         where = f"data.num_docs={spec.num_docs}"
     else:
         train, val = _file_bound(spec, spec.path, geo.seq_len, spec.val_fraction)
