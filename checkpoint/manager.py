@@ -9,6 +9,7 @@ visible name, so a save killed half-way is never loaded. Every rank must see the
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from checkpoint.dense import CheckpointError
 from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
 from parallel.collectives import broadcast_object
 
+log = logging.getLogger("sluice")
 COMPLETE, META, TOKENIZER = "COMPLETE", "meta.json", "tokenizer"
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -150,8 +152,9 @@ class CheckpointManager:
         self.last_saved: int | None = None
 
     def _say(self, message: str) -> None:
+        """Rank 0 tells the run (console and train.log, through the `sluice` logger)."""
         if self.rank0:
-            print(f"sluice: {message}", flush=True)
+            log.info(message)
 
     def resume(self) -> int:
         """Load the checkpoint `resume` names (say which, or that the run starts fresh); return its step."""

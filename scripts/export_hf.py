@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint.dense import CheckpointError, load_dense_into  # noqa: E402
 from checkpoint.export import export_checkpoint, save_hf_folder, save_pth  # noqa: E402
-from checkpoint.manager import find_checkpoint  # noqa: E402
+from checkpoint.manager import find_checkpoint, read_meta  # noqa: E402
 
 
 def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrides: list[str]) -> Path:
@@ -60,7 +60,10 @@ def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=__doc__.split("\n\n")[0])
+    usage = __doc__.split("Usage:\n", 1)[1].split("\n\n")[0].strip()  # the two forms, as the docstring gives them
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage=usage,
+                                     epilog=__doc__.split("\n\n", 2)[2].strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source")
     parser.add_argument("out")
     parser.add_argument("--format", choices=("hf", "pth"), default="hf")
@@ -69,10 +72,11 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         check_paths(Path(args.source), Path(args.out), args.format, args.force)
-        if find_checkpoint(Path(args.source)) is not None:
+        if (checkpoint := find_checkpoint(Path(args.source))) is not None:
             if overrides or args.tokenizer:
                 parser.error("a training checkpoint carries its model and tokenizer: drop the overrides")
-            out = export_checkpoint(args.source, args.out, args.format)
+            out = export_checkpoint(checkpoint, args.out, args.format)
+            print(f"exported step {read_meta(checkpoint)['step']} ({checkpoint})")
         else:
             out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides)
     except CheckpointError as error:

@@ -60,7 +60,8 @@ def main(argv: list[str]) -> int:
         config = loading("config", args.model_dir,
                          lambda f: AutoConfig.from_pretrained(f, local_files_only=True, trust_remote_code=True))
         tokenizer = loading("tokenizer", args.model_dir,
-                            lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True))
+                            lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True,
+                                                                  trust_remote_code=True))
         ids = tokenizer((tokenizer.bos_token or "") + args.prompt, return_tensors="pt").input_ids
         check_context(ids.shape[1], args.max_new_tokens, getattr(config, "max_position_embeddings", None))
         model = loading("model", args.model_dir, lambda f: AutoModelForCausalLM.from_pretrained(

@@ -134,6 +134,9 @@ def human(n: float) -> str:
 
 def main(argv: list[str]) -> int:
     """Print the plan of the composed config and write its timeline PNG."""
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        return 0
     overrides, out = split_args(argv)
     if problem := output_file_problem(out, "--out"):
         fail(problem)

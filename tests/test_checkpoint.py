@@ -190,7 +190,8 @@ run_training(cfg, ParallelGrid.single("cpu"), Path({run!r}))
 """
 
 
-def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, capsys):
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, caplog):
+    caplog.set_level("INFO", logger="sluice")
     run = tmp_path / "run"
     script = KILL_SCRIPT.format(root=str(ROOT), cache=str(tmp_path / "cache"), run=str(run))
     killed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -202,7 +203,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path, capsys):
                               "checkpoint.resume=auto", "checkpoint.keep_last=2"], tmp_path / "cache")
     losses = run_training(cfg, ParallelGrid.single("cpu"), run)["losses"]
     assert len(losses) == 2  # steps 2 and 3: resumed after step 1
-    assert f"resumed from {run / 'checkpoints' / 'step_00000001'} (step 1)" in capsys.readouterr().out
+    assert f"resumed from {run / 'checkpoints' / 'step_00000001'} (step 1)" in caplog.text
     assert not partial.exists()
     assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step_00000002", "step_00000003"]
 
@@ -244,11 +245,12 @@ def test_a_save_interrupted_on_one_rank_leaves_the_previous_checkpoint_to_resume
     assert_bitwise_resume(straight, resumed, start=1)  # steps 2 and 3 again, from step 1's checkpoint
 
 
-def test_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
+def test_auto_without_checkpoints_starts_fresh(tmp_path, caplog):
+    caplog.set_level("INFO", logger="sluice")
     cfg = compose_run_config(["model=tiny", "train.steps=1", "schedule.n_microbatches=1", "checkpoint.resume=auto",
                               "checkpoint.keep_last=1", "checkpoint.save_final=false"], tmp_path / "cache")
     assert len(run_training(cfg, ParallelGrid.single("cpu"), tmp_path / "run")["losses"]) == 1
-    assert "no complete checkpoint in" in capsys.readouterr().out
+    assert "no complete checkpoint in" in caplog.text
     assert not (tmp_path / "run" / "checkpoints").exists()  # save_final=false, every=0: nothing written
 
 

@@ -148,3 +148,16 @@ def test_a_half_pruned_checkpoint_is_finished_on_the_next_prune(tmp_path):
     prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005", "step_00000006"]
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000005"]
+
+
+def test_a_training_checkpoint_given_as_dense_weights_is_refused_before_launch(saved, capsys):
+    from training.cli import preflight
+    from training.config import register_schema
+
+    register_schema()
+    with pytest.raises(SystemExit) as leave:
+        preflight(["model=tiny", f"checkpoint.load_dense={saved}"])
+    assert leave.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"sluice: config error: checkpoint.load_dense={saved} is a training checkpoint, not dense weights; continue "
+        f"it with checkpoint.resume={saved}, or export it first (scripts/export_hf.py {saved} OUT) and load OUT")

@@ -204,7 +204,9 @@ def test_every_schema_key_has_exactly_one_rule():
 def test_good_configs_pass(capsys):
     for args in ([], ["experiment=demo"], [*PP2, "parallel.vpp=2", "schedule=interleaved-1f1b"],
                  ["model=tiny-moe", "model.num_experts=8"], ["logger=wandb"],
-                 ["parallel.zero=1", "parallel.bucket_mb=50", "train.recompute=full"], ["-m", "train.steps=100,200"]):
+                 ["parallel.zero=1", "parallel.bucket_mb=50", "train.recompute=full"], ["-m", "train.steps=100,200"],
+                 ["-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=5", "hydra.launcher.partition=gpu",
+                  "train.steps=100,200"]):  # a launcher's keys come with its choice, never swept
         assert run_preflight(args, capsys) == (0, []), args
 
 
@@ -280,3 +282,13 @@ def test_corrupt_tokenizer_through_preflight(tmp_path, capsys):
     assert code == 2 and len(lines) == 1
     assert f"{tmp_path}/tok/tokenizer.json' is corrupt" in lines[0]
 
+
+
+@pytest.mark.parametrize("args, warning", [
+    (["data.val_fraction=0.1"], "data.val_fraction=0.1 holds data out of training, but train.eval_every=0 never "
+                                "evaluates it"),
+    (["train.trace_step=3"], "train.trace_step=3 traces the pipeline schedule, and parallel.pp=1 has none"),
+])
+def test_a_setting_that_would_do_nothing_warns(args, warning, capsys):
+    code, lines = run_preflight(["optim.warmup_steps=0", *args], capsys)
+    assert code == 0 and len(lines) == 1 and lines[0].startswith(f"sluice: config warning: {warning}"), lines

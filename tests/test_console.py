@@ -29,8 +29,14 @@ def test_summary_lines():
                          outputs={"metrics": "run/metrics.jsonl", "checkpoints": "run/checkpoints"})
     assert format_summary(summary, 5) == [
         "done: 5 steps in 12.3 s, final loss 2.5000, val loss 2.7500, mean 1234 tokens/s",
-        "  metrics: run/metrics.jsonl", "  checkpoints: run/checkpoints"]
+        "  metrics: run/metrics.jsonl", "  checkpoints: run/checkpoints", "next:",
+        "  continue: python train.py <same overrides> train.steps=<new total> checkpoint.resume=run/checkpoints",
+        "  export:   python scripts/export_hf.py run/checkpoints <out folder>",
+        '  generate: python scripts/generate.py <out folder> "<prompt>"']
     assert format_summary(summary, 10)[0].startswith("stopped early (of 10 steps): 5 steps")
+    without = RunSummary(steps=5, wall_time_s=1.0, final_loss=2.5, final_val_loss=None, mean_tokens_per_s=None,
+                         outputs={"metrics": "run/metrics.jsonl"})
+    assert format_summary(without, 5)[-1] == "  metrics: run/metrics.jsonl"  # nothing to continue from
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")

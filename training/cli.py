@@ -74,8 +74,9 @@ def expand_jobs(overrides: list[str]) -> Iterator[list[str]]:
     choices, keys = [], []
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.get_key_element()
-        if override.key_or_group.startswith("hydra/"):
-            continue  # launcher, sweeper and logging choices: Hydra's business, not the run config's
+        if override.key_or_group.startswith("hydra/"):  # launcher, sweeper, logging: Hydra's groups, not swept
+            choices.append([override.input_line])  # kept, so the hydra.launcher.* keys they bring compose
+            continue
         keys.append(override.key_or_group)
         if override.is_sweep_override():
             choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])

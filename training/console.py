@@ -97,6 +97,12 @@ def format_summary(summary: RunSummary, planned_steps: int) -> list[str]:
     ended = "done" if summary.steps >= planned_steps else f"stopped early (of {planned_steps} steps)"
     lines = [f"{ended}: " + ", ".join(figures)]
     lines += [f"  {label}: {path}" for label, path in summary.outputs.items()]
+    if "checkpoints" in summary.outputs:  # what a user does next, with the paths filled in
+        checkpoints = summary.outputs["checkpoints"]
+        lines += ["next:",
+                  f"  continue: python train.py <same overrides> train.steps=<new total> checkpoint.resume={checkpoints}",
+                  f"  export:   python scripts/export_hf.py {checkpoints} <out folder>",
+                  "  generate: python scripts/generate.py <out folder> \"<prompt>\""]
     return lines
 
 

@@ -156,13 +156,15 @@ def agreed_layout(cfg: DictConfig, watch: Watch) -> DictConfig:
 
 
 def configure_worker_logging(run_dir: Path, rank: int) -> None:
-    """Self-launched workers start without Hydra's logging: rank 0 appends to the run's train.log."""
+    """Self-launched workers start without Hydra's logging: rank 0 logs as Hydra would, to the console and the
+    run's train.log."""
     root = logging.getLogger()
     if root.handlers or rank != 0:
         return  # Hydra configured this process already, or this rank stays quiet
-    handler = logging.FileHandler(run_dir / "train.log")
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    root.addHandler(handler)
+    form = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+        handler.setFormatter(form)
+        root.addHandler(handler)
     root.setLevel(logging.INFO)
 
 

@@ -63,10 +63,17 @@ def validate_train(cfg: DictConfig) -> list[str]:
     if t.eval_every > 0 and cfg.data.val_path is None and cfg.data.val_fraction == 0:
         raise ConfigError(f"train.eval_every={t.eval_every} needs a held-out split; set data.val_fraction "
                           "(e.g. 0.05) or data.val_path=<jsonl file>")
+    warnings = []
     if cfg.optim.warmup_steps > t.steps:
-        return [f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (train.steps={t.steps}): "
-                "the learning rate never reaches optim.lr"]
-    return []
+        warnings.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (train.steps={t.steps}): "
+                        "the learning rate never reaches optim.lr")
+    if cfg.data.val_fraction > 0 and t.eval_every == 0:
+        warnings.append(f"data.val_fraction={cfg.data.val_fraction} holds data out of training, but train.eval_every=0 "
+                        "never evaluates it; set train.eval_every or drop data.val_fraction")
+    if t.trace_step is not None and cfg.parallel.pp == 1:
+        warnings.append(f"train.trace_step={t.trace_step} traces the pipeline schedule, and parallel.pp=1 has none: "
+                        "nothing is written")
+    return warnings
 
 
 def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
@@ -139,9 +146,14 @@ def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
 def validate_checkpoint(cfg: DictConfig) -> None:
     """A checkpoint to resume exists, is complete and readable, and was written for this model; the folders the
     run writes (checkpoint.dir, data.cache_dir) can be created and written."""
-    from checkpoint.manager import check_resume
+    from checkpoint.manager import check_resume, find_checkpoint
     from training.output_paths import output_dir_problem
 
+    dense = cfg.checkpoint.load_dense
+    if dense and Path(dense).is_dir() and find_checkpoint(Path(dense)) is not None:
+        raise ConfigError(f"checkpoint.load_dense={dense} is a training checkpoint, not dense weights; continue it "
+                          f"with checkpoint.resume={dense}, or export it first (scripts/export_hf.py {dense} OUT) "
+                          "and load OUT")
     for key in ("checkpoint.dir", "data.cache_dir"):
         if (value := OmegaConf.select(cfg, key)) and (problem := output_dir_problem(value, key)):
             raise ConfigError(problem)
