@@ -19,8 +19,11 @@ $(STAMP): requirements.txt
 train: setup
 	$(PY) train.py experiment=demo $(ARGS)
 
+# Two pytest workers (pytest-xdist): the suite's multi-process tests spend much of their time importing torch on
+# one core or waiting out a timeout, which the other worker's tests fill (about 8 instead of 10 minutes on 2 cores).
+TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 # Sleep schedules vs the simulator's ideal, the real model vs torch.distributed.pipelining, single-process
 # overhead, transport hop latency (about 11 minutes on 2 cores): bench/results.json, docs/benchmarks.md, bench/timelines/*.png.

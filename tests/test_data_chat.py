@@ -146,3 +146,12 @@ def test_a_step_without_labels_warns_with_its_cause(tmp_path, tokenizer_dir, cap
                           "train.seq_len or use shorter conversations)"
     if len(empty) > 1:
         assert warnings[-1].startswith(f"{len(empty)} of 8 steps ({', '.join(map(str, empty))}) had no label token")
+
+
+def test_jsonl_data_can_use_the_embedded_tokenizer(tmp_path):
+    path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
+    cfg = chat_cfg(tmp_path, path, "synthetic", seq_len=96)  # data.tokenizer=synthetic: no folder needed
+    assert check_data(cfg) is None
+    stream, tokenizer = build_data(cfg, 0, 1)
+    ids, labels = all_samples(stream)
+    assert labelled_text(tokenizer, ids[1], labels[1]) == ["counting: 3 4 5 6 7.<|im_end|>\n"]

@@ -21,7 +21,7 @@ from tests.spawn import run_workers
 from tests.test_reliability import TINY, pids_where, sluice_lines, wait_until
 
 TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--monitor-interval", "0.1",
-            "--log-dir", "{tmp}/torchrun"]  # torchrun's own logs: in the test's folder, not the system's temp folder
+            "--log-dir", "{tmp}/torchrun"]  # torchrun's own logs (without it: torchelastic_* in the temp folder)
 LAUNCHERS = {  # launcher -> (command, layout, the rank to fault: one whose peers wait on it in P2P and a collective)
     "self-launch": ([sys.executable, "train.py"], ["parallel.pp=2", "parallel.dp=2"], 2),
     "torchrun": ([*TORCHRUN, "--nproc-per-node", "2", "train.py"], ["parallel.dp=2"], 1),
@@ -29,13 +29,28 @@ LAUNCHERS = {  # launcher -> (command, layout, the rank to fault: one whose peer
 TIMEOUT_S = 15
 
 
+TEMP = Path(tempfile.gettempdir()) / f"sluice-test-temp-{os.getpid()}"  # the runs' TMPDIR: theirs alone to fill
+
+
+def unowned_shared_memory() -> set[str]:
+    """/dev/shm entries (semaphores, shared memory) that no live process maps: left behind, not in use (under
+    pytest-xdist other tests' processes create and use their own meanwhile)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return set()
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped |= {line.split(None, 5)[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line}
+        except OSError:
+            continue
+    return {str(p) for p in shm.iterdir()} - mapped
+
+
 def residue() -> set[str]:
-    """What a run could leave behind outside its run directory: semaphores and shared memory, launcher temp
-    folders, and anything in the repository root."""
-    temp = Path(tempfile.gettempdir())
-    return ({f"/dev/shm/{p.name}" for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()) \
-        | {str(p) for pattern in ("torchelastic_*", "sluice-launch-*") for p in temp.glob(pattern)} \
-        | {str(p) for p in ROOT.iterdir()}
+    """What the runs could leave behind outside their run directories: unowned semaphores and shared memory,
+    launcher temp folders, and anything in the repository root."""
+    return unowned_shared_memory() | {str(p) for p in TEMP.iterdir()} | {str(p) for p in ROOT.iterdir()}
 
 
 def nothing(rank: int, world_size: int) -> None:
@@ -48,9 +63,11 @@ def nothing(rank: int, world_size: int) -> None:
 def leaves_nothing_behind():
     """Every run of this module, killed, stopped or restarted, leaves nothing behind once it ended."""
     run_workers(nothing, 4)  # the session's pool of 4 (this module's reference) holds its queues until the end
+    TEMP.mkdir()
     before = residue()
     yield
     assert residue() - before == set()
+    TEMP.rmdir()
 
 
 def rank_pid(launcher_pid: int, rank: int) -> int:
@@ -70,7 +87,7 @@ def launch(cmd: list[str], args: list[str], run_dir: Path) -> subprocess.Popen:
     cmd = [part.replace("{tmp}", str(run_dir.parent)) for part in cmd]
     proc = subprocess.Popen([*cmd, *TINY, *args, f"data.cache_dir={run_dir.parent}/cache", f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(TEMP)})
     proc.lines = []
     proc.reader = timed_lines(proc.stderr, proc.lines)
     return proc
@@ -205,7 +222,7 @@ def test_a_crash_that_comes_back_after_the_same_checkpoint_ends_the_run_in_one_l
     fault = "debug.fault='crash@rank=1,step=5'"
     result = subprocess.run([sys.executable, "train.py", *TINY, "parallel.dp=2", *RESTARTS, fault,
                              f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(TEMP)})
     assert result.returncode == 1
     crash = "sluice: rank 1: debug.fault: injected crash on rank 1 at step 5"
     assert sluice_lines(result.stderr) == [  # no traceback, the crashing rank's own words, not its peer's

@@ -43,8 +43,14 @@ def test_export_then_generate(exported):
     root, state = exported
     loaded = MiniMindForCausalLM.from_pretrained(root / "hf")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "hf")  # the chat template travels with the export
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        "<|im_start|>user\nhi<|im_end|>\n"
     generate = subprocess.run([sys.executable, "scripts/generate.py", str(root / "hf"), "the cat",
-                               "--max-new-tokens", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                               "--max-new-tokens", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)  # no question to answer (custom code is trusted by flag)
     assert generate.returncode == 0, generate.stderr[-2000:]
     assert generate.stdout.strip()
 

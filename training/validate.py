@@ -1,4 +1,5 @@
-"""validate(cfg): the whole pre-launch check, pure (reads files, writes none). Per-key rules are in
+"""validate(cfg): the whole pre-launch check. It reads files and writes none; it fills in the values other keys
+derive (schedule.n_microbatches from train.global_batch_size, parallel.layers_per_stage=auto). Per-key rules are in
 `training.rules`; this module holds the rules that relate several keys."""
 
 from pathlib import Path

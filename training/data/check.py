@@ -13,7 +13,7 @@ from training.data.corpus import MIN_DOCUMENT_WORDS, synthetic_corpus
 from training.data.jsonl import bounded_lines, parse_row
 from training.data.spec import FORMATS, NAMES, DataError, DataSpec, Geometry, PACKED_FORMATS, data_spec, geometry, optional_field, section
 from training.data.split import split_documents, val_count
-from training.data.tokenizer import SPECIAL_TOKENS, load_tokenizer
+from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
 
 HEAD_LINES = 100  # rows read to catch a wrong file early; the loader checks every row
 SCAN_CHUNK = 1 << 20
@@ -58,8 +58,8 @@ def spec_problem(spec: DataSpec) -> str | None:
         problem = _file_problem("data.val_path", spec.val_path, spec.chat)
         if problem is not None:
             return problem
-    if spec.name == "jsonl":
-        hint = "pass data.tokenizer=<folder with tokenizer.json>"
+    if spec.name == "jsonl" and spec.tokenizer != EMBEDDED_TOKENIZER:
+        hint = f"pass data.tokenizer=<folder with tokenizer.json>, or {EMBEDDED_TOKENIZER} for the embedded one"
         if spec.tokenizer is None:
             return f"data.tokenizer: not set; {hint}"
         if not os.path.isdir(spec.tokenizer):
@@ -163,7 +163,7 @@ def check_data(cfg: Any, dp: int | None = None) -> str | None:
     if problem is None and geo.seq_len < 2:
         problem = f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens"
     if problem is None and spec.name == "jsonl":
-        problem = _tokenizer_problem(spec)
+        problem = None if spec.tokenizer == EMBEDDED_TOKENIZER else _tokenizer_problem(spec)
         for key, path in (("data.path", spec.path), ("data.val_path", spec.val_path)):
             if problem is None and path is not None:
                 problem = _head_problem(spec, key, path)

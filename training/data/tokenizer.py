@@ -100,14 +100,21 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# data.tokenizer=synthetic: the embedded tokenizer (trained on the synthetic corpus, data.vocab_size tokens, with the
+# chat template) for JSONL data too, when no tokenizer folder is at hand.
+EMBEDDED_TOKENIZER = "synthetic"
+
+
 def build_tokenizer(spec: DataSpec) -> PreTrainedTokenizerBase:
-    """The tokenizer of `spec`: loaded for "jsonl"; for "synthetic" trained once by one process and cached.
+    """The tokenizer of `spec`: loaded for "jsonl"; for "synthetic" (or data.tokenizer=synthetic) trained once by
+    one process and cached.
 
     Concurrent ranks serialise on a lock file beside the cache folder: the first trains and saves, the others
     wait and load its file (the OS releases the lock if the holder dies)."""
-    if spec.name == "jsonl":
+    if spec.name == "jsonl" and spec.tokenizer != EMBEDDED_TOKENIZER:
         if spec.tokenizer is None:
-            raise DataError("data.tokenizer: not set; pass data.tokenizer=<folder with tokenizer.json>")
+            raise DataError("data.tokenizer: not set; pass data.tokenizer=<folder with tokenizer.json>, or "
+                            f"{EMBEDDED_TOKENIZER} for the embedded one")
         return load_tokenizer(spec.tokenizer)
     folder = synthetic_tokenizer_dir(spec)
     if not (folder / "tokenizer.json").exists():
@@ -121,7 +128,7 @@ def build_tokenizer(spec: DataSpec) -> PreTrainedTokenizerBase:
 
 def tokenizer_vocab_size(spec: DataSpec) -> int:
     """Token ids the tokenizer of `spec` can produce, without training anything (synthetic: data.vocab_size)."""
-    if spec.name == "synthetic":
+    if spec.name == "synthetic" or spec.tokenizer == EMBEDDED_TOKENIZER:
         return int(spec.vocab_size)  # BPE training stops at or below this size
     return len(build_tokenizer(spec))
 
