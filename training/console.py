@@ -2,7 +2,6 @@
 
 import logging
 import sys
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,11 +123,7 @@ def run_outputs(run_dir: Path, checkpoint_dir: str | None) -> dict[str, str]:
 
 
 def quiet_progress_bars(rank: int) -> None:
-    """Only global rank 0 draws bars: silence the libraries' own (datasets' "tokenizing") on every other rank.
-
-    tqdm's default lock is a multiprocessing RLock: a named semaphore in /dev/shm that a SIGKILL of the process
-    group (scancel, an OOM kill) would leave behind. A rank draws from one process, so a thread lock does."""
-    tqdm.set_lock(threading.RLock())
+    """Only global rank 0 draws bars: silence the libraries' own (datasets' "tokenizing") on every other rank."""
     if rank != 0:
         import datasets
         import transformers
