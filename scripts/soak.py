@@ -34,13 +34,6 @@ def command(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> list[s
             f"data.cache_dir={args.out / 'cache'}", f"hydra.run.dir={run_dir}", *extra]
 
 
-def complete_steps(run_dir: Path) -> list[int]:
-    """Steps of the complete checkpoints in the run's checkpoint folder."""
-    from checkpoint.manager import complete_checkpoints
-
-    return [int(p.name.split("_")[-1]) for p in complete_checkpoints(run_dir / "checkpoints")]
-
-
 def run_to_end(cmd: list[str], timeout: float) -> float:
     """Run a command to completion; return its seconds; fail loudly on error."""
     start = time.monotonic()
