@@ -42,10 +42,10 @@ class CheckpointSpec:
     """Where and when to save, and what to resume from (`auto`, `none` or a path)."""
 
     dir: Path
-    every: int = 0
-    keep_last: int = 3
-    resume: str = "none"
-    save_final: bool = True
+    every: int
+    keep_last: int
+    resume: str
+    save_final: bool
     model_keys: tuple[str, ...] = ()  # the model fields a run sets: named first when a checkpoint's model differs
 
 

@@ -53,7 +53,7 @@ class ParallelGrid:
         return cls(device=torch.device(device))
 
     @classmethod
-    def build(cls, dp: int | None, tp: int, pp: int, backend: str = "auto", timeout_s: float = 300) -> "ParallelGrid":
+    def build(cls, dp: int | None, tp: int, pp: int, *, backend: str, timeout_s: float) -> "ParallelGrid":
         """Join (or reuse) the default process group via env:// and carve the (pp, dp, tp) mesh out of it."""
         if dist.is_initialized():
             world_size = dist.get_world_size()

@@ -41,17 +41,18 @@ class PipelineSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything a step engine needs beyond the grid and the model."""
+    """Everything a step engine needs beyond the grid and the model (no defaults: the run-config schema holds them;
+    `training.specs.default_engine_spec` fills them in for benchmarks and tests)."""
 
     pipeline: PipelineSpec
     micro_batch_size: int
     seq_len: int
-    dtype: torch.dtype = torch.float32
-    timeout_s: float = 300.0
-    emulate: bool = False  # one process plays every pipeline rank of its (dp, tp) coordinate
-    recompute: str = "none"  # activation recomputation of the decoder layers: none | full | selective
-    bucket_mb: float = 25.0  # data-parallel gradient buckets (MiB), reduced as soon as they are final
-    transport: str = "auto"  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
+    dtype: torch.dtype
+    timeout_s: float
+    emulate: bool  # one process plays every pipeline rank of its (dp, tp) coordinate
+    recompute: str  # activation recomputation of the decoder layers: none | full | selective
+    bucket_mb: float  # data-parallel gradient buckets (MiB), reduced as soon as they are final
+    transport: str  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
 
     @property
     def pipeline_ranks_per_process(self) -> int:

@@ -28,7 +28,7 @@ from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from training.cli import compose_validated, fail  # noqa: E402
 from training.config import model_config  # noqa: E402
-from training.schema import model_decoder  # noqa: E402
+from training.config.schema import model_decoder  # noqa: E402
 from training.layout import layout_world_size  # noqa: E402
 from training.output_paths import output_file_problem  # noqa: E402
 from training.planner.profile import measured_costs  # noqa: E402

@@ -10,20 +10,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-try:  # the schema moves to training/schema.py with the config work (issue 7); either home serves
-    from training.schema import DataSchema
-except ImportError:
-    from training.config import DataSchema
-from training.data import DataSpec, StepBatches, data_spec  # noqa: E402
-
-# Keys the schema gains with the data work of issues 9/11; the schema's own values win once it has them.
-BRIDGE = {"val_path": None, "val_fraction": 0.0, "skip_bad_lines": False, "max_line_bytes": 4 << 20}
+from training.config.schema import DataSchema
+from training.data import DataSpec, StepBatches, data_spec
 SMALL = {"name": "synthetic", "num_docs": 300, "seed": 0, "vocab_size": 512}
 
 
 def data_section(**overrides: Any) -> dict[str, Any]:
-    """A complete `data` section: the schema's defaults with `overrides`."""
-    return {**BRIDGE, **dataclasses.asdict(DataSchema()), **overrides}
+    """A complete `data` section: the schema's defaults (the synthetic preset's name) with `overrides`."""
+    return {**dataclasses.asdict(DataSchema()), "name": "synthetic", **overrides}
 
 
 def spec(**overrides: Any) -> DataSpec:

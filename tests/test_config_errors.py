@@ -55,7 +55,7 @@ def test_help_describes_sluice_keys_and_examples():
     result = run_train(["--help"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Sluice trains MiniMind language models")
-    assert "parallel.tp / pp / dp" in result.stdout and "schedule.n_microbatches" in result.stdout
+    assert "parallel.tp = 1" in result.stdout and "schedule.n_microbatches = 4" in result.stdout
     assert result.stdout.count("python train.py ") >= 3
 
 

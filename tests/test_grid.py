@@ -53,9 +53,9 @@ def test_grid_world8_pp2_dp2_tp2():
 def test_world_size_mismatch_fails_before_rendezvous(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ValueError, match=r"world size 8 != parallel.dp\*tp\*pp = 2\*2\*1; launch 4 processes"):
-        ParallelGrid.build(dp=2, tp=2, pp=1, backend="gloo")
+        ParallelGrid.build(dp=2, tp=2, pp=1, backend="gloo", timeout_s=60)
     with pytest.raises(ValueError, match=r"world size 8 is not a multiple of parallel.tp\*pp = 3\*1"):
-        ParallelGrid.build(dp=None, tp=3, pp=1, backend="gloo")
+        ParallelGrid.build(dp=None, tp=3, pp=1, backend="gloo", timeout_s=60)
     assert not dist.is_initialized()
 
 

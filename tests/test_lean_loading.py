@@ -34,7 +34,7 @@ expected = {n: tuple(t.shape) for n, t in decoder.module.state_dict().items()}
 plan = plan_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), decoder.config.num_hidden_layers)
 grid = ParallelGrid(pp=4, pp_rank=rank)
 weights = dense_source(path, expected, decoder.plan.ties)
-stages = build_stages(plan, decoder, grid, [rank], StageBuild(torch.float32, dense_token_loss, weights=weights))
+stages = build_stages(plan, decoder, grid, [rank], StageBuild(torch.float32, dense_token_loss, "none", weights))
 held = sum(p.numel() * p.element_size() for s in stages[rank].values() for p in s.module.parameters())
 # VmHWM, not ru_maxrss: the latter survives exec and so counts the forking parent's memory.
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024

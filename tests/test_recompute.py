@@ -15,7 +15,8 @@ from parallel.grid import ParallelGrid
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.stage import Stage
 from parallel.recompute import MODES, apply_recompute
-from parallel.spec import EngineSpec, PipelineSpec
+from parallel.spec import PipelineSpec
+from training.specs import default_engine_spec
 from parallel.step import MicroBatch, dense_token_loss, shifted_loss_sum
 from parallel.tensor import vocab_parallel_cross_entropy
 from parallel.tensor_pass import apply_tensor_parallel
@@ -91,7 +92,7 @@ def engine(mode: str, moe: bool = False, seq: int = 16, schedule: str = "1f1b", 
            dropout: float = 0.0) -> ParallelEngine:
     """A pp2 engine emulated in this process, its stage modules passed through `apply_recompute(mode)`."""
     vpp = 2 if SCHEDULES[schedule].needs_vpp else 1
-    spec = EngineSpec(PipelineSpec(pp=2, vpp=vpp, schedule=schedule, n_microbatches=m), micro_batch_size=2,
+    spec = default_engine_spec(PipelineSpec(pp=2, vpp=vpp, schedule=schedule, n_microbatches=m), micro_batch_size=2,
                       seq_len=seq, timeout_s=30, emulate=True)
     built = ParallelEngine(spec, tiny(moe=moe, dropout=dropout), ParallelGrid.single(CPU))
     for stage in built.stages.values():

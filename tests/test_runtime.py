@@ -23,6 +23,7 @@ from parallel.pipeline.simulate import simulate
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import EmulationError
 from parallel.spec import EngineSpec, PipelineSpec
+from training.specs import default_engine_spec
 from parallel.step import LocalEngine, MicroBatch, dense_token_loss
 from tests.spawn import run_workers
 from tests.test_schedules import random_feasible
@@ -49,7 +50,7 @@ def batches(m: int, seed: int = 1) -> list[MicroBatch]:
 
 def layout_cfg(schedule: str, pp: int, m: int, vpp: int = 1) -> EngineSpec:
     """The engine spec of a tiny pipeline, emulating every pipeline rank here."""
-    return EngineSpec(PipelineSpec(pp=pp, vpp=vpp, schedule=schedule, n_microbatches=m),
+    return default_engine_spec(PipelineSpec(pp=pp, vpp=vpp, schedule=schedule, n_microbatches=m),
                       micro_batch_size=2, seq_len=16, timeout_s=30, emulate=True)
 
 

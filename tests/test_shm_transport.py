@@ -220,8 +220,8 @@ def test_a_send_waiting_in_post_for_a_full_ring_is_what_the_hang_watch_reports()
 
 def test_shm_on_a_gpu_run_is_refused_before_launch(monkeypatch, tmp_path):
     from tests.equivalence import compose_run_config
-    from training.rules import ConfigError
-    from training.validate import validate_parallel
+    from training.config.values import ConfigError
+    from training.config.validate import validate_parallel
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
     cfg = compose_run_config(["parallel.pp=2", "parallel.transport=shm"], tmp_path)

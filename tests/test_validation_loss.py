@@ -17,7 +17,7 @@ RUN = ["model=tiny", "train.steps=3", "train.eval_every=2", "train.eval_batches=
 
 def test_validation_metrics_are_logged_at_the_interval_and_at_the_end_and_are_the_held_out_loss(tmp_path):
     from minimind import MiniMindForCausalLM
-    from training.schema import model_config
+    from training.config.schema import model_config
 
     cfg = compose_run_config(RUN, tmp_path / "cache")
     result = run_training(cfg, ParallelGrid.single(torch.device("cpu")), tmp_path / "run")

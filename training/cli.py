@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from training.config import CONF_DIR, ConfigError, register_schema, validate
 from training.output_paths import output_dir_problem
-from training.strict import check_override_keys
+from training.config.unknown_keys import check_override_keys
 
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra takes one value; the value is not an override.
@@ -143,6 +143,7 @@ def preflight(argv: list[str]) -> None:
     flags, overrides = split_argv(argv)
     if INFO_FLAGS & set(flags):
         return
+    register_schema()
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     warnings: dict[str, None] = {}
     try:
@@ -166,6 +167,12 @@ def preflight(argv: list[str]) -> None:
 def main() -> None:
     """Entry point used by train.py: register the schema, preflight, then hand over to Hydra."""
     register_schema()
+    flags, overrides = split_argv(sys.argv[1:])
+    if {"--help", "-h"} & set(flags):  # the key reference is read from the schema, not kept in a template
+        from training.config.reference import help_text
+
+        print(help_text(tuple(overrides)))
+        sys.exit(0)
     preflight(sys.argv[1:])
     from training.launch import hydra_main, under_torchrun
 

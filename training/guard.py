@@ -20,8 +20,7 @@ class StepGuard:
         self.grid = grid
         self.watch = watch if watch is not None else Watch(grid.rank)  # nobody reads it without a watchdog
         self.faults = faults if faults is not None else FaultInjector(OmegaConf.select(cfg, "debug.fault"), grid.rank)
-        train = cfg.train
-        self.policy = SkipPolicy(train.get("on_nonfinite", "stop"), train.get("max_skipped_steps", 3))
+        self.policy = SkipPolicy(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
         self.world = dist.group.WORLD if grid.world_size > 1 else None
 
     @property

@@ -3,7 +3,7 @@
 from omegaconf import DictConfig
 
 from parallel.spec import resolve_dp
-from training.rules import ConfigError
+from training.config.values import ConfigError
 
 
 def process_pp(cfg: DictConfig) -> int:

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from training.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
 from training.flops import device_peak_tflops, flops_per_token, throughput_record
-from training.schema import model_decoder
+from training.config.schema import model_decoder
 from training.loggers import open_sinks
 
 log = logging.getLogger("sluice")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
 from parallel.spec import EngineSpec, PipelineSpec
+from training.config.schema import model_keys, schema_defaults
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -28,29 +30,38 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+# EngineSpec's runtime settings and the run-config keys they come from.
+ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate", "bucket_mb": "parallel.bucket_mb",
+               "recompute": "train.recompute", "transport": "parallel.transport"}
+
+
 def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
     """Everything the step engine of this run needs, resolved for the compute device."""
     return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
                       seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device),
-                      timeout_s=float(cfg.parallel.timeout_s), emulate=bool(cfg.parallel.emulate),
-                      bucket_mb=float(cfg.parallel.bucket_mb), recompute=cfg.train.recompute,
-                      transport=cfg.parallel.transport)
+                      **{field: OmegaConf.select(cfg, key) for field, key in ENGINE_KEYS.items()})
+
+
+def default_engine_spec(pipeline: PipelineSpec, micro_batch_size: int, seq_len: int, **changes: Any) -> EngineSpec:
+    """An EngineSpec with the schema's defaults for every runtime setting but `changes` (benchmarks and tests)."""
+    defaults = schema_defaults()
+    settings = {field: defaults[key] for field, key in ENGINE_KEYS.items()}
+    settings["dtype"] = resolve_dtype(defaults["train.dtype"], torch.device("cpu"))
+    return EngineSpec(pipeline, micro_batch_size, seq_len, **{**settings, **changes})
 
 
 def checkpoint_spec(cfg: DictConfig, run_dir: Path) -> CheckpointSpec:
     """Where and when this run saves and what it resumes; the folder defaults to `<run dir>/checkpoints`."""
     c = cfg.checkpoint
-    from training.schema import model_keys
-
     return CheckpointSpec(dir=Path(c.dir) if c.dir else Path(run_dir) / "checkpoints", every=int(c.every),
                           keep_last=int(c.keep_last), resume=c.resume or "none",
-                          save_final=bool(c.get("save_final", True)), model_keys=model_keys())
+                          save_final=bool(c.save_final), model_keys=model_keys())
 
 
 def checkpoint_meta(cfg: DictConfig, grid) -> dict:
     """What a checkpoint records besides tensors: the model (checked on resume) and the writing layout."""
     from models import config_record
-    from training.schema import model_config
+    from training.config.schema import model_config
 
     model = config_record(model_config(cfg))
     p = cfg.parallel

@@ -27,7 +27,7 @@ class StageBuild:
 
     dtype: torch.dtype
     token_loss: TokenLoss
-    recompute: str = "none"
+    recompute: str  # none | full | selective
     weights: WeightSource | None = None  # required when the model is on the meta device
 
 

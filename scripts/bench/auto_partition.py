@@ -27,7 +27,8 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
-from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.spec import PipelineSpec  # noqa: E402
+from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 from training.config import CONF_DIR, register_schema, validate  # noqa: E402
 from training.planner.predict import candidate_of, predict  # noqa: E402
@@ -51,13 +52,13 @@ def config(overrides: list[str], base: list[str] = MODEL):
 
 def worker(rank: int, world: int, cfg_by_name: dict, rounds: int) -> dict | None:
     """Both splits on the same weights and batches, alternated; rank 0 returns the step times."""
-    grid = ParallelGrid.build(dp=1, tp=1, pp=2, backend="gloo")
+    grid = ParallelGrid.build(dp=1, tp=1, pp=2, backend="gloo", timeout_s=300)
     steps = {}
     for name, cfg in cfg_by_name.items():
         model, weights = build_model(cfg)
-        spec = EngineSpec(PipelineSpec(pp=2, schedule=cfg.schedule.name, n_microbatches=cfg.schedule.n_microbatches,
+        spec = default_engine_spec(PipelineSpec(pp=2, schedule=cfg.schedule.name, n_microbatches=cfg.schedule.n_microbatches,
                                        layers_per_stage=tuple(cfg.parallel.layers_per_stage or ()) or None),
-                          cfg.train.micro_batch_size, cfg.train.seq_len, timeout_s=300)
+                          cfg.train.micro_batch_size, cfg.train.seq_len)
         engine = build_engine(spec, model, grid, weights)
         optimizer = torch.optim.AdamW(engine.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(1)

@@ -35,7 +35,7 @@ COMPUTE_S = 0.005  # the sleep before each send (a stage's compute)
 def worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
     """Both transports, alternated. Rank 0 returns each round trip from its send to its receive, rank 1 its
     sleep in between (measured: a sleep overshoots by more than a hop takes)."""
-    grid = ParallelGrid.build(dp=1, tp=1, pp=2, backend="gloo")
+    grid = ParallelGrid.build(dp=1, tp=1, pp=2, backend="gloo", timeout_s=300)
     peer = 1 - rank
     transports = {"gloo": P2PTransport(rank, BOUNDARY, grid.device, 60),
                   "shm": shm_transport(rank, BOUNDARY, 60, {peer: 2}, required=True)}

@@ -31,9 +31,10 @@ from omegaconf import OmegaConf  # noqa: E402
 from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
-from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.spec import PipelineSpec  # noqa: E402
+from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch, shifted_loss_sum  # noqa: E402
-from training.schema import OptimSchema  # noqa: E402
+from training.config.schema import OptimSchema  # noqa: E402
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr  # noqa: E402
 
 GRAD_CLIP = 1.0
@@ -45,7 +46,7 @@ class SluiceStep:
 
     def __init__(self, setup: Setup, optim_cfg):
         grid = ParallelGrid.single("cpu")
-        spec = EngineSpec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size, setup.seq)
+        spec = default_engine_spec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size, setup.seq)
         self.engine = build_engine(spec, decoder_of(dense_model(setup)), grid)
         self.optimizer = build_optimizer(self.engine.parameters(), optim_cfg)
         self.cfg, self.grid, self.step_no = optim_cfg, grid, 0

@@ -34,7 +34,8 @@ from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.pipeline.actions import Costs  # noqa: E402
 from parallel.pipeline.plan import plan_pipeline  # noqa: E402
-from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.spec import PipelineSpec  # noqa: E402
+from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 
 PP = 4
@@ -70,7 +71,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
     """Every schedule at every m, Sluice and torch alternated; rank 0 returns the figures."""
     from torch_pipe import build
 
-    grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo")
+    grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo", timeout_s=300)
     out: dict = {}
     stage_costs: dict[int, Costs] = {}  # by chunks per rank: the model differs only in that
     for m in setup.microbatches:
@@ -84,7 +85,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
             if vpp not in stage_costs:
                 stage_costs[vpp] = measured_alone(model, PP * vpp, micro[0], rank)
             pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
-            spec = EngineSpec(pipeline, 1, SEQ, timeout_s=120)
+            spec = default_engine_spec(pipeline, 1, SEQ, timeout_s=120.0)
             engines[name] = build_engine(spec, decoder_of(model), grid)  # the default transport: shared memory here
             plan = plan_pipeline(pipeline, PP * vpp)
             ideal[name] = plan.simulate(stage_costs[vpp]).makespan

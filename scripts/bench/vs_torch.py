@@ -30,7 +30,8 @@ from minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
-from parallel.spec import EngineSpec, PipelineSpec  # noqa: E402
+from parallel.spec import PipelineSpec  # noqa: E402
+from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 
 PP = 4
@@ -70,7 +71,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
     """Both frameworks on every schedule, alternated; then one metered step each. Rank 0 returns the figures."""
     from torch_pipe import build
 
-    grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo")
+    grid = ParallelGrid.build(dp=1, tp=1, pp=PP, backend="gloo", timeout_s=300)
     embed_group = dist.new_group([0, PP - 1])  # torch's tied-embedding pair (every rank must create it)
     model = dense_model(setup)
     micro = batches(setup, model.config.vocab_size)
@@ -78,8 +79,8 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
     sluice, theirs, variants = {}, {}, {}
     for name in setup.schedules:
         vpp = SCHEDULES[name]
-        spec = EngineSpec(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=setup.microbatches),
-                          setup.micro_batch_size, setup.seq, timeout_s=300)
+        spec = default_engine_spec(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=setup.microbatches),
+                          setup.micro_batch_size, setup.seq)
         sluice[name] = build_engine(replace(spec, transport="p2p"), decoder_of(model), grid)
         theirs[name] = build(name, model, PP, setup.microbatches, grid.pp_rank, tokens, embed_group)
         variants[f"sluice {name}"] = lambda e=sluice[name]: _sluice_step(e, micro)

@@ -17,7 +17,7 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """The `data` config section; its defaults live only in the config schema (training/config.py)."""
+    """The `data` config section; its defaults live only in the config schema (training/config/schema.py)."""
 
     name: str
     path: str | None

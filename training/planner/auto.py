@@ -14,7 +14,7 @@ from training.planner.predict import Candidate
 from training.planner.profile import measured_costs
 from training.planner.search import apply_candidate, search
 from training.planner.search_report import chosen, no_fit_message
-from training.rules import ConfigError
+from training.config.values import ConfigError
 
 
 def choose(cfg: DictConfig, world_size: int) -> tuple[Candidate, str]:

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from parallel.pipeline.partition import balanced_partition
 from training.planner.costs import MeasuredCosts
-from training.schema import model_config, model_decoder
+from training.config.schema import model_config, model_decoder
 
 log = logging.getLogger("sluice")
 AUTO = "auto"

@@ -110,7 +110,7 @@ def fixed_parts(at_one: dict[str, float], at_two: dict[str, float]) -> dict[str,
 def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: int) -> dict:
     """What the measurements depend on: model dims, micro-batch shape, dtype, device, backend, threads."""
     from models import config_record
-    from training.schema import model_config
+    from training.config.schema import model_config
 
     dims = {k: v for k, v in config_record(model_config(cfg)).items() if k != "num_hidden_layers"}  # one layer's
     return {"version": VERSION, "model": dims, "micro_batch_size": cfg.train.micro_batch_size,

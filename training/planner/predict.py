@@ -13,7 +13,7 @@ from parallel.pipeline.plan import PipelinePlan, plan_pipeline
 from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
 from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
-from training.schema import model_config
+from training.config.schema import model_config
 
 
 @dataclass(frozen=True)

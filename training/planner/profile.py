@@ -24,7 +24,7 @@ from parallel.pipeline.weight_grad import SplitLinears, WeightGradStore
 from parallel.recompute import apply_recompute
 from parallel.step import autocast, shifted_loss_sum
 from training.cluster import omp_threads
-from training.schema import model_config
+from training.config.schema import model_config
 from training.layout import layout_world_size
 from training.planner.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cost_key, fixed_parts,
                                     load_cached, save, timed_fields)

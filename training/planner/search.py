@@ -10,12 +10,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from parallel.pipeline.schedules import SCHEDULES
 from training.planner.balance import cost_balanced_partition, measured_weights
-from training.schema import model_config
+from training.config.schema import model_config
 from training.planner.costs import MeasuredCosts
 from training.planner.predict import Candidate, Prediction, predict
 from training.layout import resolve_global_batch
-from training.rules import ConfigError
-from training.validate import validate_layout, validate_parallel
+from training.config.values import ConfigError
+from training.config.validate import validate_layout, validate_parallel
 
 GIB = 1 << 30
 Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `predict`, or a fake in tests

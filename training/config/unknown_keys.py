@@ -4,8 +4,8 @@ from difflib import SequenceMatcher
 
 from omegaconf import DictConfig
 
-from training.rules import ConfigError
-from training.schema import schema_defaults, schema_sections
+from training.config.values import ConfigError
+from training.config.schema import schema_defaults, schema_sections
 
 
 # Names other trainers (Megatron-LM, HF Trainer, torchtitan) use for a schema key: spelling is no guide there.

@@ -1,6 +1,6 @@
 """validate(cfg): the whole pre-launch check. It reads files and writes none; it fills in the values other keys
-derive (schedule.n_microbatches from train.global_batch_size, parallel.layers_per_stage=auto). Per-key rules are in
-`training.rules`; this module holds the rules that relate several keys."""
+derive (schedule.n_microbatches from train.global_batch_size, parallel.layers_per_stage=auto). Each key's own rule
+sits beside it in the schema; this module applies those and holds the rules that relate several keys."""
 
 from pathlib import Path
 
@@ -9,9 +9,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from training.layout import layout_world_size, resolve_global_batch, resolved_dp
 from training.loggers import check_logger
-from training.rules import ConfigError, check_keys
-from training.schema import model_config, model_keys
-from training.strict import check_known_keys
+from training.config.schema import model_config, model_keys, schema_keys
+from training.config.values import ConfigError, shown
+from training.config.unknown_keys import check_known_keys
 
 
 def check_resolvable(cfg: DictConfig) -> None:
@@ -22,6 +22,26 @@ def check_resolvable(cfg: DictConfig) -> None:
         key = getattr(error, "full_key", None) or "?"
         reason = str(error).strip().splitlines()[0]
         raise ConfigError(f"{key}: cannot resolve its interpolation ({reason}); fix or drop the ${{...}}") from None
+
+
+def check_keys(cfg: DictConfig) -> list[str]:
+    """Raise ConfigError for the first key that breaks its schema rule or is set outside its scope; return warnings
+    for harmless out-of-scope keys."""
+    keys = schema_keys()
+    for key in keys:
+        if problem := key.rule(key.name, OmegaConf.select(cfg, key.name)):
+            raise ConfigError(problem)
+    warnings = []
+    for key in (k for k in keys if k.read_when):
+        scope, value = key.read_when, OmegaConf.select(cfg, key.name)
+        state = OmegaConf.select(cfg, scope.switch)
+        if state not in scope.values and value != key.default:
+            problem = (f"{key.name}={shown(value)} is read only when {scope.switch}="
+                       f"{'|'.join(map(str, scope.values))} (here {scope.switch}={state})")
+            if scope.refuse:
+                raise ConfigError(f"{problem}; drop {key.name} or change {scope.switch}")
+            warnings.append(f"{problem}; it is ignored")
+    return warnings
 
 
 def validate_model(cfg: DictConfig) -> None:

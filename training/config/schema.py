@@ -1,0 +1,325 @@
+"""The run-config schema, the one home of every key: its type, default, value rule and one-line meaning side by side.
+
+Validation (`training.config.validate`), `python train.py --help` and the key tables of docs/configuration.md are all
+read from these fields (`scripts/config_docs.py` writes the tables). Adding a key is its line here and the code that
+uses it. A `name` is MISSING: the preset that conf/config.yaml's defaults list picks sets it.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from training.config.values import (LOGGER_BACKENDS, Rule, any_of_type, at_least, backends, betas, existing_path,
+                                    fault, fraction, layer_counts, non_negative, one_of, optional, positive,
+                                    schedule_name, text)
+
+CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the config groups of `python train.py`
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReadWhen:
+    """A key read only under another key's value: elsewhere it is refused (`refuse`) or ignored with a warning."""
+
+    switch: str
+    values: tuple[Any, ...]
+    refuse: bool
+
+
+def key(default: Any, meaning: str, rule: Rule = any_of_type, read_when: ReadWhen | None = None) -> Any:
+    """A schema field: its default, its value rule and its one-line meaning (markdown), kept together."""
+    metadata = {"meaning": meaning, "rule": rule, "read_when": read_when}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+SYNTHETIC_ONLY = ReadWhen("data.name", ("synthetic",), refuse=False)
+JSONL_ONLY = ReadWhen("data.name", ("jsonl",), refuse=True)
+
+
+@dataclass
+class ModelSchema:
+    """The model: a preset `name`, `hf_config` (a transformers config.json folder; none: MiniMind) and fields set on
+    top of the family's defaults (null keeps the default: MiniMindConfig's, or the config.json's)."""
+
+    name: str = key(MISSING, "the preset's name (recorded; not a model field; the preset sets it)", text)
+    hf_config: Optional[str] = key(
+        None, "a folder holding a transformers `config.json` (e.g. one written by `save_pretrained`); relative paths "
+        "also resolve against the repository (`models/configs/llama-tiny`)", optional(text))
+    vocab_size: Optional[int] = key(None, "embedding and LM-head rows; must be at least the tokenizer's vocabulary",
+                                    optional(positive))
+    hidden_size: Optional[int] = key(None, "width of the residual stream", optional(positive))
+    intermediate_size: Optional[int] = key(
+        None, "SwiGLU width; MiniMind's `null` = `ceil(hidden_size * pi / 64) * 64` (2432 at 768)", optional(positive))
+    num_hidden_layers: Optional[int] = key(None, "decoder layers (split over pipeline stages)", optional(positive))
+    num_attention_heads: Optional[int] = key(
+        None, "query heads; must divide `hidden_size` (where `head_dim` is derived) and be divisible by `parallel.tp`",
+        optional(positive))
+    num_key_value_heads: Optional[int] = key(
+        None, "key/value heads (grouped-query attention); must divide the query heads", optional(positive))
+    max_position_embeddings: Optional[int] = key(None, "RoPE table length; `train.seq_len` may not exceed it",
+                                                 optional(positive))
+    rms_norm_eps: Optional[float] = key(None, "epsilon of every RMSNorm", optional(positive))
+    rope_theta: Optional[float] = key(
+        None, "RoPE base frequency (transformers' families: written into `rope_parameters`)", optional(positive))
+    dropout: Optional[float] = key(None, "attention and residual dropout probability (MiniMind only)",
+                                   optional(fraction()))
+    use_moe: Optional[bool] = key(
+        None, "replace each MLP with routed experts (MiniMind only; Qwen3-MoE is MoE by its config)")
+    num_experts: Optional[int] = key(None, "experts per MoE layer", optional(positive))
+    num_experts_per_tok: Optional[int] = key(None, "experts each token is routed to (top-k)", optional(positive))
+    moe_intermediate_size: Optional[int] = key(None, "expert width; MiniMind's `null` = `intermediate_size`",
+                                               optional(positive))
+    norm_topk_prob: Optional[bool] = key(None, "renormalise the top-k routing weights to sum to 1")
+    router_aux_loss_coef: Optional[float] = key(
+        None, "weight of the load-balancing auxiliary loss (`aux_loss` in the metrics)", optional(non_negative))
+    initializer_range: Optional[float] = key(None, "standard deviation of the initial weights", optional(positive))
+    tie_word_embeddings: Optional[bool] = key(
+        None, "share the embedding and LM-head weights (kept equal across stages)")
+
+
+@dataclass
+class ParallelSchema:
+    """Layout: data, tensor and pipeline parallel sizes, virtual stages and runtime settings."""
+
+    dp: Optional[int] = key(
+        None, "data-parallel replicas; `null` = world size / (tp * pp), or 1 when Sluice launches the workers itself",
+        optional(positive))
+    tp: int = key(1, "tensor-parallel ranks (heads and MLP columns split; keep inside a node)", positive)
+    pp: int = key(1, "pipeline-parallel ranks", positive)
+    vpp: int = key(1, "virtual stages (model chunks) per pipeline rank; `>= 2` for `interleaved-1f1b` and `zbv`",
+                   positive)
+    layers_per_stage: Any = key(
+        None, "explicit layer counts per stage, e.g. `[3,3,2]`; `null` = balanced to one layer; `auto` = balanced by "
+        "cost (embedding on the first stage, head and loss on the last), from the costs `scripts/profile_costs.py` "
+        "cached for the shape, else from FLOPs; the launch log says what it chose", layer_counts)
+    backend: str = key("auto", "`auto` (NCCL with CUDA, else gloo), `gloo`, `nccl`", one_of("auto", "gloo", "nccl"))
+    timeout_s: float = key(300.0, "seconds any blocking wait after start-up (send, receive, collective) may take",
+                           positive)
+    startup_timeout_s: float = key(
+        600.0, "bound of every start-up wait (joining the process group while peers still import, agreeing on the "
+        "run directory); `parallel.timeout_s` bounds every wait after it", positive)
+    emulate: bool = key(False, "run all `pp` pipeline ranks inside each process (see "
+                               "[emulation](concepts.md#emulation))")
+    zero: int = key(0, "`1`: shard the optimizer state over the DP group (ZeRO-1, torch's "
+                       "`ZeroRedundancyOptimizer`)", one_of(0, 1))
+    bucket_mb: float = key(
+        25.0, "size (MB) of the gradient buckets whose DP reduction starts as soon as their gradients are final, "
+        "overlapping the backward", positive)
+    transport: str = key(
+        "auto", "how pipeline ranks pass boundary tensors: `shm` (shared memory between the ranks of one host, CPU "
+        "tensors; see [concepts](concepts.md#transport)), `p2p` (torch.distributed send/recv: gloo or NCCL); `auto` = "
+        "`shm` when every rank is on one host and computes on the CPU, else `p2p`", one_of("auto", "shm", "p2p"))
+    plan: Optional[str] = key(
+        None, "`auto`: before launch, search every layout (dp, tp, pp, vpp, schedule, micro-batches at the same "
+        "global batch, recompute, partition) of the launched world on measured costs and run the fastest predicted "
+        "one within `memory_budget_gb`; prints `sluice: parallel.plan=auto chose ...`. `python scripts/plan.py "
+        "--search world_size=N ...` shows the whole ranking", optional(one_of("auto")))
+    memory_budget_gb: Optional[float] = key(
+        None, "per-rank memory budget (GiB) of `plan=auto` and `scripts/plan.py --search`; a layout whose predicted "
+        "peak exceeds it is rejected", optional(positive),
+        ReadWhen("parallel.plan", ("auto",), refuse=False))  # scripts/plan.py --search reads it too
+
+
+@dataclass
+class ScheduleSchema:
+    """Pipeline schedule by name (or a table file) and micro-batches per step."""
+
+    name: str = key(MISSING, "the pipeline schedule (the preset sets it)", schedule_name)
+    n_microbatches: int = key(4, "micro-batches per step and per DP replica", positive)
+    path: Optional[str] = key(None, "CSV or JSON schedule table, with `schedule=table`", optional(text),
+                              ReadWhen("schedule.name", ("table",), refuse=True))  # the table loader checks the file
+
+
+@dataclass
+class TrainSchema:
+    """Loop settings: steps, batch geometry, seed, precision, clipping, logging cadence."""
+
+    steps: int = key(1000, "optimizer steps", positive)
+    micro_batch_size: int = key(8, "sequences per micro-batch", positive)
+    global_batch_size: Optional[int] = key(
+        None, "sequences per optimizer step across DP; when set, `schedule.n_microbatches` = `global_batch_size / "
+        "(dp * micro_batch_size)` (it must divide)", optional(positive))
+    seq_len: int = key(256, "tokens per sequence", at_least(2))  # one input and one label token at least
+    seed: int = key(42, "seed of the initial weights (the same for every layout) and of the sample order "
+                        "(reshuffled each epoch)", at_least(0))
+    dtype: str = key("auto", "compute dtype: `auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`",
+                     one_of("auto", "fp32", "bf16"))
+    grad_clip: float = key(1.0, "global gradient-norm clipping threshold; `0` = off", non_negative)
+    log_every: int = key(10, "log a metrics record every N steps (the first and last step are always logged)",
+                         positive)
+    trace_step: Optional[int] = key(
+        None, "step (1-based) to trace: Chrome trace and measured-vs-planned PNG in the run directory",
+        optional(positive))
+    recompute: str = key(
+        "none", "activation recomputation: `none`, `full` (each decoder layer), `selective` (attention core and MLP "
+        "activations)", one_of("none", "full", "selective"))
+    eval_every: int = key(0, "validation every N steps and at the end (`0` = never): `val_loss` and `val_ppl` in the "
+                             "metrics", non_negative)
+    eval_batches: int = key(10, "batches per validation pass", positive)
+    on_nonfinite: str = key("stop", "a non-finite loss or gradient norm: `stop` every rank, or `skip` the update",
+                            one_of("stop", "skip"))
+    max_skipped_steps: int = key(3, "with `skip`: stop after this many skipped steps in a row", positive,
+                                 ReadWhen("train.on_nonfinite", ("skip",), refuse=True))
+    max_restarts: int = key(
+        0, "self-launch: restart the workers after a crash or kill, from the newest checkpoint, up to N times per "
+        "checkpoint ([launching](launching.md#surviving-a-lost-worker-trainmax_restarts))", non_negative)
+    peak_tflops: Optional[float] = key(
+        None, "per-device peak TFLOP/s for `mfu`; `null` = the GPU's known bf16 peak, none on CPU", optional(positive))
+
+
+@dataclass
+class OptimSchema:
+    """AdamW with linear warm-up then cosine decay to min_lr_ratio * lr."""
+
+    name: str = key(MISSING, "the optimizer (AdamW is the only one; the preset sets it)", one_of("adamw"))
+    lr: float = key(5e-4, "peak learning rate", positive)
+    min_lr_ratio: float = key(0.1, "floor of the cosine decay, as a fraction of `lr`", fraction(closed_top=True))
+    weight_decay: float = key(0.01, "decoupled weight decay", non_negative)
+    betas: list[float] = key([0.9, 0.95], "Adam's beta1, beta2", betas)
+    eps: float = key(1e-8, "Adam's epsilon", positive)
+    warmup_steps: int = key(100, "steps of linear warm-up from 0 to `lr`", non_negative)
+
+
+@dataclass
+class DataSchema:
+    """Where training text comes from and how it becomes fixed-length samples."""
+
+    name: str = key(MISSING, "the data source (the preset sets it)", one_of("synthetic", "jsonl"))
+    path: Optional[str] = key(None, "JSONL file, one `{\"text\": ...}` per line (`data=jsonl`)",
+                              read_when=JSONL_ONLY)  # the file itself: training.data.check_data
+    tokenizer: Optional[str] = key(
+        None, "a local tokenizer folder (for example MiniMind's) (`data=jsonl`), or `synthetic` for the embedded "
+        "tokenizer (`data.vocab_size` tokens, with the chat template)", read_when=JSONL_ONLY)
+    format: str = key(
+        "packed", "`packed` (documents concatenated and cut to `seq_len`), `padded` (one document per sample, "
+        "MiniMind style; the `jsonl` preset's default) or `chat` (MiniMind's `conversations` JSONL, loss on assistant "
+        "tokens only)", one_of("packed", "padded", "chat", "chat_packed"))
+    num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
+    seed: int = key(0, "seed of the synthetic corpus", at_least(0))
+    vocab_size: int = key(2048, "vocabulary of the synthetic corpus's BPE tokenizer",
+                          at_least(259), SYNTHETIC_ONLY)  # 256 bytes + 3 special tokens
+    cache_dir: str = key(".cache/sluice", "where the synthetic corpus, its tokenizer and tokenised data are cached",
+                         text)
+    val_path: Optional[str] = key(None, "held-out JSONL for validation", optional(text))
+    val_fraction: float = key(0.0, "fraction of the training data held out for validation (disjoint from training)",
+                              fraction())
+    skip_bad_lines: bool = key(False, "skip (and count) unusable JSONL rows instead of stopping with the file and "
+                                      "line")
+    max_line_bytes: int = key(4 * MIB, "longest JSONL line accepted (4 MiB)", positive)
+
+
+@dataclass
+class CheckpointSchema:
+    """Training checkpoints and dense-weight loading."""
+
+    dir: Optional[str] = key(None, "where training checkpoints go (`null` = `<run dir>/checkpoints`)", optional(text))
+    every: int = key(0, "save a training checkpoint every N steps (`0` = never)", non_negative)
+    keep_last: int = key(3, "training checkpoints kept", positive)
+    resume: Optional[str] = key(None, "a training checkpoint to resume from (a checkpoint, a checkpoints folder, a "
+                                      "run directory, `auto` or `none`)", optional(text))
+    save_final: bool = key(True, "save a training checkpoint at the end")
+    load_dense: Optional[str] = key(
+        None, "initial weights: an HF folder, a `.safetensors` file or a MiniMind `.pth`", existing_path)
+
+
+@dataclass
+class LoggerSchema:
+    """Rank-0 metric sinks besides metrics.jsonl; `name` is the preset, `backends` the sinks it writes."""
+
+    name: str = key(MISSING, "the preset's name", one_of(*LOGGER_BACKENDS))
+    backends: list[str] = key(MISSING, "the sinks to write: any of `tensorboard`, `wandb` (`[]` or `[none]` for "
+                                       "none; the preset sets it)", backends)
+    project: str = key("sluice", "the wandb project", text)
+    mode: str = key("offline", "wandb mode: `offline` (no key needed; `wandb sync` later), `online` (needs `wandb "
+                               "login` or `WANDB_API_KEY`), `disabled`", one_of("offline", "online", "disabled"))
+
+
+@dataclass
+class DebugSchema:
+    """Rehearsal switches."""
+
+    fault: Optional[str] = key(
+        None, "fault injection for rehearsals and tests: `stall`, `crash` or `nan` `@rank=R,step=S[,action=A]`, e.g. "
+        "`stall@rank=1,step=3`", optional(fault))
+
+
+@dataclass
+class RunSchema:
+    """The whole run config."""
+
+    model: ModelSchema = field(default_factory=ModelSchema)
+    parallel: ParallelSchema = field(default_factory=ParallelSchema)
+    schedule: ScheduleSchema = field(default_factory=ScheduleSchema)
+    train: TrainSchema = field(default_factory=TrainSchema)
+    optim: OptimSchema = field(default_factory=OptimSchema)
+    data: DataSchema = field(default_factory=DataSchema)
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    logger: LoggerSchema = field(default_factory=LoggerSchema)
+    debug: DebugSchema = field(default_factory=DebugSchema)
+
+
+@dataclass(frozen=True)
+class SchemaKey:
+    """One leaf of the schema as the validators and the docs read it."""
+
+    name: str  # "train.steps"
+    type: Any
+    default: Any
+    meaning: str
+    rule: Rule
+    read_when: ReadWhen | None
+
+
+def schema_keys(node: type = RunSchema, prefix: str = "") -> list[SchemaKey]:
+    """Every leaf key of the schema, in declaration order."""
+    keys: list[SchemaKey] = []
+    for f in dataclasses.fields(node):
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, type) and dataclasses.is_dataclass(f.type)):
+            keys += schema_keys(f.type, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        keys.append(SchemaKey(f"{prefix}{f.name}", f.type, default, f.metadata["meaning"], f.metadata["rule"],
+                              f.metadata["read_when"]))
+    return keys
+
+
+def register_schema() -> None:
+    """Make `base_config` available to the defaults list of conf/config.yaml."""
+    ConfigStore.instance().store(name="base_config", node=RunSchema)
+
+
+def model_config(cfg: Any):
+    """The transformers config of the run's model section (MiniMind's, or the family of `model.hf_config`)."""
+    from omegaconf import OmegaConf
+
+    from models import model_config as resolve
+
+    return resolve(OmegaConf.to_container(cfg.model, resolve=True))
+
+
+def model_decoder(cfg: Any):
+    """The run's dense model on the meta device (shapes only, no memory), as a `parallel.decoder.Decoder`."""
+    from models import build_model, decoder_of
+
+    return decoder_of(build_model(model_config(cfg)))
+
+
+def model_keys() -> tuple[str, ...]:
+    """The model fields a run may set (the schema's model section, the preset name aside)."""
+    return tuple(f.name for f in dataclasses.fields(ModelSchema) if f.name != "name")
+
+
+def schema_defaults() -> dict[str, Any]:
+    """Every leaf key of the schema ("train.steps") with its default value (`???` where a preset sets it)."""
+    return {k.name: k.default for k in schema_keys()}
+
+
+def schema_sections() -> tuple[str, ...]:
+    """The top-level sections of the run config ("model", "parallel", ...)."""
+    return tuple(f.name for f in dataclasses.fields(RunSchema))
