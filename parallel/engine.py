@@ -1,6 +1,6 @@
 """ParallelEngine: this rank's share of a DP x TP x PP layout behind the trainer's `step(micro_batches)`.
 
-Construction is three named steps: plan the pipeline (`plan_pipeline`), build this rank's stages
+Construction is three named steps: prepare the pipeline (`prepare_pipeline`), build this rank's stages
 (`build_stages`), choose the loss and the transport; then `GradientSync` owns the step's gradient sums.
 With `emulate` one process holds every pipeline rank of its (dp, tp) coordinate: the same stages, lists
 and runtime loop, over in-process channels instead of P2P.
@@ -24,9 +24,9 @@ from parallel.materialize import WeightSource
 from parallel.pipeline.actions import Action, Kind, Lists, comm_peer
 from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
 from parallel.pipeline.evaluation import forward_only
-from parallel.pipeline.plan import PipelinePlan, plan_pipeline
+from parallel.pipeline.prepare import LoweredPipeline, prepare_pipeline
 from parallel.pipeline.release import send_releases
-from parallel.pipeline.runtime import Program, Record, StepPlan, execute, execute_emulated, prepare
+from parallel.pipeline.runtime import Program, Record, StepScales, execute, execute_emulated, prepare
 from parallel.pipeline.shm_transport import send_counts, shm_available, shm_transport
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
@@ -58,13 +58,13 @@ def choose_token_loss(grid: ParallelGrid, vocab_size: int) -> TokenLoss:
                              vocab_start=grid.tp_rank * (vocab_size // grid.tp))
 
 
-def choose_transport(spec: EngineSpec, plan: PipelinePlan, grid: ParallelGrid,
+def choose_transport(spec: EngineSpec, pipeline: LoweredPipeline, grid: ParallelGrid,
                      hidden_size: int) -> tuple[Transport | LocalTransport, Callable[[Action], int]]:
     """The transport and the peer-rank function: in-process channels under emulation, else shared memory when
     every rank is on this host and computes on the CPU (`parallel.transport=auto`), else torch.distributed P2P."""
     # The residual stream stays fp32 under bf16 autocast (fp32 embedding + bf16 branches), so is the boundary.
     boundary = Boundary((spec.micro_batch_size, spec.seq_len, hidden_size), torch.float32)
-    n_stages, placement, pp = plan.n_stages, plan.placement, plan.spec.pp
+    n_stages, placement, pp = pipeline.n_stages, pipeline.placement, pipeline.spec.pp
     if spec.emulate:
         return LocalTransport(boundary), functools.partial(comm_peer, n_stages=n_stages, placement=placement, pp=pp)
 
@@ -77,7 +77,7 @@ def choose_transport(spec: EngineSpec, plan: PipelinePlan, grid: ParallelGrid,
             raise ValueError(f"parallel.transport=shm carries CPU tensors on Linux; this run computes on "
                              f"{grid.device.type}: use parallel.transport=auto or p2p")
         if usable:  # the same answer on every rank: all of them take part in the collective below
-            slots = send_counts(plan.lowered[grid.pp_rank], peer_of)
+            slots = send_counts(pipeline.lowered[grid.pp_rank], peer_of)
             shm = shm_transport(grid.rank, boundary, spec.timeout_s, slots, required=spec.transport == "shm")
             if shm is not None:
                 return shm, peer_of
@@ -128,16 +128,16 @@ class ParallelEngine:
     def __init__(self, spec: EngineSpec, decoder: Decoder, grid: ParallelGrid, weights: WeightSource | None = None):
         self.spec, self.grid = spec, grid
         config = decoder.config
-        self.plan = plan_pipeline(spec.pipeline, config.num_hidden_layers)
+        self.pipeline = prepare_pipeline(spec.pipeline, config.num_hidden_layers)
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
-        self._lists = {r: list(self.plan.lowered[r]) for r in ranks}
+        self._lists = {r: list(self.pipeline.lowered[r]) for r in ranks}
         how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights)
-        self.stages_of: StagesByRank = build_stages(self.plan, decoder, grid, ranks, how)
+        self.stages_of: StagesByRank = build_stages(self.pipeline, decoder, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
-        self.transport, self.peer_of = choose_transport(spec, self.plan, grid, config.hidden_size)
-        self.programs = self._prepare(self.plan.lowered)
+        self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)
+        self.programs = self._prepare(self.pipeline.lowered)
         # A tied pair (the head and the embedding): a Parameter on the first stage and a copy on the last.
         if len(decoder.plan.ties) > 1:
             raise ValueError(f"{type(decoder.module).__name__} ties {len(decoder.plan.ties)} pairs of weights; "
@@ -145,7 +145,7 @@ class ParallelEngine:
         tied, source = next(iter(decoder.plan.ties.items()), (None, None))
         self.tied = tied is not None
         self.first = self.stages[0].chunk.parameter(source) if self.tied and 0 in self.stages else None
-        last = self.stages.get(self.plan.n_stages - 1)
+        last = self.stages.get(self.pipeline.n_stages - 1)
         self.head = last.chunk.parameter(tied) if self.tied and last is not None else None
         self.sync = self._gradient_sync()
 
@@ -158,15 +158,15 @@ class ParallelEngine:
     def lists(self, lists: dict[int, list[Action]]) -> None:
         """Replace the lists (tests inject broken ones); the runtime's programs follow."""
         self._lists = lists
-        self.programs = self._prepare([lists.get(r, self.plan.lowered[r]) for r in range(self.plan.spec.pp)])
+        self.programs = self._prepare([lists.get(r, self.pipeline.lowered[r]) for r in range(self.pipeline.spec.pp)])
 
     def _prepare(self, lists: Lists) -> dict[int, Program]:
         """This process's ranks' lists (of every rank's `lists`) as the runtime loop executes them: peers resolved,
         receives placed, and which arrival proves which send done."""
         early = getattr(self.transport, "receives_early", False)
-        plan = self.plan
+        pipeline = self.pipeline
         return {r: prepare(list(lists[r]), self.peer_of, early,
-                           send_releases(lists, r, plan.n_stages, plan.placement, plan.spec.pp)) for r in self.lists}
+                           send_releases(lists, r, pipeline.n_stages, pipeline.placement, pipeline.spec.pp)) for r in self.lists}
 
     def _gradient_sync(self) -> GradientSync:
         """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP."""
@@ -233,7 +233,7 @@ class ParallelEngine:
     @property
     def planned(self) -> SimResult:
         """The simulated step (unit costs) that a trace is drawn against."""
-        return self.plan.simulate()
+        return self.pipeline.simulate()
 
     def peak_live(self) -> dict[int, int]:
         """Per pipeline rank: the most micro-batches whose saved state its stages held at once in the last step."""
@@ -246,16 +246,16 @@ class ParallelEngine:
         grid = self.grid
         tokens = global_label_tokens(micro_batches, grid)
         aux_scale = 1.0 / (len(micro_batches) * grid.dp)
-        plan = StepPlan(loss_scale=loss_scale_of(tokens), aux_scale=aux_scale, hooks=self.sync)
+        scales = StepScales(loss_scale=loss_scale_of(tokens), aux_scale=aux_scale, hooks=self.sync)
         for stage in self.stages.values():
             stage.reset()
         self.sync.start_step()
         records, origin = self._trace_start(trace)
         if self.emulated:
-            execute_emulated(self.programs, self.stages_of, self.transport, micro_batches, plan, records)
+            execute_emulated(self.programs, self.stages_of, self.transport, micro_batches, scales, records)
         else:
             r = grid.pp_rank
-            execute(self.programs[r], self.stages_of[r], self.transport, micro_batches, plan,
+            execute(self.programs[r], self.stages_of[r], self.transport, micro_batches, scales,
                     None if records is None else records.setdefault(r, []))
         self.sync.finish()
         sums = self.sync.step_sums()  # the loss lives on the last stage, aux on every stage
@@ -268,18 +268,18 @@ class ParallelEngine:
     @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches through the same stages, transport and runtime."""
-        grid, programs = self.grid, self._prepare(forward_only(self.plan, len(micro_batches)))
+        grid, programs = self.grid, self._prepare(forward_only(self.pipeline, len(micro_batches)))
         tokens = global_label_tokens(micro_batches, grid)
         for stage in self.stages.values():
             stage.reset()
             stage.module.eval()
         try:
-            plan = StepPlan(loss_scale=1.0, aux_scale=0.0)
+            scales = StepScales(loss_scale=1.0, aux_scale=0.0)
             if self.emulated:
-                execute_emulated(programs, self.stages_of, self.transport, micro_batches, plan)
+                execute_emulated(programs, self.stages_of, self.transport, micro_batches, scales)
             else:
                 r = grid.pp_rank
-                execute(programs[r], self.stages_of[r], self.transport, micro_batches, plan)
+                execute(programs[r], self.stages_of[r], self.transport, micro_batches, scales)
         finally:
             for stage in self.stages.values():
                 stage.module.train()

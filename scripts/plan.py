@@ -22,7 +22,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from parallel.pipeline.actions import Lists  # noqa: E402
 from parallel.pipeline.partition import stage_to_rank  # noqa: E402
-from parallel.pipeline.plan import plan_pipeline  # noqa: E402
+from parallel.pipeline.prepare import prepare_pipeline  # noqa: E402
 from parallel.pipeline.render import plan_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
     pp, vpp = p.pp, p.vpp
     n_stages = pp * vpp
     try:
-        plan = plan_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
+        plan = prepare_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
     except ValueError as error:
         fail(str(error))
     partition, placement, lowered = list(plan.partition), plan.placement, plan.lowered

@@ -23,7 +23,7 @@ from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from training.config import register_schema  # noqa: E402
 from training.data import DataError, build_splits, build_tokenizer, data_spec, geometry  # noqa: E402
 from training.data.build import source_folder  # noqa: E402
-from training.data.check import spec_problem  # noqa: E402
+from training.data.validate import spec_problem  # noqa: E402
 
 EXIT_DATA_ERROR = 2
 

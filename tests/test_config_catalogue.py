@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from training.cli import preflight
 from training.config import ConfigError, register_schema
-from training.fault_spec import parse_fault
+from training.reliability.faults import parse_fault
 from training.layout import layout_world_size, process_pp
 from training.config.unknown_keys import nearest_key
 

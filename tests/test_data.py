@@ -21,7 +21,7 @@ from training.data import (
     TensorSamples,
     build_data,
     build_tokenizer,
-    check_data,
+    data_problem,
     load_tokenizer,
     load_tokenizer_vocab_size,
     save_atomically,
@@ -124,7 +124,7 @@ def test_padded_format_layout(tmp_path, tokenizer_dir, tokenizer):
                      cache_dir=str(tmp_path / "cache")),
         seq_len=seq_len, micro_batch_size=1, n_microbatches=3,
     )
-    assert check_data(cfg) is None
+    assert data_problem(cfg) is None
     stream, _ = build_data(cfg, dp_rank=0, dp_size=1)
     ids, labels = all_samples(stream)
     assert ids.shape == (3, seq_len) and ids.dtype == torch.long
@@ -244,33 +244,33 @@ def test_num_label_tokens():
     assert MicroBatch(labels.clamp(min=0), labels).num_label_tokens() == 4  # position 0 never counts
 
 
-# ---------------------------------------------------------------------------------- check_data
+# ---------------------------------------------------------------------------------- data_problem
 
 
 def test_check_data_messages(tmp_path, tokenizer_dir):
     def jsonl(path, tokenizer=str(tokenizer_dir)):
         return make_cfg(data_section(name="jsonl", path=str(path), tokenizer=tokenizer))
 
-    assert check_data(make_cfg(data_section(**SMALL))) is None
+    assert data_problem(make_cfg(data_section(**SMALL))) is None
 
-    missing = check_data(jsonl(tmp_path / "x.jsonl"))
+    missing = data_problem(jsonl(tmp_path / "x.jsonl"))
     assert missing.startswith("data.path: file") and "does not exist" in missing and "data.path=" in missing
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("this is not json\n")
-    assert "is not JSON" in check_data(jsonl(bad))
+    assert "is not JSON" in data_problem(jsonl(bad))
 
     no_text = tmp_path / "no_text.jsonl"
     no_text.write_text('{"content": "hi"}\n')
-    assert 'no "text" key' in check_data(jsonl(no_text))
+    assert 'no "text" key' in data_problem(jsonl(no_text))
 
     good = write_jsonl(tmp_path / "good.jsonl", synthetic_corpus(20, seed=0))  # more than one global batch
-    assert check_data(jsonl(good)) is None
-    message = check_data(jsonl(good, tokenizer=str(tmp_path / "nope")))
+    assert data_problem(jsonl(good)) is None
+    message = data_problem(jsonl(good, tokenizer=str(tmp_path / "nope")))
     assert message.startswith("data.tokenizer: folder") and "does not exist" in message
     (tmp_path / "empty").mkdir()
-    assert "neither tokenizer.json nor tokenizer_config.json" in check_data(jsonl(good, str(tmp_path / "empty")))
-    assert "data.name" in check_data(make_cfg(data_section(name="parquet")))
-    assert "data.format" in check_data(make_cfg(data_section(format="ragged")))
+    assert "neither tokenizer.json nor tokenizer_config.json" in data_problem(jsonl(good, str(tmp_path / "empty")))
+    assert "data.name" in data_problem(make_cfg(data_section(name="parquet")))
+    assert "data.format" in data_problem(make_cfg(data_section(format="ragged")))
     with pytest.raises(ValueError, match="data.path"):
         build_data(jsonl(tmp_path / "x.jsonl"), 0, 1)

@@ -19,7 +19,7 @@ from training.data import (
     build_data,
     build_tokenizer,
     build_val_batches,
-    check_data,
+    data_problem,
     encode_texts,
     synthetic_corpus,
 )
@@ -144,19 +144,19 @@ def test_resume_position_is_layout_independent():
 
 def test_check_data_reports_batch_mismatch(tmp_path, tokenizer_dir):
     few = make_cfg(data_section(**{**SMALL, "num_docs": 3}), seq_len=256, micro_batch_size=8, n_microbatches=4)
-    message = check_data(few)
+    message = data_problem(few)
     assert message.startswith("data: data.num_docs=3 gives at most") and "one global batch of 32 = dp 1" in message
     padded = make_cfg(data_section(**{**SMALL, "num_docs": 40, "format": "padded"}), micro_batch_size=4,
                       n_microbatches=4)
-    assert check_data(padded) is None
-    assert "fewer than one global batch of 64 = dp 4" in check_data(padded, dp=4)
-    assert "gives at most 40 training sequences" in check_data(make_cfg(padded.data, micro_batch_size=4,
+    assert data_problem(padded) is None
+    assert "fewer than one global batch of 64 = dp 4" in data_problem(padded, dp=4)
+    assert "gives at most 40 training sequences" in data_problem(make_cfg(padded.data, micro_batch_size=4,
                                                                         n_microbatches=4, dp=4))
     small_val = make_cfg(data_section(**{**SMALL, "val_fraction": 0.01, "format": "padded"}), micro_batch_size=4,
                          n_microbatches=4)
-    assert check_data(small_val).startswith("data: the held-out split gives at most")
+    assert data_problem(small_val).startswith("data: the held-out split gives at most")
     lines = jsonl_cfg(tmp_path, tokenizer_dir, "padded", micro_batch_size=16, n_microbatches=8)
-    assert "gives at most 121 training sequences" in check_data(lines)  # a bound: newlines + 1
+    assert "gives at most 121 training sequences" in data_problem(lines)  # a bound: newlines + 1
     with pytest.raises(DataError, match="fewer than one global batch of 128"):
         build_data(lines, 0, 1)
 
@@ -195,5 +195,5 @@ def test_check_data_is_pure(tmp_path, tokenizer_dir):
     synthetic = make_cfg(data_section(**SMALL, cache_dir=str(tmp_path / "synthetic")))
     jsonl = jsonl_cfg(tmp_path, tokenizer_dir, skip_bad_lines=True)
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert check_data(synthetic) is None and check_data(jsonl) is None
+    assert data_problem(synthetic) is None and data_problem(jsonl) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == before and not (tmp_path / "cache").exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.data_helpers import SMALL, all_samples, data_section, make_cfg, spec
-from training.data import (IGNORE_INDEX, DataError, build_data, build_tokenizer, check_data, load_tokenizer,
+from training.data import (IGNORE_INDEX, DataError, build_data, build_tokenizer, data_problem, load_tokenizer,
                            synthetic_corpus)
 
 CONVERSATIONS = [
@@ -66,7 +66,7 @@ def test_embedded_tokenizer_has_chatml(tokenizer_dir):
 def test_padded_chat_labels_only_assistant_tokens(tmp_path, tokenizer_dir):
     path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
     cfg = chat_cfg(tmp_path, path, tokenizer_dir, seq_len=96)
-    assert check_data(cfg) is None
+    assert data_problem(cfg) is None
     stream, tokenizer = build_data(cfg, 0, 1)
     ids, labels = all_samples(stream)
     assert ids.shape == (16, 96)
@@ -93,7 +93,7 @@ def test_packed_chat_keeps_the_mask_across_documents(tmp_path, tokenizer_dir):
 def test_chat_rows_are_checked(tmp_path, tokenizer_dir):
     bad = [[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "hi"}]]
     path = chat_file(tmp_path / "bad.jsonl", CONVERSATIONS + bad, repeat=1)
-    message = check_data(chat_cfg(tmp_path, path, tokenizer_dir))
+    message = data_problem(chat_cfg(tmp_path, path, tokenizer_dir))
     assert message.startswith(f"data.path: {path}:3: no assistant message with content"), message
     skipped = make_cfg(data_section(name="jsonl", path=str(path), tokenizer=str(tokenizer_dir), format="chat",
                                     skip_bad_lines=True, cache_dir=str(tmp_path / "c")), seq_len=64,
@@ -101,8 +101,8 @@ def test_chat_rows_are_checked(tmp_path, tokenizer_dir):
     assert build_data(skipped, 0, 1)[0].skipped_lines == 2
     text_file = tmp_path / "text.jsonl"
     text_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_corpus(30, 0)))
-    assert 'no "conversations" key' in check_data(chat_cfg(tmp_path, text_file, tokenizer_dir))
-    assert "reads MiniMind conversations" in check_data(make_cfg(data_section(**SMALL, format="chat")))
+    assert 'no "conversations" key' in data_problem(chat_cfg(tmp_path, text_file, tokenizer_dir))
+    assert "reads MiniMind conversations" in data_problem(make_cfg(data_section(**SMALL, format="chat")))
 
 
 def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer_dir):
@@ -112,7 +112,7 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer_dir):
     tokenizer.save_pretrained(plain)
     (plain / "chat_template.jinja").unlink(missing_ok=True)
     path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
-    assert "has no chat_template" in check_data(chat_cfg(tmp_path, path, plain))
+    assert "has no chat_template" in data_problem(chat_cfg(tmp_path, path, plain))
 
 
 LONG_SYSTEM = {"role": "system", "content": " ".join(["you are a careful robot who answers in one line."] * 12)}
@@ -151,7 +151,7 @@ def test_a_step_without_labels_warns_with_its_cause(tmp_path, tokenizer_dir, cap
 def test_jsonl_data_can_use_the_embedded_tokenizer(tmp_path):
     path = chat_file(tmp_path / "sft.jsonl", CONVERSATIONS)
     cfg = chat_cfg(tmp_path, path, "synthetic", seq_len=96)  # data.tokenizer=synthetic: no folder needed
-    assert check_data(cfg) is None
+    assert data_problem(cfg) is None
     stream, tokenizer = build_data(cfg, 0, 1)
     ids, labels = all_samples(stream)
     assert labelled_text(tokenizer, ids[1], labels[1]) == ["counting: 3 4 5 6 7.<|im_end|>\n"]

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.data_helpers import SMALL, data_section, make_cfg, spec
-from training.data import DataError, build_data, build_tokenizer, check_data, synthetic_corpus
+from training.data import DataError, build_data, build_tokenizer, data_problem, synthetic_corpus
 
 GOOD = synthetic_corpus(40, seed=1)
 BAD_ROWS = {  # line content -> words of the expected message
@@ -52,7 +52,7 @@ def with_bad_line(tmp_path: Path, bad: bytes, at: int = 17) -> Path:
 def test_bad_row_names_file_and_line(tmp_path, tokenizer_dir, bad):
     path = with_bad_line(tmp_path, bad.encode())
     cfg = jsonl_cfg(tmp_path, path, tokenizer_dir)
-    for message in (check_data(cfg), _error(cfg)):
+    for message in (data_problem(cfg), _error(cfg)):
         assert message.startswith(f"data.path: {path}:17: ") and BAD_ROWS[bad] in message, message
         assert "data.skip_bad_lines=true" in message and "\n" not in message
 
@@ -74,7 +74,7 @@ def test_skip_bad_lines_counts_and_reports_once(tmp_path, tokenizer_dir, caplog)
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "\xff"}\n\n')
     cfg = jsonl_cfg(tmp_path, path, tokenizer_dir, skip_bad_lines=True)
-    assert check_data(cfg) is None
+    assert data_problem(cfg) is None
     with caplog.at_level(logging.WARNING, logger="sluice"):
         stream, _ = build_data(cfg, 0, 1)
         again, _ = build_data(cfg, 0, 1)  # the cache is reused: nothing read, nothing printed again
@@ -88,10 +88,10 @@ def test_file_with_no_usable_rows(tmp_path, tokenizer_dir):
     path = tmp_path / "none.jsonl"
     path.write_text('{"text": null}\n{"x": 1}\n')
     cfg = jsonl_cfg(tmp_path, path, tokenizer_dir, skip_bad_lines=True)
-    assert check_data(cfg).startswith(f"data.path: no usable text in '{path}'")
+    assert data_problem(cfg).startswith(f"data.path: no usable text in '{path}'")
     assert _error(cfg).startswith(f"data.path: no usable text in '{path}'")
     (tmp_path / "empty.jsonl").write_text("")
-    assert "is empty" in check_data(jsonl_cfg(tmp_path, tmp_path / "empty.jsonl", tokenizer_dir))
+    assert "is empty" in data_problem(jsonl_cfg(tmp_path, tmp_path / "empty.jsonl", tokenizer_dir))
 
 
 def test_over_long_line_is_refused_not_loaded(tmp_path, tokenizer_dir):
@@ -100,7 +100,7 @@ def test_over_long_line_is_refused_not_loaded(tmp_path, tokenizer_dir):
     message = _error(cfg)
     assert message.startswith(f"data.path: {path}:5: line of 2013 bytes is longer than data.max_line_bytes=1000")
     assert "refused" in message
-    assert "longer than data.max_line_bytes=1000" in check_data(cfg)
+    assert "longer than data.max_line_bytes=1000" in data_problem(cfg)
     stream, _ = build_data(jsonl_cfg(tmp_path, path, tokenizer_dir, max_line_bytes=1000, skip_bad_lines=True), 0, 1)
     assert stream.skipped_lines == 1 and len(stream.samples) == len(GOOD)
 
@@ -152,7 +152,7 @@ def test_corrupt_tokenizer_is_one_line(tmp_path, tokenizer_dir):
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in GOOD))
     cfg = jsonl_cfg(tmp_path, path, broken)
-    message = check_data(cfg)
+    message = data_problem(cfg)
     assert message.startswith(f"data.tokenizer: tokenizer file '{broken / 'tokenizer.json'}' is corrupt")
     assert "\n" not in message
     assert _error(cfg).startswith(f"tokenizer file '{broken / 'tokenizer.json'}' is corrupt")

@@ -9,9 +9,9 @@ import pytest
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.actions import RECV_F, SEND_F, Action
-from parallel.pipeline.plan import plan_pipeline
+from parallel.pipeline.prepare import prepare_pipeline
 from parallel.pipeline.runtime import early_receive_runs
-from parallel.pipeline.schedules import SCHEDULES, ScheduleSpec
+from parallel.pipeline.schedules import SCHEDULES, RegisteredSchedule
 from parallel.pipeline.transport import SENDS, LocalEndpoint, LocalTransport
 from parallel.spec import PipelineSpec
 from tests.test_runtime import CPU, assert_grads_match, batches, dense_grads, layout_cfg, tiny
@@ -34,7 +34,7 @@ def computes_before(order: list) -> dict:
 @pytest.mark.parametrize("name, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
                                        ("zbv", 2)])
 def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name, vpp):
-    plan = plan_pipeline(PipelineSpec(pp=4, vpp=vpp, schedule=name, n_microbatches=8), 4 * vpp)
+    plan = prepare_pipeline(PipelineSpec(pp=4, vpp=vpp, schedule=name, n_microbatches=8), 4 * vpp)
     for actions in plan.lowered:
         actions = list(actions)
         posted = [a for _, group in early_receive_runs(actions) for a in group]
@@ -47,7 +47,7 @@ def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name, vpp
 
 
 def test_runs_alternate_and_keep_slots_in_order():
-    plan = plan_pipeline(PipelineSpec(pp=4, vpp=2, schedule="interleaved-1f1b", n_microbatches=8), 8)
+    plan = prepare_pipeline(PipelineSpec(pp=4, vpp=2, schedule="interleaved-1f1b", n_microbatches=8), 8)
     runs = early_receive_runs(list(plan.lowered[1]))
     assert all(all(a.kind.is_comm for a in group) or len(group) == 1 for _, group in runs)
     assert not any(runs[i][1][0].kind.is_comm and runs[i + 1][1][0].kind.is_comm for i in range(len(runs) - 1))
@@ -72,7 +72,7 @@ def test_emulated_steps_with_early_receives_give_single_process_gradients(monkey
         pp = rng.randint(2, 3)
         placement, vpp = rng.choice([("loop", 1), ("loop", 2), ("v", 2)])
         compute = random_feasible(rng, pp, 4, vpp, placement, split=trial % 2 == 1)
-        monkeypatch.setitem(SCHEDULES, "random", ScheduleSpec(lambda *_, c=compute: c, placement))
+        monkeypatch.setitem(SCHEDULES, "random", RegisteredSchedule(lambda *_, c=compute: c, placement))
         engine = ParallelEngine(layout_cfg("random", pp, 4, vpp), tiny(layers=6), ParallelGrid.single(CPU))
         engine.step(mbs)
         assert_grads_match(engine, reference)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.hang import Watch, read_dumps, summarize
+from training.reliability.hang import Watch, read_dumps, summarize
 from parallel.pipeline.actions import Action
-from training.faults import FaultInjector, InjectedCrash
-from training.nonfinite import NonFiniteError, SkipPolicy, nonfinite_vote
+from training.reliability.faults import FaultInjector, InjectedCrash
+from training.reliability.nonfinite import NonFiniteError, SkipPolicy, nonfinite_vote
 from tests.equivalence import compose_run_config
 from tests.spawn import run_workers
 
@@ -82,7 +82,7 @@ def test_a_timeout_seen_by_the_main_thread_and_the_watchdog_at_once_is_reported_
     """The rendezvous store times out in the main thread just as the watchdog's clock runs out (seen in CI)."""
     import threading
 
-    from training.watchdog import Limits, report_hang
+    from training.reliability.watchdog import Limits, report_hang
 
     watch = Watch(0)
     watch.run_dir = tmp_path
@@ -135,7 +135,7 @@ def test_skip_equals_a_run_without_that_update_on_every_rank(tmp_path):
 
 def test_known_errors_are_one_line_and_unexpected_ones_keep_their_traceback_in_the_rank_log(tmp_path):
     from parallel.pipeline.transport import TransportTimeout
-    from training.failures import describe_failure
+    from training.reliability.failures import describe_failure
 
     assert describe_failure(TransportTimeout("rank 1: receiving\nactivation"), tmp_path, 1) == (
         "rank 1: receiving activation")
@@ -151,13 +151,13 @@ def test_known_errors_are_one_line_and_unexpected_ones_keep_their_traceback_in_t
 
 
 def beat(rank: int, step: int, what: str, waits_for: list[int], blocked_s: float, age: float, pid: int | None = None):
-    from parallel.heartbeat import Beat
+    from training.reliability.heartbeat import Beat
 
     return Beat(rank, step, what, waits_for, blocked_s, time=1000.0 - age, pid=pid or os.getpid())
 
 
 def test_the_heartbeats_name_the_rank_that_stopped_died_or_never_waited():
-    from parallel.heartbeat import blame_line, find_culprit
+    from training.reliability.heartbeat import blame_line, find_culprit
 
     waiting = {r: beat(r, 7, "gradient all-reduce over dp", [2], 15.0, 0.5) for r in (0, 1, 3)}
     stopped = {**waiting, 2: beat(2, 7, "computing B3@s1", [], 0.2, 16.0)}
@@ -184,7 +184,7 @@ def test_heartbeats_travel_through_the_launchers_store():
 
     import torch.distributed as dist
 
-    from parallel.heartbeat import Heartbeats
+    from training.reliability.heartbeat import Heartbeats
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_RESTART_COUNT": "1"}

@@ -19,7 +19,7 @@ from checkpoint.dense_source import dense_source
 from models import decoder_of
 from parallel.grid import ParallelGrid
 from parallel.pipeline.build import StageBuild, build_stages
-from parallel.pipeline.plan import plan_pipeline
+from parallel.pipeline.prepare import prepare_pipeline
 from parallel.spec import PipelineSpec
 from parallel.step import dense_token_loss
 
@@ -31,7 +31,7 @@ before = int(open("/proc/self/statm").read().split()[1]) * page
 with torch.device("meta"):
     decoder = decoder_of(MiniMindForCausalLM(MiniMindConfig()))
 expected = {n: tuple(t.shape) for n, t in decoder.module.state_dict().items()}
-plan = plan_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), decoder.config.num_hidden_layers)
+plan = prepare_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), decoder.config.num_hidden_layers)
 grid = ParallelGrid(pp=4, pp_rank=rank)
 weights = dense_source(path, expected, decoder.plan.ties)
 stages = build_stages(plan, decoder, grid, [rank], StageBuild(torch.float32, dense_token_loss, "none", weights))

@@ -410,11 +410,11 @@ def one_f_one_b_late_w(pp: int, n_microbatches: int, vpp: int = 1) -> list[list[
 
 
 def test_readme_example_schedule(monkeypatch):
-    from parallel.pipeline.plan import load_schedule
-    from parallel.pipeline.schedules import ScheduleSpec
+    from parallel.pipeline.prepare import load_schedule
+    from parallel.pipeline.schedules import RegisteredSchedule
     from parallel.spec import PipelineSpec
 
-    monkeypatch.setitem(SCHEDULES, "1f1b-late-w", ScheduleSpec(one_f_one_b_late_w))
+    monkeypatch.setitem(SCHEDULES, "1f1b-late-w", RegisteredSchedule(one_f_one_b_late_w))
     compute, placement = load_schedule(PipelineSpec(pp=4, schedule="1f1b-late-w", n_microbatches=8))
     lowered = lower(compute, 4, 4, placement)
     verify(lowered, 4, 4, 8, placement)

@@ -11,7 +11,7 @@ from parallel.pipeline import runtime
 from parallel.pipeline.actions import Action, counterpart, input_of
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.partition import stage_to_rank
-from parallel.pipeline.plan import plan_pipeline
+from parallel.pipeline.prepare import prepare_pipeline
 from parallel.pipeline.release import send_releases
 from parallel.pipeline.transport import SENDS, LocalPending
 from parallel.spec import PipelineSpec
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_1f1b_rank0_activations_are_released_by_the_gradients_that_follow_them():
-    plan = plan_pipeline(PipelineSpec(pp=4, vpp=1, schedule="1f1b", n_microbatches=8), 8)
+    plan = prepare_pipeline(PipelineSpec(pp=4, vpp=1, schedule="1f1b", n_microbatches=8), 8)
     releases = {str(recv): [str(s) for s in sends]
                 for recv, sends in send_releases(plan.lowered, 0, 4, "loop", 4).items()}
     # Rank 1 sends B0 back only after it consumed F0..F2 (its warm-up); each later gradient follows one more F.

@@ -15,17 +15,17 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from parallel.collectives import broadcast_object
-from parallel.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
-from parallel.heartbeat import Beater
+from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
+from training.reliability.heartbeat import Beater
 from training.cluster import is_launch_leader, node_launch, omp_threads
 from training.config import CONF_DIR, ConfigError, validate
 from training.console import check_run_dir, quiet_progress_bars
-from training.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
-from training.faults import FaultInjector
+from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
+from training.reliability.faults import FaultInjector
 from training.layout import layout_world_size, process_pp
 from training.restarts import RestartBudget, newest_step, restart_resume
 from training.specs import checkpoint_spec
-from training.watchdog import EXIT_INTERRUPTED, Limits, report_hang, start_watchdog
+from training.reliability.watchdog import EXIT_INTERRUPTED, Limits, report_hang, start_watchdog
 
 log = logging.getLogger("sluice")
 SELF_LAUNCHED = "SLUICE_SELF_LAUNCHED"  # set for the workers of self_launch: their root reports failures
@@ -110,7 +110,7 @@ def name_process(name: str) -> None:
 def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list[float]:
     """Body of every rank: grid, trainer, loop, clean shutdown. Returns the per-step losses."""
     from parallel.grid import ParallelGrid
-    from training.guard import StepGuard
+    from training.reliability.guard import StepGuard
     from training.trainer import Trainer
 
     cfg = OmegaConf.create(cfg_dict)

@@ -19,7 +19,7 @@ from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.data import build_data, build_val_batches
 from training.flops import peak_memory_record, world_group
-from training.guard import StepGuard
+from training.reliability.guard import StepGuard
 from training.metrics import MetricsLogger
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr

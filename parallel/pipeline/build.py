@@ -1,4 +1,4 @@
-"""Building this rank's stages from a plan: prune the dense decoder per stage, apply TP, re-tie, wrap in Stage."""
+"""Building this rank's stages from a pipeline: prune the dense decoder per stage, apply TP, re-tie, wrap in Stage."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from parallel.tensor_pass import shard_modules, sync_replicated_grads
 
 from .actions import Kind
 from .partition import rank_stages
-from .plan import PipelinePlan
+from .prepare import LoweredPipeline
 from .stage import Stage
 
 StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
@@ -31,26 +31,26 @@ class StageBuild:
     weights: WeightSource | None = None  # required when the model is on the meta device
 
 
-def build_stages(plan: PipelinePlan, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
+def build_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
                  how: StageBuild) -> StagesByRank:
     """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
-    return {r: _rank_stages(plan, decoder, grid, r, how) for r in ranks}
+    return {r: _rank_stages(pipeline, decoder, grid, r, how) for r in ranks}
 
 
-def _rank_stages(plan: PipelinePlan, decoder: Decoder, grid: ParallelGrid, rank: int,
+def _rank_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, rank: int,
                  how: StageBuild) -> dict[int, Stage]:
     """One pipeline rank's chunks: pruned copies of the dense decoder, TP-sharded, on the compute device."""
-    spec, last = plan.spec, plan.n_stages - 1
-    chunks = {s: decoder.prune(plan.partition[s], s == 0, s == last)
-              for s in rank_stages(rank, spec.pp, spec.vpp, plan.placement)}
+    spec, last = pipeline.spec, pipeline.n_stages - 1
+    chunks = {s: decoder.prune(pipeline.partition[s], s == 0, s == last)
+              for s in rank_stages(rank, spec.pp, spec.vpp, pipeline.placement)}
     for chunk in chunks.values():
         shard_modules(chunk, grid)
         apply_recompute(chunk, how.recompute)
         place_(chunk, how.weights, grid)
         sync_replicated_grads(chunk, grid)
     tie_within_rank(chunks, last)
-    split = {a.stage for a in plan.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
-    return {s: Stage(chunk, s, plan.n_stages, grid.device, how.dtype, how.token_loss, s in split)
+    split = {a.stage for a in pipeline.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
+    return {s: Stage(chunk, s, pipeline.n_stages, grid.device, how.dtype, how.token_loss, s in split)
             for s, chunk in chunks.items()}
 
 

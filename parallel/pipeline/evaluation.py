@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from .actions import Action, Kind, Schedule
 from .partition import rank_stages
-from .plan import PipelinePlan
+from .prepare import LoweredPipeline
 from .lowering import lower
 
 
-def forward_only(plan: PipelinePlan, n_microbatches: int) -> Schedule:
+def forward_only(pipeline: LoweredPipeline, n_microbatches: int) -> Schedule:
     """Each rank runs F for its stages, micro-batch by micro-batch; lowered like any schedule.
 
     Feasible by construction: F(mb, s) depends only on F(mb, s-1), which every rank lists earlier in
     micro-batch order, so the lowering places the transfers without deadlock."""
-    spec = plan.spec
+    spec = pipeline.spec
     compute = [[Action(Kind.F, mb, s) for mb in range(n_microbatches)
-                for s in rank_stages(r, spec.pp, spec.vpp, plan.placement)] for r in range(spec.pp)]
-    return lower(compute, spec.pp, plan.n_stages, plan.placement)
+                for s in rank_stages(r, spec.pp, spec.vpp, pipeline.placement)] for r in range(spec.pp)]
+    return lower(compute, spec.pp, pipeline.n_stages, pipeline.placement)

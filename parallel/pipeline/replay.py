@@ -8,14 +8,14 @@ messages between two ranks match in posting order. Two models of waiting:
   carries its input, and the step ends when every batch is done. A batch completes as a unit once all its
   ops' peers have posted (NCCL coalesces it; gloo would let each op finish alone, which is never later).
 The runtime blocks on a subset of what the stricter model blocks on, so whatever passes `verify` runs.
-Both take a schedule that passed `checks.check`, visit ranks from a stack (in either model every order of
+Both take a schedule that passed `static_rules.verify_static`, visit ranks from a stack (in either model every order of
 visits ends in the same state) and run in linear time.
 """
 
 from __future__ import annotations
 
 from .actions import MATES, RECV_B, RECV_F, F, W, Costs, Key, Lists, counterpart, needs, output_of
-from .checks import ScheduleError
+from .static_rules import ScheduleError
 from .partition import stage_to_rank
 from .sweep import Sweeps
 

@@ -61,7 +61,7 @@ class ComputeHooks(Protocol):
 
 
 @dataclass
-class StepPlan:
+class StepScales:
     """Per-step constants every stage needs: the global loss and aux-loss scales, and the compute hooks."""
 
     loss_scale: torch.Tensor | float  # 1 / label tokens in the global batch (a host float, or a device tensor)
@@ -156,10 +156,10 @@ def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_ea
 
 
 def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
-        plan: StepPlan, records: list[Record] | None = None) -> Iterator[Blocked]:
+        scales: StepScales, records: list[Record] | None = None) -> Iterator[Blocked]:
     """Execute one rank's program; gradients accumulate in the stages' parameters. Yields where it must wait."""
     mail = _Mail(program, transport)
-    hooks = plan.hooks
+    hooks = scales.hooks
     finished: Action | None = None  # the last compute; its `after` hook waits until its outputs are sent
     for index, step in enumerate(program.runs):
         start = time.perf_counter() if records is not None else 0.0
@@ -180,7 +180,7 @@ def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_
             start = time.perf_counter()
         if hooks is not None:
             hooks.before(action)
-        _compute(action, stages, received, micro_batches, plan, mail.inbox, mail.outbox)
+        _compute(action, stages, received, micro_batches, scales, mail.inbox, mail.outbox)
         del received  # a received boundary tensor is the stage's leaf now, or no one's
         if records is not None:
             records.append((action, start, time.perf_counter()))
@@ -279,7 +279,7 @@ def _input_key(action: Action) -> tuple[str, int, int] | None:
 
 
 def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | None, micro_batches: list[MicroBatch],
-             plan: StepPlan, inbox: dict, outbox: dict) -> None:
+             scales: StepScales, inbox: dict, outbox: dict) -> None:
     """One F, B, I or W of one micro-batch on one local stage; its output goes to a local stage or a SEND."""
     mb, s = action.microbatch, action.stage
     stage = stages[s]
@@ -287,7 +287,7 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
     if action.kind is Kind.F:
         inputs = batch.input_ids.to(stage.device) if stage.is_first else inputs
         labels = batch.labels.to(stage.device) if stage.is_last else None
-        out, what, to = stage.forward(mb, inputs, labels, plan.loss_scale, plan.aux_scale), ACTIVATION, s + 1
+        out, what, to = stage.forward(mb, inputs, labels, scales.loss_scale, scales.aux_scale), ACTIVATION, s + 1
     elif action.kind in (Kind.B, Kind.I):
         backward = stage.backward if action.kind is Kind.B else stage.backward_input
         out, what, to = backward(mb, inputs), GRADIENT, s - 1
@@ -302,14 +302,14 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
 
 
 def execute(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
-            plan: StepPlan, records: list[Record] | None = None) -> None:
+            scales: StepScales, records: list[Record] | None = None) -> None:
     """Run this rank's step, waiting on the transport (with its timeout) wherever the list must wait."""
-    for blocked in run(program, stages, transport, micro_batches, plan, records):
+    for blocked in run(program, stages, transport, micro_batches, scales, records):
         blocked.pending.wait()
 
 
 def execute_emulated(programs: dict[int, Program], stages: dict[int, dict[int, Stage]], hub: LocalTransport,
-                     micro_batches: list[MicroBatch], plan: StepPlan,
+                     micro_batches: list[MicroBatch], scales: StepScales,
                      records: dict[int, list[Record]] | None = None) -> None:
     """Run every pipeline rank's step in this process: each rank runs until it blocks on a receive, then the next.
 
@@ -317,7 +317,7 @@ def execute_emulated(programs: dict[int, Program], stages: dict[int, dict[int, S
     TP peers emulating the same ranks issue their collectives in the same order. Deadlock (no rank can move)
     raises EmulationError naming every blocked rank, its slot and the transfer it waits for.
     """
-    runs = {r: run(program, stages[r], hub.endpoint(r), micro_batches, plan,
+    runs = {r: run(program, stages[r], hub.endpoint(r), micro_batches, scales,
                    None if records is None else records.setdefault(r, [])) for r, program in programs.items()}
     blocked: dict[int, Blocked | None] = dict.fromkeys(runs)
     while runs:

@@ -1,7 +1,7 @@
 """Schedules as data: generators of per-rank compute actions and their registry.
 
 A generator is `(pp, n_microbatches, vpp) -> Schedule` and emits compute actions only (F/B, or F/I/W);
-`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `plan.plan_pipeline` loads, lowers and checks.
+`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `plan.prepare_pipeline` loads, lowers and checks.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _one_chunk(name: str, vpp: int) -> None:
 
 
 @dataclass(frozen=True)
-class ScheduleSpec:
+class RegisteredSchedule:
     """A registered schedule: its generator, how its stages are placed on ranks, whether it needs vpp>1."""
 
     generate: Callable[[int, int, int], Schedule]
@@ -137,10 +137,10 @@ class ScheduleSpec:
     needs_vpp: bool = False
 
 
-SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(gpipe),
-    "1f1b": ScheduleSpec(one_f_one_b),
-    "interleaved-1f1b": ScheduleSpec(interleaved_1f1b, needs_vpp=True),
-    "zb-h1": ScheduleSpec(zb_h1),
-    "zbv": ScheduleSpec(zbv, placement="v", needs_vpp=True),
+SCHEDULES: dict[str, RegisteredSchedule] = {
+    "gpipe": RegisteredSchedule(gpipe),
+    "1f1b": RegisteredSchedule(one_f_one_b),
+    "interleaved-1f1b": RegisteredSchedule(interleaved_1f1b, needs_vpp=True),
+    "zb-h1": RegisteredSchedule(zb_h1),
+    "zbv": RegisteredSchedule(zbv, placement="v", needs_vpp=True),
 }

@@ -1,5 +1,5 @@
 """The pre-launch check of a lowered schedule (`verify`) and its predicted step (`simulate`): times, bubble,
-memory. The static rules live in `checks.py`, the two models of running a schedule in `replay.py`."""
+memory. The static rules live in `static_rules.py`, the two models of running a schedule in `replay.py`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from itertools import accumulate, repeat
 from operator import itemgetter
 
 from .actions import B, F, W, Action, Costs, Lists
-from .checks import ScheduleError, check
+from .static_rules import ScheduleError, verify_static
 from .collector import collector_paused
 from .replay import replay, run_strict
 
@@ -40,7 +40,7 @@ class Verified(tuple):
 def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> Verified:
     """Raise ScheduleError for the first fault: wrong stage, missing/duplicate work, unmatched P2P, deadlock;
     else return the schedule as `Verified` (hand that to `simulate`, which then skips the static check)."""
-    check(lowered, pp, n_stages, n_microbatches, placement)
+    verify_static(lowered, pp, n_stages, n_microbatches, placement)
     run_strict(lowered, pp, placement)
     verified = Verified(map(tuple, lowered))
     verified.checked_for = (pp, n_stages, n_microbatches, placement)
@@ -55,13 +55,13 @@ def simulate(
 
     The check is the static one of `verify`, skipped for what `verify` returned for the same arguments."""
     if not (isinstance(lowered, Verified) and lowered.checked_for == (pp, n_stages, n_microbatches, placement)):
-        check(lowered, pp, n_stages, n_microbatches, placement)
+        verify_static(lowered, pp, n_stages, n_microbatches, placement)
     return predict(lowered, pp, n_stages, placement, costs)
 
 
 @collector_paused
 def predict(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> SimResult:
-    """`simulate` without the static check, for a schedule that already passed it (a `PipelinePlan`'s)."""
+    """`simulate` without the static check, for a schedule that already passed it (a `LoweredPipeline`'s)."""
     start, end, busy = replay(lowered, pp, n_stages, placement, costs or Costs())
     makespan = max(map(max, filter(None, end)), default=0.0)  # in C: a generator is a tenth of predict at pp=64
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0

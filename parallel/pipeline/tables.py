@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .actions import Action, Costs, Schedule
-from .checks import ScheduleError
+from .static_rules import ScheduleError
 from .lowering import lower
 from .partition import PLACEMENTS, rank_stages, stage_to_rank
 from .schedules import SCHEDULES

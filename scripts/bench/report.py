@@ -17,7 +17,7 @@ costs whatever else the machine runs, so it separates framework work from a busy
 - **Sleep benchmark** (`scripts/bench/schedules.py`): every stage is one layer whose forward, input-gradient
   and weight-gradient passes sleep a fixed time (no CPU): f is one rank's share of the model (b = 2f, i = w = f;
   with two chunks per rank each chunk sleeps half). The ideal is the simulator's makespan
-  (`PipelinePlan.simulate`, zero communication cost) for the stage costs measured before the run: rank 0 times
+  (`LoweredPipeline.simulate`, zero communication cost) for the stage costs measured before the run: rank 0 times
   each stage's F and B alone, with plain autograd and no pipeline runtime, while the other ranks wait, and B
   splits into I and W as its sleeps do. A stage's action is its sleep plus the model code around it
   (embedding, head, loss, autograd; code that runs right after a sleep is slow on this machine), so about 3%

@@ -192,7 +192,7 @@ class DataSchema:
 
     name: str = key(MISSING, "the data source (the preset sets it)", one_of("synthetic", "jsonl"))
     path: Optional[str] = key(None, "JSONL file, one `{\"text\": ...}` per line (`data=jsonl`)",
-                              read_when=JSONL_ONLY)  # the file itself: training.data.check_data
+                              read_when=JSONL_ONLY)  # the file itself: training.data.data_problem
     tokenizer: Optional[str] = key(
         None, "a local tokenizer folder (for example MiniMind's) (`data=jsonl`), or `synthetic` for the embedded "
         "tokenizer (`data.vocab_size` tokens, with the chat template)", read_when=JSONL_ONLY)

@@ -130,7 +130,7 @@ def validate_layout(cfg: DictConfig) -> None:
     """TP divisibility, then the pipeline plan (partition, schedule, vpp; lowered and simulated) before launch."""
     from models import build_model, decoder_of
     from parallel.pipeline.partition import layer_partition
-    from parallel.pipeline.plan import plan_pipeline
+    from parallel.pipeline.prepare import prepare_pipeline
     from parallel.tensor_pass import check_tp_divisibility
     from training.specs import pipeline_spec
 
@@ -139,7 +139,7 @@ def validate_layout(cfg: DictConfig) -> None:
     try:
         check_tp_divisibility(decoder_of(build_model(config)).adapter.tp_sizes(), p.tp)  # meta: shapes only
         if p.pp > 1:  # the planner is the one home of schedule/vpp/partition rules
-            plan_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
+            prepare_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
         else:
             layer_partition(config.num_hidden_layers, 1,
                             list(p.layers_per_stage) if p.layers_per_stage is not None else None)
@@ -149,9 +149,9 @@ def validate_layout(cfg: DictConfig) -> None:
 
 def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
     """Data source and files (the data module's own check), and the tokenizer's ids against the model's."""
-    from training.data import DataError, check_data, load_tokenizer_vocab_size
+    from training.data import DataError, data_problem, load_tokenizer_vocab_size
 
-    problem = check_data(cfg, dp=resolved_dp(cfg, world_size))
+    problem = data_problem(cfg, dp=resolved_dp(cfg, world_size))
     if problem:
         raise ConfigError(problem)
     try:

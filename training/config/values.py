@@ -101,7 +101,7 @@ def backends(key: str, value: Any) -> str | None:
 
 
 def fault(key: str, value: Any) -> str | None:
-    from training.fault_spec import parse_fault
+    from training.reliability.faults import parse_fault
 
     try:
         parse_fault(value)

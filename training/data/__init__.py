@@ -2,7 +2,7 @@
 cache, packed or padded samples, the held-out split and the DP step stream.
 
 The trainer needs `build_data(cfg, dp_rank, dp_size) -> (StepBatches, tokenizer)` and, for evaluation,
-`build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `check_data(cfg)`.
+`build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `data_problem(cfg)`.
 The sample order is a property of the *global* batch, never of the layout (see `StepBatches`).
 
 Files, one concept each: spec (typed config, DataError), corpus, tokenizer, jsonl (row reading and checks),
@@ -12,7 +12,7 @@ encode (documents -> ids, chat masks), cache (memory-mapped token cache), sample
 
 from parallel.step import IGNORE_INDEX, MicroBatch
 from training.data.build import build_data, build_splits, build_val_batches, load_tokenizer_vocab_size, source_documents
-from training.data.check import check_data
+from training.data.validate import data_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents, encode_conversations, encode_texts
 from training.data.samples import PackedSamples, PaddedSamples, TensorSamples
@@ -34,7 +34,7 @@ from training.data.tokenizer import (
 __all__ = [
     "BOS_TOKEN", "CHATML_TEMPLATE", "EOS_TOKEN", "IGNORE_INDEX", "PAD_TOKEN", "DataError", "DataSpec", "Documents",
     "Geometry", "MicroBatch", "PackedSamples", "PaddedSamples", "StepBatches", "TensorSamples", "build_data",
-    "build_splits", "build_tokenizer", "build_val_batches", "check_data", "data_spec", "encode_conversations",
+    "build_splits", "build_tokenizer", "build_val_batches", "data_problem", "data_spec", "encode_conversations",
     "encode_texts", "geometry", "load_tokenizer", "load_tokenizer_vocab_size", "save_atomically",
     "source_documents", "split_documents", "synthetic_corpus", "synthetic_tokenizer_dir", "train_bpe_tokenizer",
 ]

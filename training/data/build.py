@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from parallel.step import MicroBatch
 from training.data.cache import cache_folder, cached_documents, file_identity, write_cache
-from training.data.check import spec_problem
+from training.data.validate import spec_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents
 from training.data.jsonl import JsonlRows

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from parallel.pipeline.actions import B, F, I, W, Costs, Lists
 from parallel.pipeline.partition import rank_stages
-from parallel.pipeline.plan import PipelinePlan, plan_pipeline
+from parallel.pipeline.prepare import LoweredPipeline, prepare_pipeline
 from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
 from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
@@ -70,12 +70,12 @@ def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
                      recompute=cfg.train.recompute, layers_per_stage=layers)
 
 
-def plan_of(candidate: Candidate, num_layers: int) -> PipelinePlan:
+def plan_of(candidate: Candidate, num_layers: int) -> LoweredPipeline:
     """The checked pipeline of a candidate (pp=1: one stage under 1F1B, i.e. gradient accumulation)."""
     c = candidate
     spec = PipelineSpec(pp=c.pp, vpp=c.vpp, schedule=c.schedule if c.pp > 1 else "1f1b",
                         n_microbatches=c.n_microbatches, layers_per_stage=c.layers_per_stage)
-    return plan_pipeline(spec, num_layers)
+    return prepare_pipeline(spec, num_layers)
 
 
 def _tp_allreduce(costs: MeasuredCosts, tp: int, nbytes: float) -> float:
@@ -90,7 +90,7 @@ def _piece(costs: MeasuredCosts, name: str, scale: float) -> float:
     return costs.scaled(name, value[mode] if mode else value, scale)
 
 
-def stage_model(candidate: Candidate, plan: PipelinePlan, costs: MeasuredCosts, tied: bool) -> StageModel:
+def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCosts, tied: bool) -> StageModel:
     """Per-stage durations and bytes: layers x per-layer cost, the embedding on stage 0, the head on the last.
 
     Measured at tp=1 and the profiled micro-batch: compute (past its fixed part) and activations scale with it and

@@ -23,9 +23,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from parallel.hang import Watch
-from parallel.heartbeat import end_stopped
-from training.failures import record_failure
+from training.reliability.hang import Watch
+from training.reliability.heartbeat import end_stopped
+from training.reliability.failures import record_failure
 
 POLL_S = 0.2
 EXIT_INTERRUPTED = 130

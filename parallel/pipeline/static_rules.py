@@ -1,4 +1,4 @@
-"""Static checks of a lowered schedule: everything that does not need to run it, in one pass per rule.
+"""The static rules of a lowered schedule: everything that does not need to run it, in one pass per rule.
 
 Ownership, order within a rank, completeness, P2P matching and channel order, each in time linear in the
 number of actions. The first fault raises ScheduleError naming rank, slot and action.
@@ -6,94 +6,27 @@ number of actions. The first fault raises ScheduleError naming rank, slot and ac
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
-from operator import itemgetter
-
-from .actions import MATES, B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Key, Lists, input_of, mate_of, needs
+from .actions import MATES, B, F, I, SEND_B, SEND_F, W, Action, Key, Lists, input_of, mate_of, needs
 from .partition import stage_to_rank
 
-__all__ = ["ScheduleError", "check"]
+__all__ = ["ScheduleError", "verify_static"]
 
 
 class ScheduleError(ValueError):
     """A schedule that would compute wrong numbers or hang; the message names rank, slot and action."""
 
 
-def check(lowered: Lists, pp: int, n_stages: int, m: int, placement: str) -> None:
-    """Ownership, order within a rank, completeness, P2P matching and channel order: no run needed."""
+def verify_static(lowered: Lists, pp: int, n_stages: int, m: int, placement: str) -> None:
+    """Ownership, order within a rank, completeness, P2P matching and channel order: no run needed.
+
+    Each rule is written once, in the form that names the first action breaking it; every pass is linear in
+    the number of actions (pp=64, m=1024: about half a second for 10^6 actions)."""
     if len(lowered) != pp:
         raise ScheduleError(f"the schedule has {len(lowered)} rank lists but parallel.pp={pp}")
     owner = [stage_to_rank(s, pp, placement) for s in range(n_stages)]
-    # A proof that every rule holds, several times faster at pp=64; only where it fails do the passes below,
-    # one rule at a time, look for the first fault to name.
-    if _holds(lowered, owner, n_stages, m):
-        return
     slots = [_check_rank(lowered, r, owner, n_stages, m) for r in range(pp)]  # per rank: action -> its slot
     _check_complete(lowered, slots, owner, n_stages, m)
     _check_pairs(lowered, slots, owner, pp)
-
-
-def _holds(lowered: Lists, owner: list[int], n_stages: int, m: int) -> bool:
-    """Every rule of the passes below: slots, stages and counts in bulk (in C), the order rules in one loop.
-
-    Completeness by counting: without duplicates, every action valid, one backward per forward and every W
-    after its I, the counts of F, of B and I, and of W against I say whether all the work is there. Pairing
-    as in `_pairs_hold`, each SEND in `_in_order`, with the totals of SENDs and RECVs here."""
-    slots = [dict(zip(actions, range(len(actions)))) for actions in lowered]  # per rank: action -> its slot
-    sends = recvs = 0
-    for r, actions in enumerate(lowered):
-        if len(slots[r]) != len(actions) or not _well_formed(actions, r, owner, n_stages, m):
-            return False
-        count, units = Counter(map(itemgetter(0), actions)), m * owner.count(r)
-        if count[F] != units or count[B] + count[I] != units or count[W] != count[I]:
-            return False
-        sends, recvs = sends + count[SEND_F] + count[SEND_B], recvs + count[RECV_F] + count[RECV_B]
-        if not _in_order(actions, r, slots, owner, n_stages):
-            return False
-    return sends == recvs
-
-
-def _well_formed(actions: Sequence[Action], r: int, owner: list[int], n_stages: int, m: int) -> bool:
-    """Every stage on rank r and every micro-batch in range (comm actions' peers: see `_in_order`)."""
-    if not set(map(itemgetter(2), actions)) <= {s for s in range(n_stages) if owner[s] == r}:
-        return False
-    return not actions or 0 <= min(map(itemgetter(1), actions)) <= max(map(itemgetter(1), actions)) < m
-
-
-def _in_order(actions: Sequence[Action], r: int, slots: list[dict[Key, int]], owner: list[int], n_stages: int) -> bool:
-    """The order rules of rank r (what must come before each slot), each SEND's peer stage on another rank,
-    and its RECV there later on their channel than the RECV of the SEND before it.
-
-    RECVs need no rule of their own: with as many RECVs as SENDs, each is the RECV of one of these SENDs."""
-    n, last, mine = len(actions), n_stages - 1, slots[r]
-    get = mine.get  # an action's slot on this rank; n where it is not on it
-    latest = [-1] * len(slots)  # per peer rank: the slot there of the RECV of the latest SEND to it
-    for k, (kind, mb, s) in enumerate(actions):
-        if kind is F:
-            if s and get((RECV_F, mb, s), n) > k and (owner[s - 1] != r or get((F, mb, s - 1), n) > k):
-                return False
-        elif kind is SEND_F:
-            q = owner[s + 1] if s < last else r
-            there = slots[q].get((RECV_F, mb, s + 1), -1)
-            if q == r or get((F, mb, s), n) > k or there <= latest[q]:
-                return False
-            latest[q] = there
-        elif kind is SEND_B:
-            q = owner[s - 1] if s > 0 else r
-            there = slots[q].get((RECV_B, mb, s - 1), -1)
-            if q == r or get((B, mb, s), n) > k and get((I, mb, s), n) > k or there <= latest[q]:
-                return False
-            latest[q] = there
-        elif kind is B or kind is I:
-            if get((F, mb, s), n) > k or (I if kind is B else B, mb, s) in mine:
-                return False  # no forward before it, or a second backward (before or after it)
-            if s < last and get((RECV_B, mb, s), n) > k and (
-                    owner[s + 1] != r or get((B, mb, s + 1), n) > k and get((I, mb, s + 1), n) > k):
-                return False
-        elif kind is W and get((I, mb, s), n) > k:
-            return False
-    return True
 
 
 def _check_rank(lowered: Lists, r: int, owner: list[int], n_stages: int, m: int) -> dict[Key, int]:
@@ -176,38 +109,8 @@ def _check_complete(lowered: Lists, slots: list[dict[Key, int]], owner: list[int
 
 
 def _check_pairs(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], pp: int) -> None:
-    """Every SEND has its RECV on the peer and vice versa, and each channel delivers in posting order."""
-    if not _pairs_hold(lowered, slots, owner, pp):
-        _explain_pairs(lowered, slots, owner, pp)
-
-
-def _pairs_hold(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], pp: int) -> bool:
-    """The pairing rules, in one pass: every SEND's RECV exists, later on its rank than the RECV of the SEND
-    before it on the same channel, and there are as many RECVs as SENDs.
-
-    Why this suffices: without duplicates, SENDs map one-to-one onto their RECVs; as many of both means every
-    RECV has its SEND, and on each channel the pairing is a permutation, in posting order iff it increases."""
-    n_sends = n_recvs = 0
-    for actions in lowered:
-        last = [-1] * pp  # per peer rank: slot (there) of the RECV paired with this rank's latest SEND to it
-        for a in actions:
-            kind = a[0]
-            if kind is RECV_F or kind is RECV_B:
-                n_recvs += 1
-            elif kind is SEND_F or kind is SEND_B:
-                n_sends += 1
-                mate_kind, offset = MATES[kind]
-                mate = (mate_kind, a[1], a[2] + offset)  # mate_of(a)
-                q = owner[mate[2]]
-                slot = slots[q].get(mate, -1)
-                if slot <= last[q]:
-                    return False
-                last[q] = slot
-    return n_sends == n_recvs
-
-
-def _explain_pairs(lowered: Lists, slots: list[dict[Key, int]], owner: list[int], pp: int) -> None:
-    """Raise for the first pairing fault: a comm action without its counterpart, then a channel out of order."""
+    """Every SEND has its RECV on the peer and vice versa (else the first without one is named), and each channel
+    delivers in posting order (else the first RECV out of order is named)."""
     sent: list[dict[int, list[Action]]] = [{} for _ in range(pp)]  # rank -> peer -> its SENDs there, in order
     received: list[dict[int, list[Action]]] = [{} for _ in range(pp)]  # rank -> peer -> RECVs from it
     for r, actions in enumerate(lowered):

@@ -7,9 +7,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from parallel.grid import ParallelGrid
-from parallel.hang import Watch
-from training.faults import FaultInjector
-from training.nonfinite import SkipPolicy, nonfinite_vote
+from training.reliability.hang import Watch
+from training.reliability.faults import FaultInjector
+from training.reliability.nonfinite import SkipPolicy, nonfinite_vote
 
 
 class StepGuard:

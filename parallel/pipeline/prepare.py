@@ -1,4 +1,4 @@
-"""Planning a pipeline: the one home of load -> partition -> lower -> verify, used by the engine, the
+"""Preparing a pipeline: the one home of load -> partition -> lower -> verify, used by the engine, the
 pre-launch check and `scripts/plan.py` alike, and run once per (schedule, pp, vpp, m, partition)."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from .actions import Action, Costs, Schedule
 from .collector import collector_paused
 from .lowering import lower
 from .partition import layer_partition
-from .schedules import SCHEDULES, ScheduleSpec
+from .schedules import SCHEDULES, RegisteredSchedule
 from .simulate import SimResult, predict, verify
 from .tables import load_table
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class LoweredPipeline:
     """A checked pipeline: every rank's lowered action list, the stage placement and each stage's layers.
 
-    Plans are cached and shared, so everything in one is immutable (tuples)."""
+    Prepared pipelines are cached and shared, so everything in one is immutable (tuples)."""
 
     spec: PipelineSpec
     placement: str
@@ -52,26 +52,26 @@ def load_schedule(spec: PipelineSpec) -> tuple[Schedule, str]:
     return registered.generate(spec.pp, spec.n_microbatches, spec.vpp), registered.placement
 
 
-def plan_pipeline(spec: PipelineSpec, num_layers: int) -> PipelinePlan:
+def prepare_pipeline(spec: PipelineSpec, num_layers: int) -> LoweredPipeline:
     """Partition the layers, load the schedule, lower and verify it; raise ValueError naming the fix.
 
-    Cached: every caller in a process (validation, each emulated rank, the engine) shares one plan. The key
-    holds what the schedule is made from, so a re-registered schedule or an edited table file is planned anew."""
-    source: ScheduleSpec | tuple[int, int] | None = SCHEDULES.get(spec.schedule)
+    Cached: every caller in a process (validation, each emulated rank, the engine) shares one pipeline. The key
+    holds what the schedule is made from, so a re-registered schedule or an edited table file is prepared anew."""
+    source: RegisteredSchedule | tuple[int, int] | None = SCHEDULES.get(spec.schedule)
     if spec.schedule == "table" and spec.table_path and os.path.isfile(spec.table_path):
         stat = os.stat(spec.table_path)
         source = (stat.st_mtime_ns, stat.st_size)
-    return _plan(spec, num_layers, source)
+    return _prepare(spec, num_layers, source)
 
 
 @functools.lru_cache(maxsize=16)
 @collector_paused
-def _plan(spec: PipelineSpec, num_layers: int, source: object) -> PipelinePlan:
-    """`plan_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
+def _prepare(spec: PipelineSpec, num_layers: int, source: object) -> LoweredPipeline:
+    """`prepare_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
     del source  # part of the cache key only
     counts = list(spec.layers_per_stage) if spec.layers_per_stage is not None else None
     partition = tuple(layer_partition(num_layers, spec.n_stages, counts))
     compute, placement = load_schedule(spec)
     lowered = lower(compute, spec.pp, spec.n_stages, placement)
     checked = verify(lowered, spec.pp, spec.n_stages, spec.n_microbatches, placement)  # rank lists as tuples
-    return PipelinePlan(spec, placement, partition, checked)
+    return LoweredPipeline(spec, placement, partition, checked)

@@ -43,7 +43,7 @@ class Watch:
         self.run_dir: Path | None = None  # where dumps go (under torchrun known only after the rendezvous)
         self.state = State("start-up")
         self.step = 0  # the 1-based training step under way (0: start-up), for the heartbeats
-        self.beater = None  # parallel.heartbeat.Beater of a launched rank: publishes this watch, names culprits
+        self.beater = None  # training.reliability.heartbeat.Beater of a launched rank: publishes this watch, names culprits
         self.last_done: object = None  # like State.what: formatted only when dumped
         self.posted: list[tuple[int, Pending]] = []  # (sender/receiver rank, transfer) not known complete
         self.report_lock = threading.Lock()  # the main thread and the watchdog may both see the same timeout

@@ -1,4 +1,4 @@
-"""The pre-launch data check: one line for a data config, file or tokenizer that cannot work, or for data too
+"""Pre-launch data validation: one line for a data config, file or tokenizer that cannot work, or for data too
 small for one global batch. Pure: it reads files and never writes one, trains nothing, tokenises nothing."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _batch_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
     return None
 
 
-def check_data(cfg: Any, dp: int | None = None) -> str | None:
+def data_problem(cfg: Any, dp: int | None = None) -> str | None:
     """One line for the first problem of the run's data, or None. `dp` defaults to parallel.dp (or 1)."""
     try:
         spec, geo = data_spec(section(cfg, "data")), geometry(cfg)
