@@ -210,6 +210,22 @@ def test_dp_slicing_matches_single_replica():
     assert got == perms[0] + perms[1]
 
 
+def test_without_shuffle_every_layout_reads_the_data_in_order():
+    ids, labels = numbered_samples(20)
+    single = StepBatches(TensorSamples(ids, labels), micro_batch_size=2, n_microbatches=4, seed=7, shuffle=False)
+    replicas = [StepBatches(TensorSamples(ids, labels), 2, 2, dp_rank=d, dp_size=2, seed=7, shuffle=False)
+                for d in range(2)]
+    got = [r for _ in range(5) for r in rows(next(single))]  # 40 sequences: two epochs, each in data order
+    assert got == list(range(20)) * 2
+    assert [r for _ in range(5) for d in range(2) for r in rows(next(replicas[d]))] == got
+
+
+def test_the_data_shuffle_key_reaches_the_stream(tmp_path):
+    cfg = make_cfg(data_section(**SMALL, cache_dir=str(tmp_path), shuffle=False), seq_len=16)
+    stream, _ = build_data(cfg, 0, 1, verbose=False)
+    assert stream.shuffle is False and stream.indices_at(0).tolist() == list(range(4))
+
+
 def test_micro_batches_are_contiguous_slices():
     ids, labels = numbered_samples(40)
     stream = StepBatches(TensorSamples(ids, labels), micro_batch_size=3, n_microbatches=2, dp_rank=1, dp_size=2, seed=0)

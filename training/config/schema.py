@@ -202,6 +202,8 @@ class DataSchema:
         "tokens only)", one_of("packed", "padded", "chat", "chat_packed"))
     num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
     seed: int = key(0, "seed of the synthetic corpus", at_least(0))
+    shuffle: bool = key(True, "reshuffle the training samples every epoch (seeded by `train.seed`); `false` keeps "
+                              "their order in the data (a curriculum), on every layout alike")
     vocab_size: int = key(2048, "vocabulary of the synthetic corpus's BPE tokenizer",
                           at_least(259), SYNTHETIC_ONLY)  # 256 bytes + 3 special tokens
     cache_dir: str = key(".cache/sluice", "where the synthetic corpus, its tokenizer and tokenised data are cached",

@@ -113,9 +113,9 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
     """The training step stream of DP replica `dp_rank` of `dp_size`, and the tokenizer, from the run config.
 
     `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
-    _, geo, tokenizer, splits = _prepare(cfg, verbose)
+    spec, geo, tokenizer, splits = _prepare(cfg, verbose)
     stream = StepBatches(splits.train, geo.micro_batch_size, geo.n_microbatches, dp_rank, dp_size, geo.seed,
-                         skipped_lines=splits.skipped_lines)
+                         skipped_lines=splits.skipped_lines, shuffle=spec.shuffle)
     return stream, tokenizer
 
 

@@ -25,6 +25,7 @@ class DataSpec:
     format: str
     num_docs: int
     seed: int
+    shuffle: bool
     vocab_size: int
     cache_dir: str
     val_path: str | None

@@ -16,7 +16,7 @@ class StepBatches:
     """Infinite iterator over optimizer steps: each `next()` is this DP replica's `list[MicroBatch]`.
 
     Global order contract (what makes layouts numerically equivalent): epoch e is
-    `randperm(N, Generator(seed + e))`; the global stream is the concatenation of epochs; a step starting at
+    `randperm(N, Generator(seed + e))` (`arange(N)` without `shuffle`); the global stream is the concatenation of epochs; a step starting at
     global position p (samples consumed so far) consumes [p, p + G) with G = dp_size * n_microbatches *
     micro_batch_size; replica d takes [p + d*M, p + (d+1)*M) with M = n_microbatches * micro_batch_size, split
     in order into micro-batches. The position counts samples, not steps, so a resume with another DP size or
@@ -24,14 +24,14 @@ class StepBatches:
     """
 
     def __init__(self, samples: Samples, micro_batch_size: int, n_microbatches: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, skipped_lines: int = 0) -> None:
+                 dp_size: int = 1, seed: int = 0, skipped_lines: int = 0, shuffle: bool = True) -> None:
         if micro_batch_size < 1 or n_microbatches < 1:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) and n_microbatches ({n_microbatches}) must be >= 1")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size})")
         self.samples = samples
         self.micro_batch_size, self.n_microbatches = micro_batch_size, n_microbatches
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.replica_batch_size = n_microbatches * micro_batch_size  # M
         self.global_batch_size = dp_size * self.replica_batch_size  # G
         self.num_samples, self.seq_len = len(samples), samples.seq_len
@@ -52,7 +52,8 @@ class StepBatches:
             if len(self._perms) >= 2:
                 self._perms.pop(min(self._perms))
             generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._perms[epoch] = torch.randperm(self.num_samples, generator=generator)
+            self._perms[epoch] = (torch.randperm(self.num_samples, generator=generator) if self.shuffle
+                                  else torch.arange(self.num_samples))
         return self._perms[epoch]
 
     def _indices(self, start: int, count: int) -> torch.Tensor:
