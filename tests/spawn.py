@@ -30,7 +30,18 @@ def rendezvous_store(timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
-def _pool_worker(rank: int, world_size: int, port: int, jobs: mp.Queue, results: mp.Queue) -> None:
+def _next_job(jobs: mp.Queue, parent: int) -> Any:
+    """The next job, or None once the pool is closed or the session that owns it is gone (killed pytest: no orphan
+    keeps polling the CPU of later runs)."""
+    while True:
+        try:
+            return jobs.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+def _pool_worker(rank: int, world_size: int, port: int, jobs: mp.Queue, results: mp.Queue, parent: int) -> None:
     """Child body: set the torchrun-style env, then run each job `(id, fn, args, kwargs)` until None arrives."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -38,7 +49,7 @@ def _pool_worker(rank: int, world_size: int, port: int, jobs: mp.Queue, results:
     torch.set_num_threads(1)  # N workers share few cores; intra-op threads would only oversubscribe them
     results.put((None, rank, STARTED, None))  # spawned and imported
     try:
-        while (job := jobs.get()) is not None:
+        while (job := _next_job(jobs, parent)) is not None:
             job_id, fn, args, kwargs = job
             try:
                 # Plain pickle copies tensors by value; the queue's own pickler would hand over shared-memory
@@ -72,8 +83,8 @@ class WorkerPool:
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.store = rendezvous_store(7 * 24 * 3600)  # held as long as the pool lives
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, world_size, self.store.port, self.jobs[r],
-                                                             self.results), daemon=True) for r in range(world_size)]
+        self.procs = [ctx.Process(target=_pool_worker, daemon=True, args=(
+            r, world_size, self.store.port, self.jobs[r], self.results, os.getpid())) for r in range(world_size)]
         for p in self.procs:
             p.start()
         self._collect(None, start_timeout, "run_workers: ranks {missing} did not start within {timeout:g}s")
