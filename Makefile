@@ -20,10 +20,11 @@ train: setup
 	$(PY) train.py experiment=demo $(ARGS)
 
 # Two pytest workers (pytest-xdist): the suite's multi-process tests spend much of their time importing torch on
-# one core or waiting out a timeout, which the other worker's tests fill (about 8 instead of 10 minutes on 2 cores).
+# one core or waiting out a timeout, which the other worker's tests fill. Work stealing keeps both busy to the end
+# (a fixed split left one worker with the slow launch tests: 12 instead of 10 minutes on 2 cores).
 TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # Sleep schedules vs the simulator's ideal, the real model vs torch.distributed.pipelining, single-process
 # overhead, transport hop latency (about 11 minutes on 2 cores): bench/results.json, docs/benchmarks.md, bench/timelines/*.png.

@@ -17,7 +17,7 @@ TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.
 TIMEOUT_S = 6  # the stall's bound; start-up has its own (parallel.startup_timeout_s), so no slow import trips it
 # A stall during start-up is bounded by parallel.startup_timeout_s itself: long enough for the stalled rank to reach
 # its stall (and publish a heartbeat) however slowly a loaded machine imports torch, short enough to wait out.
-STARTUP_TIMEOUT_S = 30
+STARTUP_TIMEOUT_S = 15
 
 
 def train(args: list[str], tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ NEUTRAL = (None, True, False, 0, 1, "")  # "off", "none", "one": a parameter's n
 THROWAWAY = '    throwaway_knob: int = key(7, "a knob this test adds", positive)\n'
 # Run inside the copy: the three readers of the schema, each asked about the new key.
 PROBE = r"""
-import contextlib, io, json, subprocess, sys
+import contextlib, io, json, runpy
 from training.cli import preflight
 from training.config.reference import help_text
 err = io.StringIO()
@@ -32,9 +32,10 @@ with contextlib.redirect_stderr(err):
         code = 0
     except SystemExit as exit:
         code = exit.code
-docs = subprocess.run([sys.executable, "scripts/config_docs.py", "--check"], capture_output=True, text=True)
-subprocess.run([sys.executable, "scripts/config_docs.py"], check=True, capture_output=True)
-print(json.dumps({"code": code, "error": err.getvalue(), "help": help_text(), "stale": docs.returncode,
+    config_docs = runpy.run_path("scripts/config_docs.py")["main"]  # the script, as `python scripts/...` runs it
+    stale = config_docs(["--check"])
+    config_docs([])
+print(json.dumps({"code": code, "error": err.getvalue(), "help": help_text(), "stale": stale,
                   "docs": open("docs/configuration.md").read()}))
 """
 
