@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     note = f" ({tie}: counted once; the last stage holds a copy)" if tied and n_stages > 1 else ""
     print(f"  total {total:,} parameters{note}")
     print("schedule:")
-    print(plan_text(lowered, pp, n_stages, m, placement))
+    print(plan_text(lowered, pp, n_stages, m, placement, simulated=sim))
     print(f"predicted: makespan {sim.makespan:g} cost units, bubble fraction {sim.bubble_fraction:.1%}")
     memory = activation_bytes(lowered, partition, cfg)
     for r in range(pp):

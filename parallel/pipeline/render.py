@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from .actions import Costs, Lists
-from .simulate import simulate
+from .simulate import SimResult, simulate
 
 
 def plan_text(
-    lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None
+    lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None,
+    simulated: SimResult | None = None,
 ) -> str:
-    """A rank x time grid of the compute actions (one column per time quantum), with bubble and memory."""
+    """A rank x time grid of the compute actions (one column per time quantum), with bubble and memory.
+
+    `simulated`: the step already simulated under `costs` (a large plan need not be replayed twice)."""
     costs = costs or Costs()
-    res = simulate(lowered, pp, n_stages, n_microbatches, placement, costs)
+    res = simulated or simulate(lowered, pp, n_stages, n_microbatches, placement, costs)
     quantum = min(c for c in (costs.f, costs.b, costs.i, costs.w, costs.comm) if c > 0)
     label = (lambda a: f"{a.kind.value}{a.microbatch}") if n_stages == pp else str
     width = 1 + max((len(label(a)) for actions in lowered for a in actions if not a.kind.is_comm), default=2)
