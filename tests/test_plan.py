@@ -35,6 +35,12 @@ def load_plan_module():
 # --- scripts/plan.py. -----------------------------------------------------------------------------------
 
 
+def test_plan_script_help_exits_0_with_its_usage(capsys):
+    assert load_plan_module().main(["--help"]) == 0  # Hydra's override grammar never sees the flag
+    out = capsys.readouterr().out
+    assert "scripts/plan.py" in out and "--search" in out and "--out" in out
+
+
 def test_plan_script_prints_the_plan_and_writes_a_png(tmp_path):
     out = tmp_path / "timeline.png"
     cmd = [sys.executable, "scripts/plan.py", "model=tiny", "parallel.pp=4", "schedule=1f1b",
