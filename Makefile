@@ -21,7 +21,7 @@ train: setup
 
 # Two pytest workers (pytest-xdist): the suite's multi-process tests spend much of their time importing torch on
 # one core or waiting out a timeout, which the other worker's tests fill. Work stealing keeps both busy to the end
-# (a fixed split left one worker with the slow launch tests: 12 instead of 10 minutes on 2 cores).
+# (a fixed split left one worker with the slow launch tests: 12 instead of about 10.5 minutes on 2 cores).
 TEST_JOBS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
