@@ -65,19 +65,19 @@ def test_preparing_does_work_linear_in_the_actions(name):
         assert big[phase] / small[phase] < 1.15 * growth, (phase, small[phase], big[phase])
 
 
-def test_plan_pipeline_is_cached_and_immutable():
+def test_prepare_pipeline_is_cached_and_immutable():
     spec = PipelineSpec(pp=4, schedule="1f1b", n_microbatches=8)
-    plan = prepare_pipeline(spec, 8)
-    assert prepare_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=8), 8) is plan  # checked once
-    assert prepare_pipeline(spec, 12) is not plan  # another partition is another plan
-    assert isinstance(plan.lowered, tuple) and all(isinstance(row, tuple) for row in plan.lowered)
-    assert isinstance(plan.partition, tuple)
+    pipeline = prepare_pipeline(spec, 8)
+    assert prepare_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=8), 8) is pipeline  # checked once
+    assert prepare_pipeline(spec, 12) is not pipeline  # another partition is another pipeline
+    assert isinstance(pipeline.lowered, tuple) and all(isinstance(row, tuple) for row in pipeline.lowered)
+    assert isinstance(pipeline.partition, tuple)
     with pytest.raises(TypeError):
-        plan.lowered[0][0] = Action(Kind.F, 0, 0)  # callers cannot change the shared plan
-    assert plan.simulate().makespan == 33  # 1F1B at pp=4, m=8: 3 * (m + pp - 1)
+        pipeline.lowered[0][0] = Action(Kind.F, 0, 0)  # callers cannot change the shared pipeline
+    assert pipeline.simulate().makespan == 33  # 1F1B at pp=4, m=8: 3 * (m + pp - 1)
 
 
-def test_an_edited_table_is_planned_anew(tmp_path):
+def test_an_edited_table_is_prepared_anew(tmp_path):
     path = dump_builtin("1f1b", 2, 4, tmp_path / "t.csv")
     spec = PipelineSpec(pp=2, schedule="table", n_microbatches=4, table_path=str(path))
     first = prepare_pipeline(spec, 4)
