@@ -13,13 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, open_dict
 
 from parallel.tensor_pass import join_blocks
-from training.cli import CONF_DIR
-from training.config import register_schema
+from training.config.schema import compose_config
 
 BASE = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_docs=300", "logger=none",
         "train.dtype=fp32", "optim.warmup_steps=1", "optim.lr=1e-3", "train.log_every=1",
@@ -44,12 +41,7 @@ FP32 = Tolerances()
 
 def compose_run_config(overrides: list[str], cache_dir: Path) -> DictConfig:
     """The run config train.py would compose for these overrides."""
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*BASE, f"data.cache_dir={cache_dir}", *overrides])
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose_config([*BASE, f"data.cache_dir={cache_dir}", *overrides])
 
 
 def _snapshot(named: dict, grads: bool) -> Tensors:

@@ -6,15 +6,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import CONF_DIR, ConfigError, register_schema, validate
-from training.output_paths import output_dir_problem
+from training.config.schema import compose_config
 from training.config.unknown_keys import check_override_keys
+from training.output_paths import output_dir_problem
 
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra takes one value; the value is not an override.
@@ -35,13 +34,10 @@ def fail(message: str) -> None:
 
 def compose_validated(overrides: list[str]) -> DictConfig:
     """The run config train.py would see, validated (for scripts); exit 2 with one line if it is wrong."""
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose(config_name="config", overrides=overrides)
-        except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
-            fail(explain_compose_error(error, overrides))
+    try:
+        cfg = compose_config(overrides)
+    except Exception as error:  # Hydra's composition errors: one line, as train.py prints them
+        fail(explain_compose_error(error, overrides))
     try:
         validate(cfg)
     except ConfigError as error:
@@ -124,12 +120,10 @@ def check_output_dir(hydra_cfg: DictConfig, multirun: bool) -> None:
 
 def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[str]:
     """Compose one job, check its output directory and validate it; return its warnings."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose(config_name="config", overrides=job, return_hydra_config=True)
-        except Exception as error:  # Hydra's composition errors: one line, not its traceback
-            fail(explain_compose_error(error, job))
+    try:
+        cfg = compose_config(job, with_hydra=True)
+    except Exception as error:  # Hydra's composition errors: one line, not its traceback
+        fail(explain_compose_error(error, job))
     with read_write(cfg), open_dict(cfg):
         check_output_dir(cfg.hydra, multirun)
         cfg.pop("hydra")
@@ -157,8 +151,6 @@ def preflight(argv: list[str]) -> None:
             warnings.update(dict.fromkeys(check_job(job, world_size, bool(MULTIRUN_FLAGS & set(flags)))))
     except ConfigError as error:
         fail(str(error))
-    finally:
-        GlobalHydra.instance().clear()
     if os.environ.get("RANK", "0") == "0":
         for warning in warnings:
             print(f"sluice: config warning: {warning}", file=sys.stderr)

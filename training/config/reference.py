@@ -5,7 +5,7 @@ import re
 import textwrap
 from typing import Any
 
-from training.config.schema import CONF_DIR, SchemaKey, schema_keys, schema_sections
+from training.config.schema import CONF_DIR, SchemaKey, compose_config, schema_keys, schema_sections
 
 BEGIN = "<!-- keys: {section} (written by scripts/config_docs.py from the schema; do not edit) -->"
 END = "<!-- end of keys -->"
@@ -28,18 +28,11 @@ Every key with its meaning: docs/configuration.md. Hydra's own flags (sweeps, la
 
 def run_defaults(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Each key's value in `python train.py [overrides]`; a model key left null shows MiniMind's default."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     from minimind.config import MiniMindConfig
-    from training.config.schema import register_schema
 
-    register_schema()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    GlobalHydra.instance().clear()
+    cfg = compose_config(list(overrides))
     minimind = inspect.signature(MiniMindConfig.__init__).parameters
     values = {}
     for key in schema_keys():
@@ -83,10 +76,6 @@ def write_tables(markdown: str, defaults: dict[str, Any]) -> str:
         section = match.group(1)
         return f"{BEGIN.format(section=section)}\n{key_table(section, defaults)}\n{END}"
     return BLOCK.sub(table, markdown)
-
-
-def documented_sections(markdown: str) -> list[str]:
-    return BLOCK.findall(markdown)
 
 
 def plain(meaning: str) -> str:

@@ -147,7 +147,7 @@ class TrainSchema:
         "(dp * micro_batch_size)` (it must divide)", optional(positive))
     seq_len: int = key(256, "tokens per sequence", at_least(2))  # one input and one label token at least
     seed: int = key(42, "seed of the initial weights (the same for every layout) and of the sample order "
-                        "(reshuffled each epoch)", at_least(0))
+                        "(reshuffled each epoch unless `data.shuffle=false`)", at_least(0))
     dtype: str = key("auto", "compute dtype: `auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`",
                      one_of("auto", "fp32", "bf16"))
     grad_clip: float = key(1.0, "global gradient-norm clipping threshold; `0` = off", non_negative)
@@ -282,7 +282,7 @@ def schema_keys(node: type = RunSchema, prefix: str = "") -> list[SchemaKey]:
     """Every leaf key of the schema, in declaration order."""
     keys: list[SchemaKey] = []
     for f in dataclasses.fields(node):
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, type) and dataclasses.is_dataclass(f.type)):
+        if dataclasses.is_dataclass(f.type):  # a section
             keys += schema_keys(f.type, f"{prefix}{f.name}.")
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -294,6 +294,21 @@ def schema_keys(node: type = RunSchema, prefix: str = "") -> list[SchemaKey]:
 def register_schema() -> None:
     """Make `base_config` available to the defaults list of conf/config.yaml."""
     ConfigStore.instance().store(name="base_config", node=RunSchema)
+
+
+def compose_config(overrides: list[str], with_hydra: bool = False) -> Any:
+    """The run config `python train.py <overrides>` composes, not validated (Hydra's errors propagate);
+    `with_hydra` keeps Hydra's own section (run and sweep directories)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def model_config(cfg: Any):

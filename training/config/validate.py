@@ -7,11 +7,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from training.config.schema import model_config, model_keys, schema_keys
+from training.config.unknown_keys import check_known_keys
+from training.config.values import ConfigError, shown
 from training.layout import layout_world_size, resolve_global_batch, resolved_dp
 from training.loggers import check_logger
-from training.config.schema import model_config, model_keys, schema_keys
-from training.config.values import ConfigError, shown
-from training.config.unknown_keys import check_known_keys
 
 
 def check_resolvable(cfg: DictConfig) -> None:
@@ -127,7 +127,7 @@ def resolve_partition(cfg: DictConfig) -> None:
 
 
 def validate_layout(cfg: DictConfig) -> None:
-    """TP divisibility, then the pipeline plan (partition, schedule, vpp; lowered and simulated) before launch."""
+    """TP divisibility, then the pipeline prepared (partition, schedule, vpp; lowered and verified) before launch."""
     from models import build_model, decoder_of
     from parallel.pipeline.partition import layer_partition
     from parallel.pipeline.prepare import prepare_pipeline
@@ -138,7 +138,7 @@ def validate_layout(cfg: DictConfig) -> None:
     config = model_config(cfg)
     try:
         check_tp_divisibility(decoder_of(build_model(config)).adapter.tp_sizes(), p.tp)  # meta: shapes only
-        if p.pp > 1:  # the planner is the one home of schedule/vpp/partition rules
+        if p.pp > 1:  # prepare_pipeline is the one home of schedule/vpp/partition rules
             prepare_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
         else:
             layer_partition(config.num_hidden_layers, 1,
