@@ -24,6 +24,13 @@ def golden_moe() -> dict:
     return load_golden("moe")
 
 
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One `data.cache_dir` for the train.py runs of this pytest worker: the embedded corpus's tokenizer is trained
+    and its tokens cached once, not once per test (the cache's file locks make sharing it safe)."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
 @pytest.fixture
 def one_thread():
     """Tiny matmuls: a second intra-op thread only adds synchronisation (5x slower on a busy 2-core box)."""

@@ -40,10 +40,10 @@ def test_summary_lines():
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refused(tmp_path):
+def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refused(tmp_path, data_cache):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     run_dir = tmp_path / "run"
-    common = [*TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"]
+    common = [*TINY, f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"]
     cwd = tmp_path / "cwd"  # a working directory of its own: whatever the repository holds cannot matter
     cwd.mkdir()
     # One pipe for stdout and stderr, unbuffered: what a terminal would show, in order.

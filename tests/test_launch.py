@@ -16,8 +16,8 @@ TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.
         "optim.lr=1e-3"]
 
 
-def run(cmd: list[str], run_dir, tmp_path, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
-    result = subprocess.run([*cmd, *TINY, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
+def run(cmd: list[str], run_dir, cache, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
+    result = subprocess.run([*cmd, *TINY, f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"],
                             cwd=cwd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     return result
 
@@ -37,8 +37,8 @@ def single_process_losses(tmp_path, *extra: str) -> list[float]:
     return run_training(cfg, ParallelGrid.single(torch.device("cpu")), tmp_path / "single")["losses"]
 
 
-def test_world_size_mismatch_is_refused_before_training(tmp_path):
-    result = run([sys.executable, "train.py", "parallel.tp=2", "parallel.pp=2"], tmp_path / "run", tmp_path,
+def test_world_size_mismatch_is_refused_before_training(tmp_path, data_cache):
+    result = run([sys.executable, "train.py", "parallel.tp=2", "parallel.pp=2"], tmp_path / "run", data_cache,
                  env={"WORLD_SIZE": "2", "RANK": "0"})
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -46,17 +46,17 @@ def test_world_size_mismatch_is_refused_before_training(tmp_path):
         "launch a multiple of 4 processes or change parallel.tp/pp"]
 
 
-def test_sweep_runs_every_job_in_its_own_run_directory(tmp_path):
+def test_sweep_runs_every_job_in_its_own_run_directory(tmp_path, data_cache):
     """Hydra's basic launcher (a job that self-launches workers: tests/test_submitit.py)."""
     result = subprocess.run([sys.executable, "train.py", "-m", "train.steps=1,2", *TINY,
-                             f"data.cache_dir={tmp_path}/cache", f"hydra.sweep.dir={tmp_path}/sweep"],
+                             f"data.cache_dir={data_cache}", f"hydra.sweep.dir={tmp_path}/sweep"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     one, two = losses(tmp_path / "sweep" / "0"), losses(tmp_path / "sweep" / "1")
     assert len(one) == 1 and len(two) == 2 and one[0] == two[0]
 
 
-def test_slurm_script_launches_torchrun_per_node(tmp_path):
+def test_slurm_script_launches_torchrun_per_node(tmp_path, data_cache):
     """The sbatch script under stand-ins for srun/scontrol: one node, two CPU workers."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -70,15 +70,15 @@ def test_slurm_script_launches_torchrun_per_node(tmp_path):
     store = rendezvous_store(300)  # held here: torchrun's rendezvous joins it as a client, no port is re-bound
     env["RDZV_PORT"] = str(store.port)
     result = subprocess.run(["bash", "scripts/slurm/train.sbatch", "parallel.pp=2", *TINY, "train.steps=2",
-                             f"data.cache_dir={tmp_path}/cache"], cwd=ROOT, capture_output=True, text=True,
+                             f"data.cache_dir={data_cache}"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300, env={**os.environ, **env})
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(losses(tmp_path / "run")) == 2
 
 
-def test_emulated_pipeline_runs_in_one_process_from_the_command_line(tmp_path):
+def test_emulated_pipeline_runs_in_one_process_from_the_command_line(tmp_path, data_cache):
     emulated = run([sys.executable, "train.py", "train.steps=2", "parallel.pp=2", "parallel.emulate=true"],
-                   tmp_path / "emulated", tmp_path)
+                   tmp_path / "emulated", data_cache)
     assert emulated.returncode == 0, emulated.stderr[-2000:]
     assert "launching" not in (tmp_path / "emulated" / "train.log").read_text()  # no workers were started
     assert losses(tmp_path / "emulated") == pytest.approx(single_process_losses(tmp_path, "train.steps=2"), rel=1e-5)

@@ -20,9 +20,9 @@ TIMEOUT_S = 6  # the stall's bound; start-up has its own (parallel.startup_timeo
 STARTUP_TIMEOUT_S = 15
 
 
-def train(args: list[str], tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess:
+def train(args: list[str], cache: Path, run_dir: Path) -> subprocess.CompletedProcess:
     """A self-launched run of train.py that must end by itself (hard timeout)."""
-    cmd = [sys.executable, "train.py", *TINY, *args, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", *TINY, *args, f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -56,9 +56,9 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(tmp_path):
+def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    result = train(["train.steps=4", "parallel.pp=2", "debug.fault='nan@rank=1,step=2'"], tmp_path, run_dir)
+    result = train(["train.steps=4", "parallel.pp=2", "debug.fault='nan@rank=1,step=2'"], data_cache, run_dir)
     assert result.returncode == 1
     [line] = sluice_lines(result.stderr)
     assert "non-finite loss and grad norm at step 2" in line and "train.on_nonfinite=stop" in line
@@ -70,12 +70,13 @@ def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(tmp_path):
     ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1", "at step 2 "),
     ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group", ""),
 ], ids=["pipeline", "start-up"])  # a stalled DP rank: tests/test_launch_faults.py (SIGSTOP under torchrun dp2)
-def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, layout, fault, waiting, at):
+def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, data_cache, layout, fault, waiting,
+                                                                         at):
     run_dir = tmp_path / "run"
     # Start-up gets its own bound: a busy machine may take long to import, which must not count as a stall after it.
     key, bound = ("parallel.startup_timeout_s", STARTUP_TIMEOUT_S) if "start-up" in waiting else \
         ("parallel.timeout_s", TIMEOUT_S)
-    result = train(["train.steps=3", layout, f"{key}={bound}", f"debug.fault='{fault}'"], tmp_path, run_dir)
+    result = train(["train.steps=3", layout, f"{key}={bound}", f"debug.fault='{fault}'"], data_cache, run_dir)
     assert result.returncode == 1
     lines = sluice_lines(result.stderr)
     # The heartbeats name the stalled rank first (alive, busy with no peer to wait for), then the wait that timed out.
@@ -92,9 +93,9 @@ def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_pat
         assert dumps[1]["blocked_s"] <= bound + 15
 
 
-def start_long_run(cmd: list[str], run_dir: Path) -> subprocess.Popen:
+def start_long_run(cmd: list[str], run_dir: Path, cache: Path) -> subprocess.Popen:
     """A run long enough to interrupt, in its own process group; returns once rank 0 logged a step."""
-    proc = subprocess.Popen([*cmd, *TINY, "train.steps=100000", f"data.cache_dir={run_dir.parent}/cache",
+    proc = subprocess.Popen([*cmd, *TINY, "train.steps=100000", f"data.cache_dir={cache}",
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
@@ -103,8 +104,8 @@ def start_long_run(cmd: list[str], run_dir: Path) -> subprocess.Popen:
     return proc
 
 
-def test_ctrl_c_stops_a_two_worker_run_with_one_line_and_exit_130(tmp_path):
-    proc = start_long_run([sys.executable, "train.py", "parallel.pp=2"], tmp_path / "run")
+def test_ctrl_c_stops_a_two_worker_run_with_one_line_and_exit_130(tmp_path, data_cache):
+    proc = start_long_run([sys.executable, "train.py", "parallel.pp=2"], tmp_path / "run", data_cache)
     try:
         assert len(pids_where(3, proc.pid)) >= 2  # the two workers are the launcher's children
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -118,10 +119,10 @@ def test_ctrl_c_stops_a_two_worker_run_with_one_line_and_exit_130(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
-def test_workers_exit_when_their_launcher_is_killed(tmp_path, launcher):
+def test_workers_exit_when_their_launcher_is_killed(tmp_path, data_cache, launcher):
     torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2"]
     cmd = [*torchrun, "train.py"] if launcher == "torchrun" else [sys.executable, "train.py"]
-    proc = start_long_run([*cmd, "parallel.pp=2"], tmp_path / "run")
+    proc = start_long_run([*cmd, "parallel.pp=2"], tmp_path / "run", data_cache)
     try:
         workers = pids_where(3, proc.pid)
         assert len(workers) >= 2

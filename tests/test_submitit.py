@@ -12,9 +12,9 @@ TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.
         "data.num_docs=300", "train.steps=2", "logger=none", "train.dtype=fp32", "train.log_every=1"]
 
 
-def sweep(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+def sweep(tmp_path, cache, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "train.py", "-m", "hydra/launcher=local", *TINY, *overrides,
-                           f"data.cache_dir={tmp_path}/cache", f"hydra.sweep.dir={tmp_path}/sweep"],
+                           f"data.cache_dir={cache}", f"hydra.sweep.dir={tmp_path}/sweep"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -22,8 +22,8 @@ def losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_two_job_sweep_runs_to_completion_through_submitit(tmp_path):
-    result = sweep(tmp_path, "parallel.pp=1,2")  # job 1's task starts its node's two workers itself
+def test_a_two_job_sweep_runs_to_completion_through_submitit(tmp_path, data_cache):
+    result = sweep(tmp_path, data_cache, "parallel.pp=1,2")  # job 1's task starts its node's two workers itself
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Submitit 'local' sweep output dir" in result.stdout + result.stderr
     single, pipelined = losses(tmp_path / "sweep" / "0"), losses(tmp_path / "sweep" / "1")
@@ -32,8 +32,8 @@ def test_a_two_job_sweep_runs_to_completion_through_submitit(tmp_path):
     assert len(list((tmp_path / "sweep" / ".submitit").glob("*/*_result.pkl"))) == 2
 
 
-def test_a_bad_job_stops_the_sweep_before_anything_is_submitted(tmp_path):
-    result = sweep(tmp_path, "train.steps=2,0")
+def test_a_bad_job_stops_the_sweep_before_anything_is_submitted(tmp_path, data_cache):
+    result = sweep(tmp_path, data_cache, "train.steps=2,0")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sluice: config error:") and "train.steps" in lines[0]

@@ -20,9 +20,9 @@ TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=4", "schedule.
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens"}
 
 
-def test_training_writes_metrics_tensorboard_wandb_and_config_and_learns(tmp_path):
+def test_training_writes_metrics_tensorboard_wandb_and_config_and_learns(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "train.py", *TINY, f"data.cache_dir={tmp_path}/cache",
+    result = subprocess.run([sys.executable, "train.py", *TINY, f"data.cache_dir={data_cache}",
                              f"hydra.run.dir={run_dir}", "train.steps=40", "optim.lr=3e-3", "optim.warmup_steps=5",
                              "logger.backends=[tensorboard,wandb]"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)

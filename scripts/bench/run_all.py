@@ -24,6 +24,11 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py")
 
 
+def run_benchmark(script: str, argv: list[str]) -> None:
+    """One benchmark script in a process of its own (raises CalledProcessError if it fails)."""
+    subprocess.run([sys.executable, str(HERE / script), *argv], check=True, cwd=ROOT)
+
+
 def main(argv: list[str]) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="every benchmark in its tiny mode (checks, not figures)")
@@ -36,9 +41,8 @@ def main(argv: list[str]) -> Path:
         args.results.unlink()  # one run's figures only
     for script in BENCHMARKS:
         extra = ["--png-dir", str(args.png_dir)] if script == "schedules.py" else []
-        cmd = [sys.executable, str(HERE / script), "--results", str(args.results), *extra]
         print(f"== {script}", flush=True)
-        subprocess.run(cmd + (["--smoke"] if args.smoke else []), check=True, cwd=ROOT)
+        run_benchmark(script, ["--results", str(args.results), *extra] + (["--smoke"] if args.smoke else []))
     update_results("run", {"command": "make bench" + (" ARGS=--smoke" if args.smoke else ""),
                             "wall_s": time.perf_counter() - start,
                             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, args.results)
