@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 from pathlib import Path
@@ -11,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from tests.data_helpers import SMALL, all_samples, data_section, make_cfg, spec, write_jsonl
 from training.data import (

@@ -4,7 +4,6 @@ pre-launch batch-size check."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np

@@ -1,8 +1,6 @@
 """Model FLOPs per token, TFLOP/s and MFU, peak memory per rank, and the records that carry them."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,7 +8,6 @@ import torch
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from models import build_model, decoder_of
 from parallel.decoder import Decoder
-from tests.conftest import ROOT
 from tests.equivalence import compose_run_config
 from tests.spawn import run_workers
 from training.flops import (device_peak_tflops, flops_per_token, peak_memory_record, process_peak_memory,
@@ -75,8 +72,7 @@ def _peaks(rank: int, world_size: int) -> dict:
 
     dist.init_process_group("gloo")
     if rank == 1:
-        block = torch.ones(96 * 2**20)  # 384 MiB more than the other rank holds
-        del block
+        torch.ones(96 * 2**20)  # 384 MiB more than the other rank holds, freed at once: the peak keeps it
     return peak_memory_record(dist.group.WORLD, torch.device("cpu"))
 
 
