@@ -29,6 +29,8 @@ class MiniMindConfig(PretrainedConfig):
         "layers.*.mlp.experts.*.up_proj": "colwise",
         "layers.*.mlp.experts.*.down_proj": "rowwise",
     }
+    # Expert parallelism (Sluice's EP pass): the module holding each MoE layer's experts, split over the ep group.
+    base_model_ep_plan = {"layers.*.mlp.experts": "ep_dispatch_experts"}
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states"], ["hidden_states"]),

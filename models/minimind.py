@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,9 @@ class MiniMindAdapter:
                 targets.append(GatedActivation(sub, sub.gate_proj, sub.up_proj, sub.down_proj, F.silu))
         return targets
 
+    def moe_forward(self, block: nn.Module, experts: Callable) -> Callable:
+        return RoutedExperts(block, experts)
+
     def tp_sizes(self) -> dict[str, int]:
         return tp_sizes(self.config, self.config.use_moe)
 
@@ -64,6 +69,34 @@ class MiniMindAdapter:
     def saved_bytes_per_layer(self, micro_batch_size: int, seq_len: int, dtype_bytes: int, mode: str,
                               tp: int = 1) -> int:
         return saved_activation_bytes_per_layer(self.config, micro_batch_size, seq_len, dtype_bytes, mode, tp)
+
+
+class RoutedExperts:
+    """`MoEFeedForward.forward` with its expert loop handed to `experts(tokens, top_k_index, top_k_weights)`.
+
+    The model routes and runs its experts in one loop; the EP pass needs the two apart, and the model file stays
+    as it is, so its routing and aux loss are restated here, line for line (tests check both give the same numbers).
+    (A class, not a closure, so that deepcopy rebinds it to the copy.)"""
+
+    def __init__(self, block: nn.Module, experts: Callable):
+        self.block, self.experts = block, experts
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block, shape = self.block, x.shape
+        tokens = x.reshape(-1, shape[-1])
+        scores = F.softmax(block.gate(tokens), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(scores, block.top_k, dim=-1, sorted=False)
+        if block.norm_topk_prob and block.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        elif block.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(tokens, chosen, weights.to(tokens.dtype))
+        aux = tokens.new_zeros((), dtype=torch.float32)
+        if block.training and block.aux_loss_coef > 0:
+            num_experts = scores.shape[-1]
+            load = F.one_hot(chosen.reshape(-1), num_experts).float().mean(0)
+            aux = (load * scores.mean(0)).sum() * num_experts * block.aux_loss_coef
+        return out.view(shape), aux
 
 
 def saved_activation_bytes_per_layer(config: MiniMindConfig, micro_batch_size: int, seq_len: int, dtype_bytes: int,

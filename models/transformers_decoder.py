@@ -119,6 +119,9 @@ class TransformersDecoderAdapter:
                 targets.append(GatedActivation(sub, sub.gate_proj, sub.up_proj, sub.down_proj, sub.act_fn))
         return targets
 
+    def moe_forward(self, block: nn.Module, experts) -> None:
+        return None  # the experts module's own forward takes (tokens, top_k_index, top_k_weights)
+
     def tp_sizes(self) -> dict[str, int]:
         return tp_sizes(self.config, bool(self.moe_layers))
 

@@ -2,7 +2,8 @@
 
 transformers declares how a causal LM splits, on its own classes: the config's `base_model_pp_plan` (the input
 embedding, the layer stack and the final pieces, in order, with their inputs and outputs), the LM class's
-`_pp_plan` (the head), `base_model_tp_plan` / `_tp_plan` (how each piece shards) and `_tied_weights_keys`.
+`_pp_plan` (the head), `base_model_tp_plan` / `_tp_plan` (how each piece shards), `base_model_ep_plan` (which
+module holds a layer's experts) and `_tied_weights_keys`.
 `DecoderPlan` reads them once; every pass of this package finds a model's pieces through it and names none itself.
 What a plan cannot say lives in one small `FamilyAdapter` per model family (`models/`); `Decoder` runs a whole
 model or a pipeline chunk of it piece by piece with the two.
@@ -11,8 +12,8 @@ model or a pipeline chunk of it piece by piece with the two.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +52,11 @@ class FamilyAdapter(Protocol):
         """The blocks of one layer that `train.recompute=selective` recomputes (`parallel.recompute` targets):
         which part is cheap to redo and heavy to keep is a property of the architecture, not of a plan."""
 
+    def moe_forward(self, block: nn.Module, experts: Callable) -> Callable | None:
+        """The forward of an MoE `block` that routes as the model does and hands its experts to
+        `experts(tokens, top_k_index, top_k_weights)` (the EP pass's dispatcher), or None where the family's
+        experts module already has that signature (transformers' own)."""
+
     def tp_sizes(self) -> dict[str, int]:
         """Config sizes tensor parallelism splits (heads, widths, experts' widths, vocabulary), by config key:
         a size TP does not divide is refused before launch, naming the key."""
@@ -75,6 +81,7 @@ class DecoderPlan:
     head: str  # hidden states -> logits (last stage only)
     tp_plan: dict[str, str]  # module or parameter name pattern -> TP style
     ties: dict[str, str]  # a tied parameter -> the parameter it equals (empty when untied)
+    ep_plan: dict[str, str] = field(default_factory=dict)  # module or parameter name pattern -> EP style
 
     @staticmethod
     def of(model: nn.Module) -> DecoderPlan:
@@ -99,8 +106,10 @@ class DecoderPlan:
         embedding, head = f"{base}.{before[0]}", next(iter(head_plan))
         tie = bool(getattr(model.config, "tie_word_embeddings", False))
         ties = dict(_tied_keys(model)) if tie else {}
+        ep_plan = {f"{base}.{key}": style for key, style in
+                   (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
         return DecoderPlan(base, embedding, f"{base}.{stacks[0]}", tuple(f"{base}.{k}" for k in after), head,
-                           _tp_plan(model, base, embedding, head), ties)
+                           _tp_plan(model, base, embedding, head), ties, ep_plan)
 
     def piece_of(self, name: str) -> tuple[str, int | None]:
         """Which piece holds the dense parameter `name`: ("embedding" | "layer" | "final" | "head", layer id)."""

@@ -9,6 +9,7 @@ and runtime loop, over in-process channels instead of P2P.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from parallel.collectives import all_reduce_
 from parallel.decoder import Decoder
+from parallel.expert import is_expert
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource
@@ -169,7 +171,11 @@ class ParallelEngine:
                            send_releases(lists, r, pipeline.n_stages, pipeline.placement, pipeline.spec.pp)) for r in self.lists}
 
     def _gradient_sync(self) -> GradientSync:
-        """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP."""
+        """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP.
+
+        EP-split expert parameters reduce over the edp group (the DP ranks holding the same experts) instead: the
+        all_to_all already brought every ep-group rank's tokens to an expert's holder, so its gradient there holds
+        their whole contribution, and the edp sum completes it to DP's without any rescaling."""
         grid, bucket_bytes = self.grid, int(self.spec.bucket_mb * 2**20)
         copies = self.tied and self.first is not self.head
         local_tie = (self.first, self.head) if copies and self.emulated else None
@@ -179,7 +185,11 @@ class ParallelEngine:
         for s in sorted(self.stages, key=lambda s: self._final_position(s)):
             params = [p for p in reversed(list(self.stages[s].module.parameters()))
                       if owner[id(p)] == s and id(p) not in tied_here]
-            buckets[s] = split_buckets(params, bucket_bytes, (grid.dp_group,)) if grid.dp > 1 else []
+            buckets[s] = []
+            # Runs of consecutive dense or expert parameters keep the backward order of the buckets.
+            for expert, run in itertools.groupby(params, key=is_expert):
+                group, size = (grid.edp_group, grid.edp) if expert else (grid.dp_group, grid.dp)
+                buckets[s] += split_buckets(list(run), bucket_bytes, (group,)) if size > 1 else []
             tied = [p for p in (self.first, self.head) if p is not None and owner.get(id(p)) == s
                     and id(p) in tied_here and not self.emulated]
             buckets[s] += [Bucket(tied, (grid.embed_group, grid.dp_group))] if tied else []
@@ -219,9 +229,14 @@ class ParallelEngine:
         return list(self.named_parameters().values())
 
     def norm_parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank counts in the global grad norm: each unique parameter on one rank only."""
+        """The parameters this rank counts in the global grad norm: each unique parameter on one rank only.
+
+        The norm's group (`grid.mp_group`) spans tp x pp x ep: an expert counts on the ep rank holding it, a
+        parameter replicated over the ep group on ep rank 0."""
         params = []
         for param in self.parameters():
+            if self.grid.ep_rank != 0 and not is_expert(param):
+                continue
             replicated_in_tp = not getattr(param, "tensor_parallel", False)
             if replicated_in_tp and self.grid.tp_rank != 0:
                 continue  # the same gradient lives on every TP rank: count it on TP rank 0

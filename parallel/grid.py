@@ -1,4 +1,8 @@
-"""ParallelGrid: this rank's coordinates in the (pp, dp, tp) mesh and the process groups along each axis."""
+"""ParallelGrid: this rank's coordinates in the (pp, dp, tp) mesh and the process groups along each axis.
+
+Expert parallelism (EP) is carved out of DP, as in Megatron-LM and torchtitan: each run of `ep` consecutive DP ranks
+(same pp, tp) is an ep group splitting the experts; the DP ranks holding the same experts form the expert-data-parallel
+(edp) group, `dp // ep` of them. The global rank formula does not change."""
 
 import os
 from dataclasses import dataclass, field
@@ -31,17 +35,22 @@ class ParallelGrid:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1  # DP ranks splitting each MoE layer's experts (divides dp)
     rank: int = 0
     world_size: int = 1
     pp_rank: int = 0
     dp_rank: int = 0
     tp_rank: int = 0
+    ep_rank: int = 0  # dp_rank % ep: which share of the experts this rank holds
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "none"
     tp_group: ProcessGroup | None = field(default=None, repr=False)
     dp_group: ProcessGroup | None = field(default=None, repr=False)
     pp_group: ProcessGroup | None = field(default=None, repr=False)
-    mp_group: ProcessGroup | None = field(default=None, repr=False)  # tp x pp of one dp replica: grad norm
+    # tp x pp x ep of one expert-data-parallel replica (tp x pp of one dp replica at ep 1): the grad norm's group
+    mp_group: ProcessGroup | None = field(default=None, repr=False)
+    ep_group: ProcessGroup | None = field(default=None, repr=False)  # ep consecutive DP ranks: token dispatch
+    edp_group: ProcessGroup | None = field(default=None, repr=False)  # DP ranks holding the same experts
     embed_group: ProcessGroup | None = field(default=None, repr=False)  # first + last stage: tied embeddings
     mesh: DeviceMesh | None = field(default=None, repr=False)
 
@@ -53,7 +62,7 @@ class ParallelGrid:
         return cls(device=torch.device(device))
 
     @classmethod
-    def build(cls, dp: int | None, tp: int, pp: int, *, backend: str, timeout_s: float) -> "ParallelGrid":
+    def build(cls, dp: int | None, tp: int, pp: int, *, backend: str, timeout_s: float, ep: int = 1) -> "ParallelGrid":
         """Join (or reuse) the default process group via env:// and carve the (pp, dp, tp) mesh out of it."""
         if dist.is_initialized():
             world_size = dist.get_world_size()
@@ -61,6 +70,8 @@ class ParallelGrid:
         else:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
         dp = resolve_dp(world_size, dp, tp, pp)  # before any rendezvous: a bad layout never starts
+        if dp % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide the data-parallel size {dp}")
         backend, device = resolve_backend(backend)
         if not dist.is_initialized():
             if world_size == 1 and "MASTER_ADDR" not in os.environ:
@@ -72,16 +83,30 @@ class ParallelGrid:
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         rank = dist.get_rank()
         pp_rank, dp_rank, tp_rank = (int(c) for c in mesh.get_coordinate())
-        grid = cls(pp=pp, dp=dp, tp=tp, rank=rank, world_size=world_size, pp_rank=pp_rank, dp_rank=dp_rank,
+        grid = cls(pp=pp, dp=dp, tp=tp, ep=ep, ep_rank=dp_rank % ep, rank=rank, world_size=world_size, pp_rank=pp_rank, dp_rank=dp_rank,
                    tp_rank=tp_rank, device=device, backend=backend, mesh=mesh, tp_group=mesh.get_group("tp"),
                    dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"))
         timeout = timedelta(seconds=timeout_s)
-        grid.mp_group = grid._my_group([[grid.global_rank_of(p, d, t) for p in range(pp) for t in range(tp)]
-                                        for d in range(dp)], timeout)
+        edp = dp // ep
+        grid.mp_group = grid._my_group([[grid.global_rank_of(p, e * ep + i, t) for p in range(pp) for i in range(ep)
+                                         for t in range(tp)] for e in range(edp)], timeout)
+        if ep > 1:
+            grid.ep_group = grid._my_group([[grid.global_rank_of(p, e * ep + i, t) for i in range(ep)]
+                                            for p in range(pp) for e in range(edp) for t in range(tp)], timeout)
+            if edp > 1:
+                grid.edp_group = grid._my_group([[grid.global_rank_of(p, e * ep + i, t) for e in range(edp)]
+                                                 for p in range(pp) for i in range(ep) for t in range(tp)], timeout)
+        else:
+            grid.edp_group = grid.dp_group
         if pp > 1:
             grid.embed_group = grid._my_group([[grid.global_rank_of(0, d, t), grid.global_rank_of(pp - 1, d, t)]
                                                for d in range(dp) for t in range(tp)], timeout)
         return grid
+
+    @property
+    def edp(self) -> int:
+        """DP ranks holding the same experts (their expert gradients are summed over these)."""
+        return self.dp // self.ep
 
     def _my_group(self, rank_lists: list[list[int]], timeout: timedelta) -> ProcessGroup:
         """Create every group in rank_lists (new_group is collective: all ranks, same order); return ours."""

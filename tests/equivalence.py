@@ -108,7 +108,9 @@ def run_training(cfg: DictConfig, grid, run_dir: Path) -> dict:
     if grid.rank == 0:  # only global rank 0 writes metrics.jsonl
         lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         metrics = [{k: line[k] for k in LOGGED if k in line} for line in lines]
+    experts = sorted(n for n, p in trainer.engine.named_parameters().items() if getattr(p, "expert_parallel", False))
     return {"losses": losses, "metrics": metrics, "grads": grads, "coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank),
+            "ep": grid.ep, "experts": experts,
             "params": _snapshot(trainer.engine.named_parameters(), grads=False), "tied": tied_copies,
             "data": data, "rng": rng}
 
@@ -126,7 +128,7 @@ def layouts_worker(rank: int, world_size: int, runs: list[tuple[list[str], str]]
     for overrides, run_dir in runs:
         cfg = compose_run_config(overrides, Path(cache_dir))
         p = cfg.parallel
-        grid = ParallelGrid.build(p.dp, p.tp, 1 if p.emulate else p.pp, backend="gloo", timeout_s=120)
+        grid = ParallelGrid.build(p.dp, p.tp, 1 if p.emulate else p.pp, backend="gloo", timeout_s=120, ep=p.ep)
         results.append(run_training(cfg, grid, Path(run_dir)))
     return results
 
@@ -169,9 +171,11 @@ def dense_copies(results: list[dict], field: str, tied: bool) -> dict[str, dict[
 
 
 def dense_params(results: list[dict], tied: bool = True) -> dict[str, torch.Tensor]:
-    """DP replica 0's final parameters by dense name, TP shards joined (a tied lm_head folds into the embedding)."""
+    """The lowest DP replica's final parameters by dense name (replica 0's, but for an EP-split expert the first
+    replica holding it), TP shards joined (a tied lm_head folds into the embedding)."""
     copies = dense_copies(results, "params", tied)
-    return {name: next(t for where, t in places.items() if where.split()[1] == "dp0") for name, places in copies.items()}
+    return {name: min(places.items(), key=lambda item: int(item[0].split()[1][2:]))[1]
+            for name, places in copies.items()}
 
 
 def _relative_errors(results: list[dict], reference: dict, field: str, dp: int) -> list[tuple[float, str]]:
@@ -179,10 +183,16 @@ def _relative_errors(results: list[dict], reference: dict, field: str, dp: int) 
     expected = {name: t for name, (t, _, _) in reference[field].items()}
     copies = dense_copies(results, field, tied="lm_head.weight" not in expected)
     assert set(copies) == set(expected), f"{field}: names differ: {sorted(set(copies) ^ set(expected))}"
+    experts = {name for r in results for name in r.get("experts", ())}
+    ep = max(r.get("ep", 1) for r in results)
     errors = []
     for name, tensor in expected.items():
         replicas = {where.split(" ")[1] for where in copies[name]}
-        assert replicas == {f"dp{d}" for d in range(dp)}, f"{field} {name}: held by {sorted(replicas)} of dp={dp}"
+        if name in experts:  # EP: held by the dp / ep replicas of one ep rank
+            holders = {int(r[2:]) % ep for r in replicas}
+            assert len(replicas) == dp // ep and len(holders) == 1, f"{field} {name}: held by {sorted(replicas)}"
+        else:
+            assert replicas == {f"dp{d}" for d in range(dp)}, f"{field} {name}: held by {sorted(replicas)} of dp={dp}"
         scale = tensor.norm().item() or 1.0  # a gradient that is exactly zero is compared absolutely
         for where, got in copies[name].items():
             errors.append(((got - tensor).norm().item() / scale, f"{field} {where}"))

@@ -129,7 +129,7 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
                 p = cfg.parallel
             # The rendezvous waits for peers still importing: bounded by the start-up timeout, not the step's.
             grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend,
-                                      timeout_s=max(p.timeout_s, p.startup_timeout_s))
+                                      timeout_s=max(p.timeout_s, p.startup_timeout_s), ep=p.ep)
         watch_grid(watch, grid)
         watch.collective("start-up: agreeing on the run directory", "world", startup=True)
         run_dir = agree_on_run_dir(run_dir, grid)

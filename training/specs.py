@@ -65,6 +65,6 @@ def checkpoint_meta(cfg: DictConfig, grid) -> dict:
 
     model = config_record(model_config(cfg))
     p = cfg.parallel
-    layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "schedule": cfg.schedule.name,
+    layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "vpp": p.vpp, "schedule": cfg.schedule.name,
               "n_microbatches": cfg.schedule.n_microbatches, "micro_batch_size": cfg.train.micro_batch_size}
     return {"model": model, "layout": layout}

@@ -1,4 +1,5 @@
-"""Building this rank's stages from a pipeline: prune the dense decoder per stage, apply TP, re-tie, wrap in Stage."""
+"""Building this rank's stages from a pipeline: prune the dense decoder per stage, apply TP and EP, re-tie, wrap in
+Stage."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.decoder import Decoder, set_parameter
+from parallel.expert import apply_expert_parallel
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, is_meta, materialize_
 from parallel.recompute import apply_recompute
@@ -39,12 +41,14 @@ def build_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid
 
 def _rank_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, rank: int,
                  how: StageBuild) -> dict[int, Stage]:
-    """One pipeline rank's chunks: pruned copies of the dense decoder, TP-sharded, on the compute device."""
+    """One pipeline rank's chunks: pruned copies of the dense decoder, TP-sharded, their experts EP-split, on the
+    compute device."""
     spec, last = pipeline.spec, pipeline.n_stages - 1
     chunks = {s: decoder.prune(pipeline.partition[s], s == 0, s == last)
               for s in rank_stages(rank, spec.pp, spec.vpp, pipeline.placement)}
     for chunk in chunks.values():
         shard_modules(chunk, grid)
+        apply_expert_parallel(chunk, grid)
         apply_recompute(chunk, how.recompute)
         place_(chunk, how.weights, grid)
         sync_replicated_grads(chunk, grid)

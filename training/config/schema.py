@@ -92,6 +92,10 @@ class ParallelSchema:
         optional(positive))
     tp: int = key(1, "tensor-parallel ranks (heads and MLP columns split; keep inside a node)", positive)
     pp: int = key(1, "pipeline-parallel ranks", positive)
+    ep: int = key(
+        1, "expert-parallel ranks, carved out of DP: each run of `ep` DP ranks splits every MoE layer's experts "
+        "between them and sends each token to its expert's rank (all_to_all); attention, router and dense parts stay "
+        "data-parallel. Must divide `model.num_experts` and the DP size; `1` on a dense model", positive)
     vpp: int = key(1, "virtual stages (model chunks) per pipeline rank; `>= 2` for `interleaved-1f1b` and `zbv`",
                    positive)
     layers_per_stage: Any = key(

@@ -147,6 +147,23 @@ def validate_layout(cfg: DictConfig) -> None:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
 
 
+def validate_experts(cfg: DictConfig, world_size: int | None = None) -> None:
+    """parallel.ep against the model's experts and the DP size (the EP pass's own check, on the meta model)."""
+    from models import build_model, decoder_of
+    from parallel.expert import check_expert_parallel
+
+    p = cfg.parallel
+    if p.ep == 1:
+        return
+    try:
+        check_expert_parallel(decoder_of(build_model(model_config(cfg))), resolved_dp(cfg, world_size), p.ep)
+    except ValueError as error:
+        raise ConfigError(str(error).strip().splitlines()[0]) from None
+    if p.zero:
+        raise ConfigError(f"parallel.zero=1 shards the optimizer state over all DP ranks, and parallel.ep={p.ep} "
+                          "keeps each expert on only some of them; use parallel.zero=0 with parallel.ep>1")
+
+
 def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
     """Data source and files (the data module's own check), and the tokenizer's ids against the model's."""
     from training.data import DataError, data_problem, load_tokenizer_vocab_size
@@ -206,6 +223,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     resolve_global_batch(cfg, world_size)
     resolve_partition(cfg)
     validate_layout(cfg)
+    validate_experts(cfg, world_size)
     validate_data(cfg, world_size)
     validate_checkpoint(cfg)
     return warnings
