@@ -43,6 +43,13 @@ LAYOUTS = [Layout(*case) for case in [
     ("ep2-pp2-zb-h1", MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "schedule=zb-h1"], 4, 2),
     ("ep2-tp2", MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"], 4, 2),
     ("ep4-8-experts-top2", TOP2_8, ["parallel.dp=4", "parallel.ep=4"], 4, 4),
+    # Composition: an emulated V-schedule pipeline with full recompute (the dispatch runs again in backward), and
+    # selective recompute (each expert's SwiGLU) with validation (forward-only dispatch).
+    ("ep2-pp2-zbv-emu-full-recompute", MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.vpp=2",
+                                             "schedule=zbv", "parallel.emulate=true", "train.recompute=full"], 2, 2),
+    ("ep2-selective-recompute-validation", [*MOE, "data.val_fraction=0.1", "train.eval_every=2",
+                                            "train.eval_batches=2"],
+     ["parallel.dp=2", "parallel.ep=2", "train.recompute=selective"], 2, 2),
 ]]
 
 
