@@ -51,14 +51,17 @@ def routing_of(top_k_index: torch.Tensor, sent: torch.Tensor, received: torch.Te
     `received` [ep, local] (the rows each ep rank sends to each of this rank's local experts: `sent`, exchanged)."""
     order = torch.argsort(top_k_index.reshape(-1), stable=True)
     ep, local = received.shape
-    counts = received.reshape(-1).tolist()  # split sizes are host ints: one read of each count vector
+    # Split sizes are host ints: one read of both count vectors (a device sync on GPUs, the dispatch's only one).
+    host = torch.cat([sent.reshape(-1), received.reshape(-1)]).tolist()
+    sent_h, counts = host[:ep * local], host[ep * local:]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     # Received rows arrive source by source, each source's rows sorted by expert: pick them expert by expert.
     pieces = [torch.arange(starts[s * local + j], starts[s * local + j] + counts[s * local + j])
               for j in range(local) for s in range(ep)]
-    by_expert = torch.cat(pieces).to(top_k_index.device) if pieces else top_k_index.new_zeros(0)
-    return Routing(order, sent.view(ep, local).sum(1).tolist(), received.sum(1).tolist(), by_expert,
-                   received.sum(0).tolist())
+    by_expert = torch.cat(pieces).to(top_k_index.device)
+    return Routing(order, [sum(sent_h[r * local:(r + 1) * local]) for r in range(ep)],
+                   [sum(counts[s * local:(s + 1) * local]) for s in range(ep)], by_expert,
+                   [sum(counts[s * local + j] for s in range(ep)) for j in range(local)])
 
 
 class _AllToAll(torch.autograd.Function):
@@ -119,7 +122,9 @@ class ExpertDispatch:
                 outputs.append(expert(part))
             else:
                 touch = touch + 0.0 * sum(p.sum() for p in expert.parameters())
-        out = torch.cat(outputs) if outputs else rows.new_zeros((0, rows.shape[-1]))
+        # Nothing arrived: the (empty) output still hangs on the received rows, or this rank's backward would
+        # skip the reverse of the dispatch all_to_all that its peers run, and the ep group would hang.
+        out = torch.cat(outputs) if outputs else rows * 0.0
         return out + touch.to(out.dtype)
 
 

@@ -285,3 +285,56 @@ def test_ep_checkpoint_reshards_to_another_ep(resumed, run, uninterrupted):
         assert expected.keys() == got.keys()
         for name, tensor in expected.items():
             assert ((got[name] - tensor).norm() / tensor.norm()).item() <= 1e-4, name
+
+
+# --- the dispatch itself, in two processes ----------------------------------------------------------------------------
+
+
+def _dispatch_worker(rank: int, world_size: int, hot: bool) -> dict:
+    """ExpertDispatch of this rank's tokens over ep 2 against the expert loop on every rank's tokens in one process:
+    outputs, token gradients and the local experts' gradients (the holder's gradient holds both ranks' tokens)."""
+    import copy
+
+    from torch import nn
+
+    from parallel.expert import ExpertDispatch
+    from parallel.grid import ParallelGrid
+
+    grid = ParallelGrid.build(dp=2, tp=1, pp=1, backend="gloo", timeout_s=60, ep=2)
+    generator = torch.Generator().manual_seed(3)
+    experts = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(4))
+    for expert in experts:
+        expert.weight.data = torch.randn(8, 8, generator=generator)
+    tokens = torch.randn(2, 5, 8, generator=generator)
+    chosen = torch.stack([torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(5)])
+                          for _ in range(2)])
+    if hot:  # every token of both ranks goes to rank 0's experts: rank 1 receives nothing at all
+        chosen = chosen % 2
+        chosen[..., 1] = 1 - chosen[..., 0]
+    weights = torch.rand(2, 5, 2, generator=generator)
+    reference = copy.deepcopy(experts)
+    ref_tokens = tokens.clone().requires_grad_()
+    ref_out = torch.zeros_like(ref_tokens)
+    for r in range(2):
+        for e, expert in enumerate(reference):
+            token_idx, slot = torch.where(chosen[r] == e)
+            ref_out[r] = ref_out[r].index_add(0, token_idx, expert(ref_tokens[r][token_idx]) *
+                                              weights[r][token_idx, slot, None])
+    ref_out.pow(2).sum().backward()
+    mine = tokens[rank].clone().requires_grad_()
+    kept = nn.ModuleDict({str(i): experts[i] for i in (2 * rank, 2 * rank + 1)})
+    out = ExpertDispatch(kept, grid)(mine, chosen[rank], weights[rank])
+    out.pow(2).sum().backward()
+    return {"out": (out - ref_out[rank]).abs().max().item(), "grad": (mine.grad - ref_tokens.grad[rank]).abs().max().item(),
+            "experts": max((kept[str(i)].weight.grad - reference[i].weight.grad).abs().max().item() for i in
+                           (2 * rank, 2 * rank + 1)),
+            "rows": int((chosen[rank] >= 2).sum()), "hot": hot}
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["spread", "one-rank-receives-nothing"])
+def test_dispatch_equals_the_expert_loop_and_its_backward_completes(hot):
+    results = run_workers(_dispatch_worker, 2, hot, timeout=120)
+    for r in results:
+        assert r["out"] < 1e-5 and r["grad"] < 1e-4 and r["experts"] < 1e-4, r
+    if hot:
+        assert all(r["rows"] == 0 for r in results)  # so rank 1's experts got no rows and its backward still ran
