@@ -187,7 +187,8 @@ def chosen_layout(stdout: str) -> dict:
     keys = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "vpp": "parallel.vpp",
             "schedule": "schedule", "n_microbatches": "schedule.n_microbatches",
             "micro_batch_size": "train.micro_batch_size"}
-    return {k: pairs[v] if k == "schedule" else int(pairs[v]) for k, v in keys.items()}
+    chosen = {k: pairs[v] if k == "schedule" else int(pairs[v]) for k, v in keys.items()}
+    return {**chosen, "ep": 1}  # the planner does not search parallel.ep yet: the run keeps its own (1 here)
 
 
 def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(tmp_path, costs_cache):
