@@ -37,6 +37,23 @@ class Tolerances:
 
 
 FP32 = Tolerances()
+EMU = "parallel.emulate=true"  # one process plays every pipeline rank of its (dp, tp) coordinate
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One equivalence case: `run` overrides the baseline shares, `layout` overrides only the layout has."""
+
+    name: str
+    run: list[str]
+    layout: list[str]
+    world: int  # processes: dp * tp * pp, or dp * tp when emulated
+    dp: int
+    tol: Tolerances = FP32
+
+    @property
+    def emulated(self) -> bool:
+        return EMU in self.layout
 
 
 def compose_run_config(overrides: list[str], cache_dir: Path) -> DictConfig:

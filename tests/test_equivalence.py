@@ -7,14 +7,13 @@ world > 1 share one spawn per world size. Real P2P pipelines are covered by the 
 """
 
 import dataclasses
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from parallel.pipeline.prepare import prepare_pipeline
 from parallel.pipeline.tables import dump_builtin
-from tests.equivalence import (FP32, Tolerances, assert_equivalent, baseline, compose_run_config, distance,
+from tests.equivalence import (EMU, Layout, Tolerances, assert_equivalent, baseline, compose_run_config, distance,
                                layout_worker, layouts_worker, run_training)
 from tests.spawn import run_workers
 from training.config import model_config
@@ -25,7 +24,6 @@ from training.specs import pipeline_spec
 pytestmark = pytest.mark.timeout(1800)
 
 STEPS = ["train.steps=3", "schedule.n_microbatches=4"]
-EMU = "parallel.emulate=true"
 TABLE = "{table}"  # stands for a CSV dumped from a built-in schedule when the test runs
 TINY, MOE = ["model=tiny"], ["model=tiny-moe"]
 PADDED = ["model=tiny", "data.format=padded", "train.seq_len=128"]  # one document per sample, most shorter
@@ -40,22 +38,6 @@ BF16 = ["model=tiny", "train.dtype=bf16"]
 # parameters 7.1e-3, grad norm 5.4e-4): the noise of bf16 itself. The tolerances sit ~2.5x above that,
 # far below the factor-of-two errors this suite exists to catch (relative error 0.5 to 1).
 BF16_TP_TOL = Tolerances(loss=2e-4, grad_norm=2e-3, grad=3e-2, param=2e-2)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One equivalence case: `run` overrides the baseline shares, `layout` overrides only the layout has."""
-
-    name: str
-    run: list[str]
-    layout: list[str]
-    world: int  # processes: dp * tp * pp, or dp * tp when emulated
-    dp: int
-    tol: Tolerances = FP32
-
-    @property
-    def emulated(self) -> bool:
-        return EMU in self.layout
 
 
 LAYOUTS = [Layout(*case) for case in [

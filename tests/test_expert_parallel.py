@@ -6,14 +6,13 @@ gradient-accumulation baseline over the same micro-batches.
 """
 
 import itertools
-from dataclasses import dataclass
 from unittest import mock
 
 import pytest
 import torch
 
 from parallel.expert import check_ep_divisibility, routing_of
-from tests.equivalence import (FP32, Tolerances, _quantity, assert_equivalent, baseline, distance, layouts_worker,
+from tests.equivalence import (Layout, Tolerances, _quantity, assert_equivalent, baseline, distance, layouts_worker,
                                step_failures, tensor_failures)
 from tests.spawn import run_workers
 from training.config import ConfigError, validate
@@ -29,18 +28,6 @@ TOP2_8 = [*MOE, "model.num_experts=8", "model.num_experts_per_tok=2"]
 # Measured ep2: loss 1.2e-5, aux loss 1.3e-4 (a token whose bf16 scores tie moves the load by 1/64), grad norm 1.6e-4,
 # gradients 2.2e-3, parameters 7.9e-3; the aux loss shares the loss tolerance, hence 5e-4 there.
 BF16_EP_TOL = Tolerances(loss=5e-4, grad_norm=2e-3, grad=3e-2, param=2e-2)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One acceptance layout: `run` the baseline shares, `layout` only the layout has."""
-
-    name: str
-    run: list[str]
-    layout: list[str]
-    world: int
-    dp: int
-    tol: Tolerances = FP32
 
 
 LAYOUTS = [Layout(*case) for case in [
