@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, open_dict
 
+from parallel.expert import is_expert
 from parallel.tensor_pass import join_blocks
 from training.config.schema import compose_config
 
@@ -125,7 +126,7 @@ def run_training(cfg: DictConfig, grid, run_dir: Path) -> dict:
     if grid.rank == 0:  # only global rank 0 writes metrics.jsonl
         lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         metrics = [{k: line[k] for k in LOGGED if k in line} for line in lines]
-    experts = sorted(n for n, p in trainer.engine.named_parameters().items() if getattr(p, "expert_parallel", False))
+    experts = sorted(n for n, p in trainer.engine.named_parameters().items() if is_expert(p))
     return {"losses": losses, "metrics": metrics, "grads": grads, "coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank),
             "ep": grid.ep, "experts": experts,
             "params": _snapshot(trainer.engine.named_parameters(), grads=False), "tied": tied_copies,
