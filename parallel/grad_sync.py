@@ -10,6 +10,7 @@ bucket the moment its last gradient lands, so the reduction overlaps the rest of
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -90,6 +91,18 @@ def carrier_of(order: list[Bucket], dp_group: Group) -> Bucket | None:
     return min(plain, key=lambda b: sum(p.numel() for p in b.params), default=None)
 
 
+def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """A parameter hook that calls `method` while its object lives. A parameter keeps its hooks where Python's
+    collector cannot follow (in C++), so a bound-method hook closes a cycle (parameter -> hook -> sync ->
+    parameter) that is never collected: every engine built in a process, with its process groups, would live on."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        if (bound := ref()) is not None:
+            bound(param)
+    return hook
+
+
 class GradientSync:
     """Buckets per stage; `before`/`after` are the runtime's compute hooks, `finish` completes the step.
 
@@ -115,7 +128,7 @@ class GradientSync:
         self.armed: dict[int, Bucket] = {}  # id(param) -> its bucket, during its stage's final backward
         for bucket in self.order:
             for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
         self.rider = rider
         self.carrier = carrier_of(self.order, dp_group)
         if self.carrier is not None:

@@ -9,6 +9,7 @@ collective); a test that needs brand-new processes (peak memory, a rank that exi
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -72,6 +73,8 @@ def _release_subgroups() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed import distributed_c10d as c10d
+
+    gc.collect()  # a job's engine (and the groups its grid holds) may sit in a reference cycle until collected
 
     for group in list(c10d._world.pg_map):
         if group is not c10d.GroupMember.WORLD:

@@ -2,7 +2,9 @@
 
 import contextlib
 import dataclasses
+import gc
 import inspect
+import weakref
 
 import numpy as np
 import pytest
@@ -69,13 +71,20 @@ def _dp2_pp2_worker(rank: int, world_size: int, bucket_mb: float) -> dict:
     unstamped = engine.step(replicas[grid.dp_rank])  # the token count by a DP all-reduce instead
     reference = LocalEngine(tiny(), CPU, torch.float32).step([mb for replica in replicas for mb in replica])
     sync = engine.sync
-    return {"dp_calls": sum(g is grid.dp_group for _, g in calls), "world_calls": sum(g is None for _, g in calls),
-            "buckets": len(sync.order), "params": len(engine.parameters()),
-            "dp_buckets": sum(grid.dp_group in b.groups for b in sync.order),
-            "overlap": sync.first_launch_s < sync.last_backward_end_s,
-            "loss": result.loss, "unstamped_loss": unstamped.loss, "reference_loss": reference.loss,
-            "tokens": (result.tokens, tokens), "same_grads": all(torch.equal(g, engine.named_parameters()[n].grad)
-                                                                 for n, g in grads.items())}
+    report = {"dp_calls": sum(g is grid.dp_group for _, g in calls), "world_calls": sum(g is None for _, g in calls),
+              "buckets": len(sync.order), "params": len(engine.parameters()),
+              "dp_buckets": sum(grid.dp_group in b.groups for b in sync.order),
+              "overlap": sync.first_launch_s < sync.last_backward_end_s,
+              "loss": result.loss, "unstamped_loss": unstamped.loss, "reference_loss": reference.loss,
+              "tokens": (result.tokens, tokens), "same_grads": all(torch.equal(g, engine.named_parameters()[n].grad)
+                                                                   for n, g in grads.items())}
+    # A dropped engine is collected with its parameters and grid: the bucket hooks it registers must not tie it
+    # to its parameters through C++ (a second Trainer in one process would otherwise keep the first alive).
+    dropped = weakref.ref(engine)
+    del engine, sync
+    gc.collect()
+    report["engine_collected"] = dropped() is None
+    return report
 
 
 def test_a_step_issues_no_dp_collective_but_its_buckets_and_they_start_inside_the_backward():
@@ -91,6 +100,7 @@ def test_a_step_issues_no_dp_collective_but_its_buckets_and_they_start_inside_th
         # loss of one process accumulating over both replicas' micro-batches.
         assert r["same_grads"] and r["loss"] == r["unstamped_loss"], r
         assert abs(r["loss"] - r["reference_loss"]) <= 1e-6 * r["reference_loss"], r
+        assert r["engine_collected"], f"rank {rank}: a dropped ParallelEngine stayed alive (a reference cycle)"
 
 
 def _zero_worker(rank: int, world_size: int, zero: int) -> dict:
