@@ -52,6 +52,9 @@ class MiniMindAdapter:
     def moe_forward(self, block: nn.Module, experts: Callable) -> Callable:
         return RoutedExperts(block, experts)
 
+    def expert_choices(self, block: nn.Module) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+        return block.gate, lambda logits: choose(block, logits)[2]  # the gate returns logits; the block picks
+
     def tp_sizes(self) -> dict[str, int]:
         return tp_sizes(self.config, self.config.use_moe)
 
@@ -84,12 +87,7 @@ class RoutedExperts:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block, shape = self.block, x.shape
         tokens = x.reshape(-1, shape[-1])
-        scores = F.softmax(block.gate(tokens), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(scores, block.top_k, dim=-1, sorted=False)
-        if block.norm_topk_prob and block.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        elif block.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        scores, weights, chosen = choose(block, block.gate(tokens))
         out = self.experts(tokens, chosen, weights.to(tokens.dtype))
         aux = tokens.new_zeros((), dtype=torch.float32)
         if block.training and block.aux_loss_coef > 0:
@@ -97,6 +95,17 @@ class RoutedExperts:
             load = F.one_hot(chosen.reshape(-1), num_experts).float().mean(0)
             aux = (load * scores.mean(0)).sum() * num_experts * block.aux_loss_coef
         return out.view(shape), aux
+
+
+def choose(block: nn.Module, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`MoEFeedForward`'s routing from its gate's logits: (scores, top-k weights, chosen expert ids)."""
+    scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, chosen = torch.topk(scores, block.top_k, dim=-1, sorted=False)
+    if block.norm_topk_prob and block.top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    elif block.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return scores, weights, chosen
 
 
 def saved_activation_bytes_per_layer(config: MiniMindConfig, micro_batch_size: int, seq_len: int, dtype_bytes: int,

@@ -3,6 +3,8 @@ plans they declare; this file says only what a plan cannot (see `parallel.decode
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,6 +123,9 @@ class TransformersDecoderAdapter:
 
     def moe_forward(self, block: nn.Module, experts) -> None:
         return None  # the experts module's own forward takes (tokens, top_k_index, top_k_weights)
+
+    def expert_choices(self, block: nn.Module) -> tuple[nn.Module, Callable]:
+        return block.gate, lambda routed: routed[-1]  # transformers' top-k routers return (..., top_k_index)
 
     def tp_sizes(self) -> dict[str, int]:
         return tp_sizes(self.config, bool(self.moe_layers))

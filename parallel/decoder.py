@@ -57,6 +57,10 @@ class FamilyAdapter(Protocol):
         `experts(tokens, top_k_index, top_k_weights)` (the EP pass's dispatcher), or None where the family's
         experts module already has that signature (transformers' own)."""
 
+    def expert_choices(self, block: nn.Module) -> tuple[nn.Module, Callable[[Any], torch.Tensor]]:
+        """The router of an MoE `block` and how its forward output gives the experts each token goes to
+        ([tokens, top_k] global expert ids): the tokens-per-expert metric reads them with a forward hook."""
+
     def tp_sizes(self) -> dict[str, int]:
         """Config sizes tensor parallelism splits (heads, widths, experts' widths, vocabulary), by config key:
         a size TP does not divide is refused before launch, naming the key."""

@@ -245,6 +245,10 @@ class ParallelEngine:
             params.append(param)
         return params
 
+    def chunks(self) -> list[Decoder]:
+        """The model pieces this process runs: its pipeline stages' chunks."""
+        return [stage.chunk for stage in self.stages.values()]
+
     @property
     def planned(self) -> SimResult:
         """The simulated step (unit costs) that a trace is drawn against."""

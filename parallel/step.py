@@ -67,6 +67,8 @@ class Engine(Protocol):
 
     def norm_parameters(self) -> list[nn.Parameter]: ...
 
+    def chunks(self) -> list[Decoder]: ...
+
 
 def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy over full-vocabulary logits [N, V] (0 where ignored)."""
@@ -103,6 +105,10 @@ class LocalEngine:
 
     def norm_parameters(self) -> list[nn.Parameter]:
         return self.parameters()
+
+    def chunks(self) -> list[Decoder]:
+        """The model pieces this process runs: here the whole decoder."""
+        return [self.decoder]
 
     @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:

@@ -23,7 +23,7 @@ BASE = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_docs=300", "lo
         "train.dtype=fp32", "optim.warmup_steps=1", "optim.lr=1e-3", "train.log_every=1",
         "checkpoint.save_final=false"]  # a test that wants checkpoints asks (checkpoint.every, save_final=true)
 TIED = "model.embed_tokens.weight"  # the dense name of a tied embedding/lm_head pair
-LOGGED = ("step", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_ppl")  # kept per logged step
+LOGGED = ("step", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_ppl", "expert_imbalance")  # kept per logged step
 Tensors = dict[str, tuple[torch.Tensor, int | None, int]]  # dense name -> (tensor, TP partition dim or None, packing)
 
 
@@ -35,6 +35,7 @@ class Tolerances:
     grad_norm: float = 1e-4
     grad: float = 1e-5
     param: float = 1e-4
+    routing: float = 0.0  # expert_imbalance: fp32 routes every token as one process does
 
 
 FP32 = Tolerances()
@@ -246,14 +247,14 @@ def data_failures(results: list[dict], reference: dict) -> list[tuple[float, str
 
 def step_failures(results: list[dict], reference: dict, tol: Tolerances = FP32) -> list[tuple[float, str]]:
     """Every rank's per-step losses; rank 0's logged loss and aux_loss (rel tol.loss), grad norm (tol.grad_norm),
-    label tokens (exact) and validation loss; the micro-batches the replicas read."""
+    label tokens (exact), validation loss and MoE load (tol.routing); the micro-batches the replicas read."""
     failures = [f for result in results for f in _close(f"loss on rank {result['coords']}", result["losses"],
                                                          reference["losses"], tol.loss)]
     logged, want = results[0]["metrics"], reference["metrics"]
     if [m["step"] for m in logged] != [m["step"] for m in want]:
         return [*failures, (float("inf"), "metrics.jsonl: logged steps differ")]
     for key, rtol in (("loss", tol.loss), ("aux_loss", tol.loss), ("grad_norm", tol.grad_norm), ("tokens", 0.0),
-                      ("val_loss", tol.loss)):
+                      ("val_loss", tol.loss), ("expert_imbalance", tol.routing)):
         at = [i for i, m in enumerate(want) if key in m]
         failures += _close(f"metrics.jsonl {key}", [logged[i].get(key, float("nan")) for i in at],
                            [want[i][key] for i in at], rtol, [want[i]["step"] for i in at])

@@ -11,7 +11,8 @@ from tests.equivalence import compose_run_config
 from training.loggers import check_logger, logger_backends
 from training.metrics import MetricsLogger
 
-RECORD = {"loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": 0.1}
+RECORD = {"loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": 0.1,
+          "expert_imbalance": 1.25, "expert_imbalance_by_layer": {"layer0": 1.0, "layer1": 1.5}}
 
 
 def run_config(tmp_path, backends: list[str], *overrides: str):
@@ -55,6 +56,9 @@ def test_tensorboard_and_wandb_at_once_each_record_the_config(tmp_path, monkeypa
     events.Reload()
     assert len(list((tmp_path / "run" / "tb").iterdir())) == 1  # hparams share the one event file
     assert "train/loss" in events.Tags()["scalars"]
+    # A per-layer dict (the MoE load) is one chart per layer.
+    assert {"train/expert_imbalance_by_layer/layer0", "train/expert_imbalance_by_layer/layer1"} <= set(
+        events.Tags()["scalars"])
     text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "hidden_size: 64" in text
     start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]

@@ -103,8 +103,9 @@ class TensorBoardSink:
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         for key, value in record.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(f"train/{key}", value, step)
+            for name, scalar in (value.items() if isinstance(value, dict) else [(None, value)]):
+                if isinstance(scalar, (int, float)) and not isinstance(scalar, bool):  # a dict: one chart per entry
+                    self.writer.add_scalar(f"train/{key}" + (f"/{name}" if name else ""), scalar, step)
 
     def close(self) -> None:
         self.writer.close()

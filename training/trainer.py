@@ -14,6 +14,8 @@ from checkpoint.manager import CheckpointManager
 from models import build_model as build_module, decoder_of
 from parallel.decoder import Decoder
 from parallel.engine import build_engine
+from parallel.expert import expert_modules
+from parallel.expert_load import ExpertLoad
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
@@ -69,7 +71,10 @@ class Trainer:
         self.guard = guard if guard is not None else StepGuard(cfg, grid)  # faults, hang watch, non-finite policy
         seed_rng(cfg.train.seed, grid)
         decoder, weights = build_model(cfg)
+        config, moe = decoder.config, bool(expert_modules(decoder))  # the whole model's, before any pass prunes it
         self.engine = build_engine(engine_spec(cfg, grid.device), decoder, grid, weights)
+        self.expert_load = (ExpertLoad(self.engine.chunks(), config.num_hidden_layers, config.num_experts, grid.device)
+                            if moe else None)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
@@ -108,6 +113,8 @@ class Trainer:
                 set_lr(self.optimizer, lr)
                 start = time.perf_counter()
                 traced = step + 1 == cfg.train.trace_step
+                if self.expert_load is not None:
+                    self.expert_load.reset()
                 result = self.engine.step(micro_batches, trace=traced)
                 result.loss = guard.after_engine(step + 1, result.loss, params)
                 if result.tokens == 0:
@@ -145,6 +152,8 @@ class Trainer:
                     if step == 0 and self.data.skipped_lines:
                         record["skipped_lines"] = self.data.skipped_lines
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
+                    if self.expert_load is not None:  # collective
+                        record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank == 0))
                     if traced:  # the planner's prediction next to the measurement
                         from training.planner.report import prediction_record
 
