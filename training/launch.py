@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch.distributed as dist
@@ -93,7 +94,19 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
                 culprit, line = dead
                 record_failure(where, rank, f"{line} (rank {rank} saw: {message.removeprefix(f'rank {rank}: ')})",
                                announce, culprit.rank, culprit.kind)
+        if launched:
+            leave_failed()
         sys.exit(1)
+
+
+def leave_failed() -> NoReturn:
+    """End a failed worker now, reported and flushed, without tearing anything down: a process group may still
+    run a collective with a stalled peer on its own thread, and freeing the group (when this handler drops the
+    traceback's frames, or at interpreter exit) joins that thread, which waits for the peer forever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def name_process(name: str) -> None:
