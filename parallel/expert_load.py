@@ -21,14 +21,13 @@ class ExpertLoad:
 
     def __init__(self, chunks: list[Decoder], num_layers: int, num_experts: int, device: torch.device):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-        self.hooks = []
         for chunk in chunks:
             stack = chunk.plan.stack + "."
             for name, _ in expert_modules(chunk):
                 layer = int(name[len(stack):].split(".", 1)[0])  # a pruned stack keeps the global layer ids
                 block = chunk.module.get_submodule(name.rpartition(".")[0])
                 router, choices = chunk.adapter.expert_choices(block)
-                self.hooks.append(router.register_forward_hook(self._counter(layer, choices)))
+                router.register_forward_hook(self._counter(layer, choices))  # lives as long as the router
 
     def _counter(self, layer: int, choices):
         counts = self.counts
@@ -44,16 +43,12 @@ class ExpertLoad:
     def reset(self) -> None:
         self.counts.zero_()
 
-    def record(self, group, counted: bool) -> dict:
+    def record(self, group, tp_rank: int) -> dict:
         """Collective over `group` (every rank of the run): the step's imbalance per MoE layer (max / mean tokens
-        per expert, 1 = even) as `expert_imbalance_by_layer`, and their mean as `expert_imbalance`. `counted`:
-        whether this rank's counts join the sum (False on TP ranks other than 0, which saw the same tokens)."""
-        totals = all_reduce_(self.counts.clone() if counted else torch.zeros_like(self.counts), group).cpu()
+        per expert, 1 = even) as `expert_imbalance_by_layer`, and their mean as `expert_imbalance`."""
+        mine = self.counts.clone() if tp_rank == 0 else torch.zeros_like(self.counts)  # TP ranks route alike
+        totals = all_reduce_(mine, group).cpu()
         by_layer = {f"layer{i}": float(row.max() / row.mean()) for i, row in enumerate(totals) if row.sum() > 0}
         if not by_layer:
             return {}
         return {"expert_imbalance": sum(by_layer.values()) / len(by_layer), "expert_imbalance_by_layer": by_layer}
-
-    def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()

@@ -153,7 +153,7 @@ class Trainer:
                         record["skipped_lines"] = self.data.skipped_lines
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
                     if self.expert_load is not None:  # collective
-                        record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank == 0))
+                        record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank))
                     if traced:  # the planner's prediction next to the measurement
                         from training.planner.report import prediction_record
 
