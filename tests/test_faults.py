@@ -193,3 +193,42 @@ def test_heartbeats_travel_through_the_launchers_store():
     assert list(links[0].read()) == [1] and links[0].read()[1].what == "computing F0@s1"
     assert Heartbeats.connect({**env, "TORCHELASTIC_RESTART_COUNT": "2"}, 0, 2).read() == {}  # a new attempt
     assert Heartbeats.connect({}, 0, 2) is None  # no launcher's store: no heartbeats, the dumps still work
+
+
+WATCHDOG_AT_EXIT = """
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from training.reliability.hang import Watch
+from training.reliability.watchdog import Limits, start_watchdog
+
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+client.set("beat", "x")
+ticking = threading.Event()
+
+
+class BusyBeater:
+    def tick(self, watch):  # a beat keeps the watchdog in C++ store calls, as a slow store would
+        ticking.set()
+        for _ in range(2000):
+            client.get("beat")
+
+
+watch = Watch(0)
+watch.beater = BusyBeater()
+watchdog = start_watchdog(watch, Limits(60, 60), announce=False)
+ticking.wait(30)
+watchdog.stop()
+assert not watchdog.thread.is_alive()
+"""
+
+
+def test_a_worker_that_finished_exits_cleanly_while_its_watchdog_was_beating():
+    """Seen in CI: a rank that trained to the end died of SIGABRT (`terminate called without an active exception`)
+    because Python finalized while the daemon watchdog sat in a store call; the worker now stops it first."""
+    result = subprocess.run([sys.executable, "-c", WATCHDOG_AT_EXIT], cwd=Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-2000:]

@@ -75,7 +75,7 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
     if launched:
         name_process(f"sluice-rank{rank}")
         watch.beater = Beater(dict(os.environ), rank, len(watch.groups["world"]))
-        start_watchdog(watch, limits, announce)
+    watchdog = start_watchdog(watch, limits, announce) if launched else None
     try:
         return run_worker(cfg_dict, run_dir, watch)
     except KeyboardInterrupt:
@@ -97,6 +97,9 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
         if launched:
             leave_failed()
         sys.exit(1)
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
 
 
 def leave_failed() -> NoReturn:

@@ -60,18 +60,38 @@ class Limits:
         return bool(watch.state.waits_for) and watch.blocked_s() > share * self.of(watch)[0]
 
 
-def start_watchdog(watch: Watch, limits: Limits, announce: bool) -> threading.Thread:
+@dataclass
+class Watchdog:
+    """The running watchdog thread; `stop` ends it before the interpreter does."""
+
+    thread: threading.Thread
+    stopping: threading.Event
+
+    def stop(self) -> None:
+        """End the thread and wait for it. A daemon thread still inside a C++ call (a store beat) when Python
+        finalizes is ended by pthread_exit, which C++ turns into `terminate called without an active exception`
+        and SIGABRT: a run that trained to the end would exit as a crash."""
+        self.stopping.set()
+        self.thread.join(timeout=10 * POLL_S)
+        signal.set_wakeup_fd(-1)  # from here on SIGTERM/SIGINT end the process as usual (call in the main thread)
+        for signo in SIGNALS:
+            signal.signal(signo, signal.SIG_DFL)
+
+
+def start_watchdog(watch: Watch, limits: Limits, announce: bool) -> Watchdog:
     """Start the daemon thread watching `watch`; `announce` also prints failures (no launcher of ours)."""
     sockets = route_signals()
-    thread = threading.Thread(target=_loop, args=(watch, limits, os.getppid(), announce, sockets),
+    stopping = threading.Event()
+    thread = threading.Thread(target=_loop, args=(watch, limits, os.getppid(), announce, sockets, stopping),
                               name="sluice-watchdog", daemon=True)
     thread.start()
-    return thread
+    return Watchdog(thread, stopping)
 
 
-def _loop(watch: Watch, limits: Limits, parent: int, announce: bool, sockets: tuple) -> None:
+def _loop(watch: Watch, limits: Limits, parent: int, announce: bool, sockets: tuple,
+          stopping: threading.Event) -> None:
     reader = sockets[0]  # the pair stays referenced here: closing the writer would silence the signals
-    while True:
+    while not stopping.is_set():
         if select.select([reader], [], [], POLL_S)[0]:
             for signo in reader.recv(64):
                 if signo in SIGNALS:
