@@ -32,7 +32,7 @@ def bench_job(rank: int, world_size: int, module: str, name: str, *args):
 
 def in_this_process(monkeypatch):
     """run_all's benchmarks as calls of their `main` here, their workers the session's pooled ones (the same
-    env:// wiring as their own spawn): sixteen interpreter start-ups fewer than `make bench ARGS=--smoke`."""
+    env:// wiring as their own spawn): twenty-one interpreter start-ups fewer than `make bench ARGS=--smoke`."""
     import run_all
 
     def pooled(fn, world, *args, timeout):
@@ -71,8 +71,13 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert r["overhead"]["ratio"] > 0
     assert r["transport"]["gloo_hop_us"] > 0 and r["transport"]["shm_hop_us"] > 0
     assert r["overhead"]["first_loss"]["sluice"] == pytest.approx(r["overhead"]["first_loss"]["plain"], rel=1e-6)
+    experts = r["experts"]  # exact whatever the load: counted bytes, and the same first loss at ep=1 and ep=4
+    assert experts["losses_equal"] is True, experts["first_loss"]
+    assert experts["memory_met"] is True and experts["memory_fall"] > 0, experts  # met: compared in whole bytes
+    assert experts["ep4_s"] > 0 and experts["ep1_s"] > 0
     page = doc.read_text()
     assert "## Acceptance" in page and "make bench ARGS=--smoke" in page and "## Transport" in page
+    assert "## Expert parallelism: ep=4 against replicated experts (dp=4)" in page
     assert all(f"| {name} |" in page for name in SLEEP)
 
 

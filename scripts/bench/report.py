@@ -51,7 +51,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
     run = r.get("run", {})
     if run:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
-    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r) + _transport(r)
+    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r) + _transport(r) + _experts(r)
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -89,6 +89,11 @@ def _acceptance(r: dict) -> list[str]:
     if "overhead" in r:
         rows.append(("single-process overhead ratio at most 1.03", f"{r['overhead']['ratio']:.3f}",
                      r["overhead"]["ratio"] <= 1.03))
+    if "experts" in r:
+        e = r["experts"]
+        rows.append((f"ep{e['ep']} memory per rank falls by at least the expert share x (1 - 1/ep), equal losses",
+                     f"fall {e['memory_fall']:.3f}, required {e['required_fall']:.3f}",
+                     e["memory_met"] and e["losses_equal"]))
     out = ["## Acceptance", "", "| criterion | measured | met |", "|---|---|---|"]
     out += [f"| {c} | {m} | {'yes' if ok else '**no**'} |" for c, m, ok in rows]
     return out + [""]
@@ -180,6 +185,28 @@ def _transport(r: dict) -> list[str]:
             f"{t['rounds']} round trips each, alternated.", "",
             "| gloo P2P | shared memory | shared memory / gloo |", "|---|---|---|",
             f"| {t['gloo_hop_us']:.0f} | {t['shm_hop_us']:.0f} | {t['shm_over_gloo']:.2f} |", ""]
+
+
+def _experts(r: dict) -> list[str]:
+    e = r.get("experts")
+    if not e:
+        return []
+    s, ep = e["setup"], e["ep"]
+    mem = {name: e["memory_bytes"][name] / MIB for name in ("ep1", f"ep{ep}")}
+    return [f"## Expert parallelism: ep={ep} against replicated experts (dp={e['dp']})", "",
+            f"MiniMind-MoE, {s['layers']} layers, hidden {s['hidden']}, {s['experts']} experts of intermediate size "
+            f"{s['expert_intermediate']}, top-{s['top_k']} (experts are {e['expert_share']:.1%} of a replicated rank's "
+            f"bytes); "
+            f"seq {s['seq']}, micro-batch size {s['micro_batch_size']}, {s['microbatches']} micro-batches per rank; "
+            f"{s['rounds']} measured steps per variant after {s['warmup']} warm-up (`scripts/bench/experts.py`). "
+            "A step is the Trainer's: forward, backward, gradient sync, clipping, AdamW. Memory is the fullest rank's "
+            "parameters + gradients + AdamW state, counted tensor by tensor.", "",
+            "| variant | step (s) | CPU s (all ranks) | memory per rank (MiB) |", "|---|---|---|---|",
+            f"| replicated (ep=1) | {e['ep1_s']:.3f} | {e['ep1_cpu_s']:.3f} | {mem['ep1']:.1f} |",
+            f"| ep={ep} | {e[f'ep{ep}_s']:.3f} | {e[f'ep{ep}_cpu_s']:.3f} | {mem[f'ep{ep}']:.1f} |", "",
+            f"ep={ep} / replicated: step time {e['ep_over_replicated']:.3f}, memory {1 - e['memory_fall']:.3f} "
+            f"(a fall of {e['memory_fall']:.3f}; the experts' share x (1 - 1/ep) is {e['required_fall']:.3f}). "
+            f"First losses {e['first_loss']} ({'equal' if e['losses_equal'] else '**not equal**'}).", ""]
 
 
 def _transport_name(sleep: dict) -> str:
