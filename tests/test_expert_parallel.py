@@ -46,6 +46,9 @@ LAYOUTS = [Layout(*case) for case in [
                                             "train.eval_batches=2"],
      ["parallel.dp=2", "parallel.ep=2", "train.recompute=selective"], 2, 2),
     ("ep2-bf16", [*MOE, "train.dtype=bf16"], ["parallel.dp=2", "parallel.ep=2"], 2, 2, BF16_EP_TOL),
+    # ZeRO-1: dense AdamW state sharded over DP, expert state over the edp group (2 ranks; 1 at dp2, unsharded).
+    ("ep2-dp4-zero1", MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"], 4, 4),
+    ("ep2-dp2-zero1", MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.zero=1"], 2, 2),
 ]]
 
 
@@ -185,9 +188,6 @@ def test_zero_rows_everywhere_is_a_valid_routing():
     (["model=tiny", "parallel.dp=2", "parallel.ep=2"],
      "parallel.ep=2 splits the experts of MoE layers, and this model has none (a dense model: see model.use_moe); "
      "set parallel.ep=1"),
-    (["model=tiny-moe", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1"],
-     "parallel.zero=1 shards the optimizer state over all DP ranks, and parallel.ep=2 keeps each expert on only some "
-     "of them; use parallel.zero=0 with parallel.ep>1"),
 ])
 def test_bad_ep_is_refused_in_one_line(tmp_path, overrides, message):
     from tests.equivalence import compose_run_config
@@ -236,9 +236,12 @@ CKPT = [*MOE, "train.steps=6", "checkpoint.every=3", "checkpoint.save_final=fals
 EP2_PP2 = ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
 EP1_PP2 = ["parallel.dp=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
 EP4 = ["parallel.dp=4", "parallel.ep=4", "schedule.n_microbatches=1"]  # the same global batch of 8 sequences
+EP2_DP4_ZERO1 = ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "schedule.n_microbatches=1"]
 STEP3 = "checkpoints/step_00000003"
 RESUMES = [("ep2pp2", EP2_PP2, None), ("ep2pp2-resumed", EP2_PP2, "ep2pp2"), ("ep1pp2-from-ep2pp2", EP1_PP2, "ep2pp2"),
-           ("ep4-from-ep2pp2", EP4, "ep2pp2"), ("ep4", EP4, None), ("ep1pp2", EP1_PP2, None)]
+           ("ep4-from-ep2pp2", EP4, "ep2pp2"), ("ep4", EP4, None), ("ep1pp2", EP1_PP2, None),
+           ("ep2dp4-zero1", EP2_DP4_ZERO1, None), ("ep2dp4-zero1-resumed", EP2_DP4_ZERO1, "ep2dp4-zero1"),
+           ("ep4-from-ep2dp4-zero1", EP4, "ep2dp4-zero1")]
 
 
 def _resumes_worker(rank: int, world_size: int, root: str) -> list[dict]:
@@ -264,19 +267,24 @@ def resumed(tmp_path_factory) -> dict[str, list[dict]]:
     return {name: [r[i] for r in by_rank] for i, (name, _, _) in enumerate(RESUMES)}
 
 
-def test_ep_checkpoint_resumes_bit_for_bit_in_its_own_layout(resumed):
+@pytest.mark.parametrize("saved", ["ep2pp2", "ep2dp4-zero1"])
+def test_ep_checkpoint_resumes_bit_for_bit_in_its_own_layout(resumed, saved):
+    """Under ZeRO-1 too: each rank saves the dense and the expert AdamW state it holds, and loads it back."""
     from tests.equivalence import assert_bitwise_resume
 
-    assert_bitwise_resume(resumed["ep2pp2"], resumed["ep2pp2-resumed"], start=3)
+    assert_bitwise_resume(resumed[saved], resumed[f"{saved}-resumed"], start=3)
 
 
-@pytest.mark.parametrize("run,uninterrupted", [("ep1pp2-from-ep2pp2", "ep1pp2"), ("ep4-from-ep2pp2", "ep4")])
-def test_ep_checkpoint_reshards_to_another_ep(resumed, run, uninterrupted):
-    """Resumed at ep1 or ep4, the run continues the ep2 x pp2 one (and equals the uninterrupted run of its own
-    layout) within the suite's tolerances: another ep sums expert gradients in another order, so not bit for bit."""
+@pytest.mark.parametrize("run,saved,uninterrupted", [("ep1pp2-from-ep2pp2", "ep2pp2", "ep1pp2"),
+                                                     ("ep4-from-ep2pp2", "ep2pp2", "ep4"),
+                                                     ("ep4-from-ep2dp4-zero1", "ep2dp4-zero1", "ep4")])
+def test_ep_checkpoint_reshards_to_another_ep(resumed, run, saved, uninterrupted):
+    """Resumed at ep1 or ep4 (without ZeRO), the run continues the saved one (and equals the uninterrupted run of
+    its own layout) within the suite's tolerances: another ep sums expert gradients in another order, so not bit
+    for bit."""
     from tests.equivalence import dense_params
 
-    straight = resumed["ep2pp2"]
+    straight = resumed[saved]
     for reference in (straight, resumed[uninterrupted]):
         for tail in resumed[run]:
             torch.testing.assert_close(torch.tensor(tail["losses"], dtype=torch.float64),

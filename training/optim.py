@@ -1,34 +1,102 @@
 """AdamW, the warm-up + cosine learning-rate schedule, and grad-norm clipping across the whole grid."""
 
+from __future__ import annotations
+
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 
 import torch
 from omegaconf import DictConfig
 
 from parallel.collectives import group_size
+from parallel.expert import is_expert
 from parallel.grad_norm import global_grad_norm, scale_grads_
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig, dp_group=None,
-                    zero: int = 0) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (norm scales are not decayed); `zero=1` shards its state
-    over the data-parallel group."""
-    decay, no_decay = [], []
-    for param in params:
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig, dp_group=None, zero: int = 0,
+                    edp_group=None) -> torch.optim.Optimizer | OptimizerSet:
+    """AdamW with weight decay on matrices only (norm scales are not decayed); `zero=1` shards its state over the
+    data-parallel group, and the state of EP-split experts over `edp_group`, the DP ranks holding the same ones."""
+    params = [p for p in params if p.requires_grad]
+    experts = [p for p in params if is_expert(p)]
+    if zero and experts:  # ZeRO shards whole parameters that every rank of its group holds: two groups, two parts
+        dense = [p for p in params if not is_expert(p)]
+        return OptimizerSet([_adamw(dense, cfg, dp_group, zero), _adamw(experts, cfg, edp_group, zero)])
+    return _adamw(params, cfg, dp_group, zero)
+
+
+def _adamw(params: list[torch.nn.Parameter], cfg: DictConfig, group, zero: int) -> torch.optim.Optimizer:
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # experts are all matrices: no empty group for ZeRO to partition
     # foreach=False keeps the update order identical whatever the parameter grouping of a layout.
     options = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
-    if zero and group_size(dp_group) > 1:
-        # ZeRO-1 with torch's own ZeroRedundancyOptimizer: each DP rank keeps the AdamW state of whole parameters
-        # (greedy by size) and broadcasts them after its step. Gradients stay fully summed on every rank, so the
-        # global norm and clipping are exact, and AdamW is element-wise, so the numbers equal zero=0.
+    if zero and group_size(group) > 1:
+        # ZeRO-1 with torch's own ZeroRedundancyOptimizer: each rank of `group` keeps the AdamW state of whole
+        # parameters (greedy by size) and broadcasts them after its step. Gradients stay fully summed on every rank,
+        # so the global norm and clipping are exact, and AdamW is element-wise, so the numbers equal zero=0.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=dp_group, **options)
+        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=group, **options)
     return torch.optim.AdamW(groups, **options)
+
+
+class OptimizerSet:
+    """Optimizers over disjoint parameters, stepped as one (ZeRO-1 under EP: dense state sharded over DP, expert
+    state over the edp group). `optim` is this rank's state as one optimizer, as ZeroRedundancyOptimizer's is."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]):
+        self.parts = parts
+        self.optim = LocalStates([getattr(part, "optim", part) for part in parts])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+class LocalStates:
+    """Several local optimizers seen as one: their param groups, and a `state` that reads and writes each
+    parameter's entry in the optimizer that holds it (what a checkpoint saves and loads)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.param_groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        self.state = _RoutedState({id(p): optimizer for optimizer in optimizers
+                                   for group in optimizer.param_groups for p in group["params"]})
+
+
+class _RoutedState(MutableMapping):
+    def __init__(self, holders: dict[int, torch.optim.Optimizer]):
+        self.holders = holders
+
+    def _holder(self, param: torch.nn.Parameter) -> torch.optim.Optimizer:
+        if id(param) not in self.holders:
+            raise KeyError(param)
+        return self.holders[id(param)]
+
+    def __getitem__(self, param):
+        return self._holder(param).state[param]
+
+    def __setitem__(self, param, value) -> None:
+        self._holder(param).state[param] = value
+
+    def __delitem__(self, param) -> None:
+        del self._holder(param).state[param]
+
+    def __iter__(self):
+        seen = {id(o): o for o in self.holders.values()}
+        return (param for optimizer in seen.values() for param in list(optimizer.state))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def lr_at(step: int, total_steps: int, cfg: DictConfig) -> float:

@@ -75,7 +75,8 @@ class Trainer:
         self.engine = build_engine(engine_spec(cfg, grid.device), decoder, grid, weights)
         self.expert_load = (ExpertLoad(self.engine.chunks(), config.num_hidden_layers, config.num_experts, grid.device)
                             if moe else None)
-        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero)
+        self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero,
+                                         edp_group=grid.edp_group)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)

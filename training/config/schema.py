@@ -111,7 +111,8 @@ class ParallelSchema:
     emulate: bool = key(False, "run all `pp` pipeline ranks inside each process (see "
                                "[emulation](concepts.md#emulation))")
     zero: int = key(0, "`1`: shard the optimizer state over the DP group (ZeRO-1, torch's "
-                       "`ZeroRedundancyOptimizer`)", one_of(0, 1))
+                       "`ZeroRedundancyOptimizer`); with `parallel.ep > 1` the experts' state over the DP ranks "
+                       "holding the same experts", one_of(0, 1))
     bucket_mb: float = key(
         25.0, "size (MB) of the gradient buckets whose DP reduction starts as soon as their gradients are final, "
         "overlapping the backward", positive)

@@ -159,9 +159,6 @@ def validate_experts(cfg: DictConfig, world_size: int | None = None) -> None:
         check_expert_parallel(decoder_of(build_model(model_config(cfg))), resolved_dp(cfg, world_size), p.ep)
     except ValueError as error:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
-    if p.zero:
-        raise ConfigError(f"parallel.zero=1 shards the optimizer state over all DP ranks, and parallel.ep={p.ep} "
-                          "keeps each expert on only some of them; use parallel.zero=0 with parallel.ep>1")
 
 
 def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
