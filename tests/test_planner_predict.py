@@ -102,3 +102,28 @@ def test_the_fixed_part_of_a_piece_does_not_scale_with_the_micro_batch(cfg):
     f, b = 0.5 + 0.5 * 0.5, 1.0 + 1.0 * 0.5  # fixed + scaled rest, per layer
     assert got.step_s == pytest.approx(2 * (f + b) * (8 + 2 - 1))
     assert predict(half, cfg, fake_costs()).step_s == pytest.approx(2 * 1.5 * (8 + 2 - 1))  # linear without
+
+
+def test_ep_keeps_a_share_of_the_experts_and_pays_its_all_to_alls(tmp_path):
+    """dp=4 of a MoE model whose layer is 80% experts: ep=4 holds a quarter of them, their gradients are not summed
+    over DP (each expert has one holder), and each MoE layer adds two all_to_alls in F and two in B."""
+    moe = compose_run_config(["model=tiny-moe", "model.num_hidden_layers=4", "train.micro_batch_size=2"], tmp_path)
+    costs = fake_costs(layer_expert_params=800)
+    replicated = Candidate(4, 1, 1, 1, "1f1b", 4, 2, "none")
+    split = dataclasses.replace(replicated, ep=4)
+    assert split.overrides()[-1] == "parallel.ep=4" and "parallel.ep=1" not in replicated.overrides()
+    one, four = predict(replicated, moe, costs), predict(split, moe, costs)
+    assert one.peak_bytes == (4 * 1000 * 16 + 400,)  # 4 layers x (param, grad, 2 AdamW) + one live micro-batch
+    assert four.peak_bytes == (4 * (200 + 800 // 4) * 16 + 400,)
+    hop = 0.01  # one p2p message: (ep-1) of them per all_to_all, 2 per layer in F and 2 in B, 4 micro-batches
+    assert predict(split, moe, fake_costs(layer_expert_params=800, p2p=Fit(hop, 0.0))).step_s == pytest.approx(
+        four.step_s + 4 * 4 * 4 * 3 * hop)
+    per_byte = Fit(0.0, 1e-6)  # gradients: all 16 KB over dp=4 replicated; 3.2 KB of dense ones at ep=4
+    assert predict(replicated, moe, fake_costs(layer_expert_params=800, allreduce=per_byte)).step_s == pytest.approx(
+        one.step_s + 16000 * 1e-6 * 1.5)
+    assert predict(split, moe, fake_costs(layer_expert_params=800, allreduce=per_byte)).step_s == pytest.approx(
+        four.step_s + 3200 * 1e-6 * 1.5)
+    zero = compose_run_config(["model=tiny-moe", "model.num_hidden_layers=4", "train.micro_batch_size=2",
+                               "parallel.zero=1"], tmp_path)  # dense AdamW state over dp=4, experts' over dp/ep=2
+    assert predict(dataclasses.replace(split, ep=2), zero, costs).peak_bytes == (
+        4 * (200 * (8 + 8 / 4) + 400 * (8 + 8 / 2)) + 400,)

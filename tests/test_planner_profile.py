@@ -29,6 +29,16 @@ def test_measured_pieces_match_the_memory_model_and_the_parameter_counts(tmp_pat
     assert got["head_saved"] >= 2 * 32 * v * 4  # the logits at least
     assert got["boundary_bytes"] == 2 * 32 * h * 4 and got["param_bytes"] == 4
     assert min(got["layer_f"], got["layer_w"], got["head_f"], got["head_b"], got["optimizer_s_per_param"]) > 0
+    assert got["layer_expert_params"] == 0
+
+
+def test_a_moe_layer_counts_its_experts_apart(tmp_path, one_thread):
+    """What EP splits: every expert's three projections, not the router or attention."""
+    cfg = compose_run_config(["model=tiny-moe", "model.num_experts=8", "train.micro_batch_size=1",
+                              "train.seq_len=16"], tmp_path)
+    got, config = measure_compute(cfg, CPU, torch.float32), model_config(cfg)
+    assert got["layer_expert_params"] == 8 * 3 * config.hidden_size * config.moe_intermediate_size
+    assert 0 < got["layer_expert_params"] < got["layer_params"]
 
 
 def test_fit_is_least_squares_and_never_negative():

@@ -122,6 +122,22 @@ def test_applying_a_candidate_equals_composing_its_overrides():
     assert OmegaConf.to_container(apply_candidate(cfg, c), resolve=True) == expected
 
 
+def test_a_moe_model_is_searched_over_every_expert_split_of_its_dp_ranks():
+    """ep divides the DP size and the experts (6 experts at dp=4: ep 1 or 2); a dense model stays at ep=1."""
+    def splits(*overrides: str) -> dict[int, set[int]]:
+        result = search(compose_cfg("schedule.n_microbatches=2", "train.micro_batch_size=2", *overrides), 4,
+                        fake_costs(), fake_predict)
+        found: dict[int, set[int]] = {}
+        for option in result.options:
+            found.setdefault(option.candidate.dp, set()).add(option.candidate.ep)
+        assert not [r for r in result.rejected if "parallel.ep" in r.reason], "every split tried is a valid one"
+        return found
+
+    assert splits("model=tiny-moe") == {1: {1}, 2: {1, 2}, 4: {1, 2, 4}}
+    assert splits("model=tiny-moe", "model.num_experts=6") == {1: {1}, 2: {1, 2}, 4: {1, 2}}
+    assert splits() == {1: {1}, 2: {1}, 4: {1}}
+
+
 @pytest.fixture(scope="module")
 def costs_cache(tmp_path_factory) -> Path:
     """One data and cost cache for the module: the layouts' costs are measured once, then read."""

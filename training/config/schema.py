@@ -121,8 +121,8 @@ class ParallelSchema:
         "tensors; see [concepts](concepts.md#transport)), `p2p` (torch.distributed send/recv: gloo or NCCL); `auto` = "
         "`shm` when every rank is on one host and computes on the CPU, else `p2p`", one_of("auto", "shm", "p2p"))
     plan: Optional[str] = key(
-        None, "`auto`: before launch, search every layout (dp, tp, pp, vpp, schedule, micro-batches at the same "
-        "global batch, recompute, partition) of the launched world on measured costs and run the fastest predicted "
+        None, "`auto`: before launch, search every layout (dp, tp, pp, vpp, ep of a MoE model, schedule, micro-batches "
+        "at the same global batch, recompute, partition) of the launched world on measured costs and run the fastest predicted "
         "one within `memory_budget_gb`; prints `sluice: parallel.plan=auto chose ...`. `python scripts/plan.py "
         "--search world_size=N ...` shows the whole ranking", optional(one_of("auto")))
     memory_budget_gb: Optional[float] = key(

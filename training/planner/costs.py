@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per parameter
-VERSION = 4  # part of every key: a change in what is measured invalidates older cache files
+VERSION = 5  # part of every key: a change in what is measured invalidates older cache files
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class MeasuredCosts:
     # Seconds of each timed piece that do not grow with the micro-batch (kernel launches, Python, small-matmul
     # inefficiency), from timing it at two micro-batch sizes; keyed like `timed_fields`. Empty: linear scaling.
     fixed: dict[str, float] = field(default_factory=dict)
+    layer_expert_params: int = 0  # of layer_params, those of the layer's experts (split over parallel.ep)
 
     def scaled(self, name: str, value: float, ratio: float) -> float:
         """`value` (the time of piece `name` at the profiled micro-batch) at `ratio` times that micro-batch."""

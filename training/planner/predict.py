@@ -29,6 +29,7 @@ class Candidate:
     micro_batch_size: int
     recompute: str  # none | full | selective
     layers_per_stage: tuple[int, ...] | None = None  # None: the even split
+    ep: int = 1  # DP ranks splitting each MoE layer's experts
 
     def overrides(self) -> list[str]:
         """Hydra overrides that select it."""
@@ -38,6 +39,8 @@ class Candidate:
                f"train.recompute={self.recompute}"]
         if self.layers_per_stage is not None:
             out.append(f"parallel.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}]")
+        if self.ep > 1:
+            out.append(f"parallel.ep={self.ep}")
         return out
 
 
@@ -58,6 +61,7 @@ class StageModel:
     saved: tuple[int, ...]  # bytes saved for backward per micro-batch
     deferred: tuple[int, ...]  # bytes held between I and W per micro-batch
     params: tuple[int, ...]  # parameters held (a tied lm_head copy counts on the last stage)
+    experts: tuple[int, ...]  # of those, the EP-split experts' (their gradients and ZeRO shards span edp only)
 
 
 def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
@@ -67,7 +71,7 @@ def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
     layers = None if counts is None or isinstance(counts, str) else tuple(counts)  # `auto` not resolved: even
     return Candidate(dp=dp or p.dp or 1, tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=cfg.schedule.name,
                      n_microbatches=cfg.schedule.n_microbatches, micro_batch_size=cfg.train.micro_batch_size,
-                     recompute=cfg.train.recompute, layers_per_stage=layers)
+                     recompute=cfg.train.recompute, layers_per_stage=layers, ep=p.ep)
 
 
 def plan_of(candidate: Candidate, num_layers: int) -> LoweredPipeline:
@@ -90,35 +94,44 @@ def _piece(costs: MeasuredCosts, name: str, scale: float) -> float:
     return costs.scaled(name, value[mode] if mode else value, scale)
 
 
-def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCosts, tied: bool) -> StageModel:
+def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCosts, tied: bool,
+                top_k: int = 1) -> StageModel:
     """Per-stage durations and bytes: layers x per-layer cost, the embedding on stage 0, the head on the last.
 
     Measured at tp=1 and the profiled micro-batch: compute (past its fixed part) and activations scale with it and
-    divide by tp; TP adds two activation all-reduces per layer in F and two in B (Megatron's f/g)."""
+    divide by tp; TP adds two activation all-reduces per layer in F and two in B (Megatron's f/g). EP keeps 1/ep of
+    each layer's experts and moves each token's `top_k` rows out and back: two all_to_alls per MoE layer in F and
+    two in B, each a 1/ep share of the rows to each of the ep-1 peers. The expert compute per rank is unchanged
+    (balanced routing: the rows of ep ranks for 1/ep of the experts)."""
     c, n = candidate, plan.n_stages
     scale = c.micro_batch_size / costs.key["micro_batch_size"]
     act = costs.boundary_bytes * scale
     tp_ar = _tp_allreduce(costs, c.tp, act)
+    split_experts = c.ep > 1 and costs.layer_expert_params > 0
+    a2a = (c.ep - 1) * costs.p2p.time(act * top_k / c.ep) if split_experts else 0.0
+    layer_experts = costs.layer_expert_params // c.ep if split_experts else 0
+    layer_params = costs.layer_params - (costs.layer_expert_params - layer_experts if split_experts else 0)
     mode = c.recompute
     kinds = {"f": [], "b": [], "i": [], "w": []}
-    saved, deferred, params = [], [], []
+    saved, deferred, params, experts = [], [], [], []
     for s, layers in enumerate(plan.partition):
         k, first, last = len(layers), s == 0, s == n - 1
         for kind, values in kinds.items():
             t = (k * _piece(costs, "layer_" + kind + (f".{mode}" if kind in "bi" else ""), scale)
                  + first * _piece(costs, "embed_" + kind, scale) + last * _piece(costs, "head_" + kind, scale))
-            comm = 0.0 if kind == "w" else (2 * k + first + last) * tp_ar  # W moves nothing
+            comm = 0.0 if kind == "w" else (2 * k + first + last) * tp_ar + 2 * k * a2a  # W moves nothing
             values.append(t / c.tp + comm)
         saved.append(int((k * costs.layer_saved[mode] + first * costs.embed_saved + last * costs.head_saved)
                          * scale / c.tp))
         deferred.append(int((k * costs.layer_deferred + last * costs.head_deferred) * scale / c.tp))
         copy = last and tied and n > 1 and plan.placement != "v"  # a V placement's last stage sits with stage 0
-        params.append((k * costs.layer_params + first * costs.embed_params + last * costs.head_params
+        params.append((k * layer_params + first * costs.embed_params + last * costs.head_params
                        + copy * costs.embed_params) // c.tp)
+        experts.append(k * layer_experts // c.tp)
     comm = costs.p2p.time(act) if n > 1 else 0.0
     stage_costs = Costs(stage_f=tuple(kinds["f"]), stage_b=tuple(kinds["b"]), stage_i=tuple(kinds["i"]),
                         stage_w=tuple(kinds["w"]), stage_comm=(comm,) * (n - 1))
-    return StageModel(stage_costs, tuple(saved), tuple(deferred), tuple(params))
+    return StageModel(stage_costs, tuple(saved), tuple(deferred), tuple(params), tuple(experts))
 
 
 def live_peak(actions: Lists, saved: tuple[int, ...], deferred: tuple[int, ...]) -> int:
@@ -148,39 +161,50 @@ def _dp_allreduce(costs: MeasuredCosts, dp: int, nbytes: float, bucket_bytes: fl
 
 
 def after_pipeline(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, rank_params: list[int],
-                   tied_copy: bool) -> list[float]:
-    """Seconds each pipeline rank spends after its last action: tied-embedding and DP gradient all-reduces,
-    then AdamW. No overlap with the backward is assumed: with gloo on CPU the reduction competes with compute
-    for the same cores; on NCCL only the last bucket (one bucket's time) stays exposed."""
+                   tied_copy: bool, rank_experts: list[int] | None = None) -> list[float]:
+    """Seconds each pipeline rank spends after its last action: tied-embedding and DP gradient all-reduces (the
+    EP-split experts' over their dp/ep replicas only), then AdamW. No overlap with the backward is assumed: with
+    gloo on CPU the reduction competes with compute for the same cores; on NCCL only the last bucket (one bucket's
+    time) stays exposed."""
     c = candidate
-    grad_bytes = [n * costs.param_bytes for n in rank_params]
+    rank_experts = rank_experts or [0] * len(rank_params)
+    edp = c.dp // c.ep
     bucket = cfg.parallel.bucket_mb * (1 << 20)
     out = []
-    for r, nbytes in enumerate(grad_bytes):
-        dp_time = _dp_allreduce(costs, c.dp, nbytes, bucket)
+    for r, (held, experts) in enumerate(zip(rank_params, rank_experts)):
+        dense_bytes, expert_bytes = (held - experts) * costs.param_bytes, experts * costs.param_bytes
+        dp_time = _dp_allreduce(costs, c.dp, dense_bytes, bucket) + _dp_allreduce(costs, edp, expert_bytes, bucket)
         if costs.key["backend"] == "nccl":
-            dp_time = min(dp_time, _dp_allreduce(costs, c.dp, min(nbytes, bucket), bucket))
+            dp_time = min(dp_time, _dp_allreduce(costs, c.dp, min(dense_bytes + expert_bytes, bucket), bucket))
         pair = tied_copy and r in (0, c.pp - 1)  # the tied embedding's two copies
         tied = costs.allreduce.time(costs.embed_params * costs.param_bytes / c.tp) if pair else 0.0
-        shard = c.dp if cfg.parallel.zero else 1
-        out.append(dp_time + tied + rank_params[r] / shard * costs.optimizer_s_per_param)
+        stepped = (held - experts) / _zero_shards(cfg, c.dp) + experts / _zero_shards(cfg, edp)
+        out.append(dp_time + tied + stepped * costs.optimizer_s_per_param)
     return out
 
 
+def _zero_shards(cfg: DictConfig, replicas: int) -> int:
+    """Ranks sharing the AdamW state of parameters held by `replicas` DP ranks: all of them under ZeRO-1."""
+    return replicas if cfg.parallel.zero else 1
+
+
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
-    """Predicted step time (simulated pipeline + TP/DP communication + optimizer) and peak bytes per rank."""
+    """Predicted step time (simulated pipeline + TP/EP/DP communication + optimizer) and peak bytes per rank."""
     config = model_config(cfg)
     plan = plan_of(candidate, config.num_hidden_layers)
     tied = bool(config.tie_word_embeddings)
-    model = stage_model(candidate, plan, costs, tied)
+    model = stage_model(candidate, plan, costs, tied, getattr(config, "num_experts_per_tok", 1) or 1)
     sim = plan.simulate(model.costs)
     c = candidate
-    rank_params = [sum(model.params[s] for s in rank_stages(r, c.pp, c.vpp, plan.placement)) for r in range(c.pp)]
+    rank_params, rank_experts = ([sum(per_stage[s] for s in rank_stages(r, c.pp, c.vpp, plan.placement))
+                                  for r in range(c.pp)] for per_stage in (model.params, model.experts))
     tied_copy = tied and c.pp > 1 and plan.placement != "v"
-    post = after_pipeline(c, cfg, costs, rank_params, tied_copy)
+    post = after_pipeline(c, cfg, costs, rank_params, tied_copy, rank_experts)
     ends = [max(row, default=0.0) for row in sim.end]
     step = max(end + extra for end, extra in zip(ends, post))
-    state = costs.param_bytes * 2 + ADAMW_STATE_BYTES / (c.dp if cfg.parallel.zero else 1)  # param, grad, AdamW
-    peaks = tuple(int(n * state) + live_peak(actions, model.saved, model.deferred)
-                  for n, actions in zip(rank_params, plan.lowered))
+    held = costs.param_bytes * 2  # the parameter and its gradient; AdamW's two moments are sharded under ZeRO-1
+    dense_state = held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp)
+    expert_state = held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp // c.ep)
+    peaks = tuple(int((n - e) * dense_state + e * expert_state) + live_peak(actions, model.saved, model.deferred)
+                  for n, e, actions in zip(rank_params, rank_experts, plan.lowered))
     return Prediction(step_s=step, peak_bytes=peaks, sim=sim)

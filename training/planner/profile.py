@@ -20,6 +20,7 @@ from torch import nn
 
 from models import build_model, decoder_of
 from parallel.decoder import Decoder
+from parallel.expert import expert_modules
 from parallel.pipeline.weight_grad import SplitLinears, WeightGradStore
 from parallel.recompute import apply_recompute
 from parallel.step import autocast, shifted_loss_sum
@@ -203,7 +204,9 @@ def measure_compute(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -
         out.update({f"{name}_{kind}": times[name, kind] for kind in "fbiw"})
         out[f"{name}_saved"], out[f"{name}_deferred"] = saved_bytes(*pieces[name], device, dtype)
     final_params = sum(_count(m.parameters()) for m in head.finals)
+    experts = [p for _, module in expert_modules(decoder) for p in module.parameters()]
     out.update(layer_params=_count(layer.params), embed_params=_count(embed.params),
+               layer_expert_params=_count(experts),
                head_params=final_params + (0 if decoder.plan.ties else _count(head.head.parameters())),
                param_bytes=head.head.weight.element_size(),
                boundary_bytes=mbs * seq * h * 4,  # the residual stream stays fp32 under autocast

@@ -1,5 +1,6 @@
-"""The layout search: every layout of a world size at a fixed global batch, checked by the pre-launch rules,
-predicted with measured costs, held to the memory budget and ranked by predicted step time."""
+"""The layout search: every layout of a world size (for a MoE model also every expert-parallel split of its DP
+ranks) at a fixed global batch, checked by the pre-launch rules, predicted with measured costs, held to the memory
+budget and ranked by predicted step time."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from training.planner.costs import MeasuredCosts
 from training.planner.predict import Candidate, Prediction, predict
 from training.layout import resolve_global_batch
 from training.config.values import ConfigError
-from training.config.validate import validate_layout, validate_parallel
+from training.config.validate import validate_experts, validate_layout, validate_parallel
 
 GIB = 1 << 30
 Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `predict`, or a fake in tests
@@ -118,7 +119,7 @@ def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
     """A copy of cfg with the candidate's layout (what composing with `candidate.overrides()` gives)."""
     c, out = candidate, cfg.copy()
     with read_write(out), open_dict(out):
-        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, plan=None,
+        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, ep=c.ep, plan=None,
                             layers_per_stage=list(c.layers_per_stage) if c.layers_per_stage else None)
         out.schedule.update(name=c.schedule, n_microbatches=c.n_microbatches)
         out.train.update(micro_batch_size=c.micro_batch_size, recompute=c.recompute)
@@ -134,6 +135,7 @@ def layout_problem(cfg: DictConfig, candidate: Candidate, world_size: int) -> st
         validate_parallel(candidate_cfg, world_size)
         resolve_global_batch(candidate_cfg, world_size)
         validate_layout(candidate_cfg)
+        validate_experts(candidate_cfg, world_size)
     except ConfigError as error:
         return str(error)
     return None
@@ -150,6 +152,13 @@ def partitions(cfg: DictConfig, pp: int, vpp: int, costs: MeasuredCosts) -> list
     return [None] if balanced == even else [None, balanced]
 
 
+def expert_choices(cfg: DictConfig, dp: int) -> list[int]:
+    """parallel.ep values to try: 1, and for a MoE model every split of the experts over some of the DP ranks."""
+    config = model_config(cfg)
+    experts = getattr(config, "num_experts", 0) if getattr(config, "use_moe", False) else 0
+    return [ep for ep in divisors(dp) if ep == 1 or (experts and experts % ep == 0)]
+
+
 def batch_problem(total: int, dp: int, b0: int) -> str | None:
     """Why a replica count cannot hold the global batch at the config's micro-batch size or its halves."""
     if total % dp:
@@ -162,6 +171,7 @@ def structures(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> Iterat
     total, b0 = global_batch(cfg), cfg.train.micro_batch_size
     for dp, tp, pp in layouts(world_size):
         sizes = micro_batch_sizes(cfg, total // dp) if total % dp == 0 else []
+        experts = expert_choices(cfg, dp)
         for schedule, vpp in schedule_choices(pp):
             base = Candidate(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, n_microbatches=max(total // dp, 1),
                              micro_batch_size=b0, recompute="none")
@@ -170,7 +180,9 @@ def structures(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> Iterat
                 break  # the same reason for every schedule of this layout: say it once
             for b in sizes:
                 for split in partitions(cfg, pp, vpp, costs):
-                    yield replace(base, micro_batch_size=b, n_microbatches=total // (dp * b), layers_per_stage=split)
+                    for ep in experts:
+                        yield replace(base, micro_batch_size=b, n_microbatches=total // (dp * b),
+                                      layers_per_stage=split, ep=ep)
 
 
 def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, result: SearchResult) -> None:
@@ -206,7 +218,7 @@ def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Pr
             result.rejected.append(item)
             continue
         c = item
-        key = (c.tp, c.pp, c.vpp, c.schedule, c.n_microbatches, c.layers_per_stage)
+        key = (c.tp, c.pp, c.vpp, c.schedule, c.n_microbatches, c.layers_per_stage, c.ep)
         if key not in problems:
             problems[key] = layout_problem(cfg, c, world_size)
         if problems[key]:

@@ -25,7 +25,8 @@ def short(candidate: Candidate) -> str:
     """The candidate in one compact column."""
     c = candidate
     split = "even" if c.layers_per_stage is None else "[" + ",".join(map(str, c.layers_per_stage)) + "]"
-    return (f"dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule} m={c.n_microbatches} b={c.micro_batch_size} "
+    ep = f" ep={c.ep}" if c.ep > 1 else ""
+    return (f"dp={c.dp}{ep} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule} m={c.n_microbatches} b={c.micro_batch_size} "
             f"recompute={c.recompute} layers={split}")
 
 
