@@ -120,6 +120,10 @@ def test_applying_a_candidate_equals_composing_its_overrides():
                   recompute="selective", layers_per_stage=(3, 1))
     expected = OmegaConf.to_container(compose_cfg(*c.overrides()), resolve=True)
     assert OmegaConf.to_container(apply_candidate(cfg, c), resolve=True) == expected
+    moe = compose_cfg("parallel.plan=auto", "model=tiny-moe")
+    c = replace(c, dp=2, pp=1, layers_per_stage=None, ep=2)
+    expected = OmegaConf.to_container(compose_cfg("model=tiny-moe", *c.overrides()), resolve=True)
+    assert OmegaConf.to_container(apply_candidate(moe, c), resolve=True) == expected
 
 
 def test_a_moe_model_is_searched_over_every_expert_split_of_its_dp_ranks():
@@ -204,7 +208,7 @@ def chosen_layout(stdout: str) -> dict:
             "schedule": "schedule", "n_microbatches": "schedule.n_microbatches",
             "micro_batch_size": "train.micro_batch_size"}
     chosen = {k: pairs[v] if k == "schedule" else int(pairs[v]) for k, v in keys.items()}
-    return {**chosen, "ep": 1}  # the planner does not search parallel.ep yet: the run keeps its own (1 here)
+    return {**chosen, "ep": int(pairs.get("parallel.ep", 1))}  # named only where it splits experts
 
 
 def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(tmp_path, costs_cache):
