@@ -6,6 +6,7 @@ gradient-accumulation baseline over the same micro-batches.
 """
 
 import itertools
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -261,8 +262,13 @@ def _resumes_worker(rank: int, world_size: int, root: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("ep_checkpoints")
+def ep_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ep_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def resumed(ep_root) -> dict[str, list[dict]]:
+    root = ep_root
     by_rank = run_workers(_resumes_worker, 4, str(root), timeout=900)
     return {name: [r[i] for r in by_rank] for i, (name, _, _) in enumerate(RESUMES)}
 
@@ -293,6 +299,20 @@ def test_ep_checkpoint_reshards_to_another_ep(resumed, run, saved, uninterrupted
         assert expected.keys() == got.keys()
         for name, tensor in expected.items():
             assert ((got[name] - tensor).norm() / tensor.norm()).item() <= 1e-4, name
+
+
+def test_an_ep_checkpoint_exports_the_trained_model(resumed, ep_root, tmp_path):
+    """Expert-split checkpoints keep every expert under its dense name: the export is the model one process holds."""
+    from checkpoint.export import export_checkpoint
+    from minimind import MiniMindForCausalLM
+    from tests.equivalence import dense_params
+
+    folder = export_checkpoint(ep_root / "ep2pp2" / "checkpoints" / "step_00000006", tmp_path / "hf")
+    exported = MiniMindForCausalLM.from_pretrained(str(folder))
+    trained = dense_params(resumed["ep2pp2"])
+    state = exported.state_dict()
+    assert exported.config.use_moe and set(state) - {"lm_head.weight"} == set(trained)
+    assert all(torch.equal(state[name], tensor) for name, tensor in trained.items())
 
 
 # --- the dispatch itself, in two processes ----------------------------------------------------------------------------
