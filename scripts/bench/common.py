@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -230,6 +231,18 @@ def watch_outputs(modules: list[nn.Module], meter: ActivationMeter) -> list:
 
 
 # --- Results -------------------------------------------------------------------------------------------
+
+
+def bench_parser(doc: str, smoke_help: str, rounds: int, warmup: int | None = None) -> argparse.ArgumentParser:
+    """The options of every benchmark script: --smoke, --rounds, --warmup (where it warms up) and --results."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    if warmup is not None:
+        parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    return parser
+
 
 
 def machine() -> dict:

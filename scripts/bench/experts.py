@@ -12,7 +12,6 @@ storage size, so the figure is exact whatever the allocator does.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, alternate, init_gloo, run_workers, update_results  # noqa: E402
+from common import alternate, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -130,11 +129,7 @@ def summarize(by_rank: list[dict], setup: Setup) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny experts, 1 round: checks the script works")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser = bench_parser(__doc__, "tiny experts, 1 round: checks the script works", rounds=6, warmup=1)
     parser.add_argument("--cache-dir", type=Path, default=None, help="data.cache_dir (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -11,7 +11,6 @@ its send to its receive - rank 1's measured sleep) / 2. The two transports take 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, run_workers, update_results  # noqa: E402
+from common import bench_parser, run_workers, update_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -72,10 +71,7 @@ def _receive(transport, peer: int) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="3 rounds: checks the script works")
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser = bench_parser(__doc__, "3 rounds: checks the script works", rounds=200)
     args = parser.parse_args(argv)
     rounds = 3 if args.smoke else args.rounds
     trips, sleeps = run_workers(worker, 2, rounds, timeout=600)

@@ -12,7 +12,6 @@ fresh activations is luck of the layout, and it moved the ratio by several perce
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, Times, init_gloo, run_workers, update_results  # noqa: E402
+from common import Times, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -129,11 +128,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round: checks the script works")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=8, warmup=2)
     args = parser.parse_args(argv)
     if args.smoke:
         setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)

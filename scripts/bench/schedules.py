@@ -15,7 +15,6 @@ measured-vs-planned PNG per Sluice schedule.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -23,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, alternate, paired, run_workers, stamped, timed, update_results  # noqa: E402
+from common import ROOT, alternate, bench_parser, paired, run_workers, stamped, timed, update_results  # noqa: E402
 from sleep_model import sleep_model, stage_costs_alone  # noqa: E402
 
 import torch  # noqa: E402
@@ -163,15 +162,11 @@ def summarise(by_m: dict) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny run to check the script works (m=4, 1 round, 1f1b and zbv unless --schedules)")
-    parser.add_argument("--rounds", type=int, default=11)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = bench_parser(__doc__, "tiny run to check the script works (m=4, 1 round, 1f1b and zbv unless "
+                          "--schedules)", rounds=11, warmup=1)
     parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "timelines")
     args = parser.parse_args(argv)
     if args.smoke:  # a loop schedule and a V one: every code path of the script, in a fraction of the time

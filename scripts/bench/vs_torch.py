@@ -13,14 +13,13 @@ Writes the "real" and "memory" sections of results.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (RESULTS, ActivationMeter, alternate, boundary, paired, run_workers, stamped,  # noqa: E402
+from common import (ActivationMeter, alternate, bench_parser, boundary, paired, run_workers, stamped,  # noqa: E402
                     update_results, watch_outputs)
 
 import torch  # noqa: E402
@@ -146,14 +145,10 @@ def summarise(by_name: dict) -> tuple[dict, dict]:
 
 
 def main(argv: list[str]) -> tuple[dict, dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model, 1 round, 1f1b and interleaved unless --schedules: checks the script works")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = bench_parser(__doc__, "tiny model, 1 round, 1f1b and interleaved unless --schedules: checks the script "
+                          "works", rounds=9, warmup=2)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES))
-    parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
         setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules or ("1f1b", "interleaved-1f1b")))
