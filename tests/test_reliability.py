@@ -110,7 +110,7 @@ def test_ctrl_c_stops_a_two_worker_run_with_one_line_and_exit_130(tmp_path, data
         assert len(pids_where(3, proc.pid)) >= 2  # the two workers are the launcher's children
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         _, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 130
+        assert proc.returncode == 130, stderr[-3000:]  # once -6: an elastic daemon thread aborted the exit
         assert sluice_lines(stderr) == ["sluice: interrupted; every worker was stopped"]
         wait_until(lambda: not pids_where(4, proc.pid), 30, "no process of the run's group left")
     finally:

@@ -95,21 +95,24 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
                 record_failure(where, rank, f"{line} (rank {rank} saw: {message.removeprefix(f'rank {rank}: ')})",
                                announce, culprit.rank, culprit.kind)
         if launched:
-            leave_failed()
+            leave_at_once(1)
         sys.exit(1)
     finally:
         if watchdog is not None:
             watchdog.stop()
 
 
-def leave_failed() -> NoReturn:
-    """End a failed worker now, reported and flushed, without tearing anything down: a process group may still
-    run a collective with a stalled peer on its own thread, and freeing the group (when this handler drops the
-    traceback's frames, or at interpreter exit) joins that thread, which waits for the peer forever."""
+def leave_at_once(code: int) -> NoReturn:
+    """End the process now, reported and flushed, without tearing anything down. A failed worker: a process group
+    may still run a collective with a stalled peer on its own thread, and freeing the group (when the handler drops
+    the traceback's frames, or at interpreter exit) joins that thread, which waits for the peer forever. An
+    interrupted self-launch root: torch's launcher leaves the rendezvous open on a signal, so its keep-alive daemon
+    thread still writes to the store every 5 s, and one caught in that C++ call when Python finalizes aborts the
+    process (SIGABRT instead of exit 130)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
 
 
 def name_process(name: str) -> None:
@@ -228,7 +231,7 @@ def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
                 cfg_dict["checkpoint"]["resume"] = restart_resume(cfg_dict["checkpoint"]["resume"], checkpoints)
     except (KeyboardInterrupt, SignalException):
         print("sluice: interrupted; every worker was stopped", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        leave_at_once(EXIT_INTERRUPTED)
     finally:
         os.environ.pop(SELF_LAUNCHED, None)
 
