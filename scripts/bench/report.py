@@ -206,7 +206,8 @@ def _experts(r: dict) -> list[str]:
             f"| ep={ep} | {e[f'ep{ep}_s']:.3f} | {e[f'ep{ep}_cpu_s']:.3f} | {mem[f'ep{ep}']:.1f} |", "",
             f"ep={ep} / replicated: step time {e['ep_over_replicated']:.3f}, memory {1 - e['memory_fall']:.3f} "
             f"(a fall of {e['memory_fall']:.3f}; the experts' share x (1 - 1/ep) is {e['required_fall']:.3f}). "
-            f"First losses {e['first_loss']} ({'equal' if e['losses_equal'] else '**not equal**'}).", ""]
+            "First losses " + ", ".join(f"{v:.6f} at ep={k}" for k, v in e["first_loss"].items())
+            + f" ({'equal to 1e-5' if e['losses_equal'] else '**not equal**'}).", ""]
 
 
 def _transport_name(sleep: dict) -> str:
