@@ -29,6 +29,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from training.optim import clip_grad_norm, lr_at, set_lr  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results.json"
 
 
@@ -95,6 +97,31 @@ def init_gloo() -> None:
     """Join the process group the spawned environment describes (gloo: this is a CPU benchmark)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://")
+
+
+# --- One training step ----------------------------------------------------------------------------------
+
+
+class LoopStep:
+    """What the Trainer's loop does per optimizer step (learning rate, engine step, grad-norm clipping, AdamW),
+    without data loading and logging; `on_grads(params)` sees the gradients before they are clipped and freed."""
+
+    def __init__(self, engine, optimizer, grid, optim_cfg, total_steps: int, grad_clip: float,
+                 on_grads: Callable[[list], None] | None = None):
+        self.engine, self.optimizer, self.grid, self.cfg = engine, optimizer, grid, optim_cfg
+        self.total_steps, self.grad_clip, self.on_grads, self.step_no = total_steps, grad_clip, on_grads, 0
+        self.params, self.norm_params = engine.parameters(), engine.norm_parameters()
+
+    def __call__(self, micro: list) -> float:
+        set_lr(self.optimizer, lr_at(self.step_no, self.total_steps, self.cfg))
+        result = self.engine.step(micro)
+        if self.on_grads is not None:
+            self.on_grads(self.params)
+        clip_grad_norm(self.params, self.norm_params, self.grad_clip, self.grid.mp_group, self.grid.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_no += 1
+        return result.loss
 
 
 # --- Timing --------------------------------------------------------------------------------------------

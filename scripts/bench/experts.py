@@ -19,14 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
+from common import LoopStep, alternate, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
 
 import torch  # noqa: E402
 
 from parallel.expert import expert_modules  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from training.config.schema import compose_config  # noqa: E402
-from training.optim import clip_grad_norm, lr_at, set_lr  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 WORLD = 4  # dp=4, as the acceptance asks: ep=4 splits every layer's experts over all four ranks
@@ -58,25 +57,22 @@ class Setup:
                 "checkpoint.save_final=false", "optim.warmup_steps=0", f"data.cache_dir={cache_dir}"]
 
 
-class TrainerStep:
-    """One optimizer step of the Trainer's loop (engine step, clipping, AdamW), without data loading and logging."""
+class TrainerStep(LoopStep):
+    """One optimizer step of the Trainer's loop on its first batch every time (the variants see the same data),
+    keeping the gradients' bytes for `memory`."""
 
     def __init__(self, trainer: Trainer):
-        self.trainer, self.step_no = trainer, 0
-        self.micro = next(iter(trainer.data))  # the same batch every step: the variants see the same data
-        self.params, self.norm_params = trainer.engine.parameters(), trainer.engine.norm_parameters()
+        cfg = trainer.cfg
+        super().__init__(trainer.engine, trainer.optimizer, trainer.grid, cfg.optim, cfg.train.steps,
+                         cfg.train.grad_clip, on_grads=self._count_grads)
+        self.trainer, self.micro = trainer, next(iter(trainer.data))
         self.grad_bytes: dict[int, int] = {}
 
+    def _count_grads(self, params: list) -> None:
+        self.grad_bytes = {id(p): _nbytes(p.grad) for p in params if p.grad is not None}
+
     def __call__(self) -> float:
-        t, cfg = self.trainer, self.trainer.cfg
-        set_lr(t.optimizer, lr_at(self.step_no, cfg.train.steps, cfg.optim))
-        result = t.engine.step(self.micro)
-        self.grad_bytes = {id(p): _nbytes(p.grad) for p in self.params if p.grad is not None}
-        clip_grad_norm(self.params, self.norm_params, cfg.train.grad_clip, t.grid.mp_group, t.grid.device)
-        t.optimizer.step()
-        t.optimizer.zero_grad(set_to_none=True)
-        self.step_no += 1
-        return result.loss
+        return super().__call__(self.micro)
 
     def memory(self, among: set[int] | None = None) -> dict:
         """This rank's bytes of parameters, gradients (as the last backward left them) and optimizer state; of the

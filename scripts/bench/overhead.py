@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Times, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
+from common import LoopStep, Times, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -34,31 +34,20 @@ from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch, shifted_loss_sum  # noqa: E402
 from training.config.schema import OptimSchema  # noqa: E402
-from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr  # noqa: E402
+from training.optim import build_optimizer, clip_grad_norm, lr_at  # noqa: E402
 
 GRAD_CLIP = 1.0
 STEPS = 1000  # the learning-rate schedule's length: only where on it the benchmark sits matters, not its end
 
 
-class SluiceStep:
+class SluiceStep(LoopStep):
     """What the Trainer does per step on one process, without data loading and logging."""
 
     def __init__(self, setup: Setup, optim_cfg):
         grid = ParallelGrid.single("cpu")
         spec = default_engine_spec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size, setup.seq)
-        self.engine = build_engine(spec, decoder_of(dense_model(setup)), grid)
-        self.optimizer = build_optimizer(self.engine.parameters(), optim_cfg)
-        self.cfg, self.grid, self.step_no = optim_cfg, grid, 0
-
-    def __call__(self, micro: list[MicroBatch]) -> float:
-        set_lr(self.optimizer, lr_at(self.step_no, STEPS, self.cfg))
-        result = self.engine.step(micro)
-        clip_grad_norm(self.engine.parameters(), self.engine.norm_parameters(), GRAD_CLIP, self.grid.mp_group,
-                       self.grid.device)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_no += 1
-        return result.loss
+        engine = build_engine(spec, decoder_of(dense_model(setup)), grid)
+        super().__init__(engine, build_optimizer(engine.parameters(), optim_cfg), grid, optim_cfg, STEPS, GRAD_CLIP)
 
 
 class PlainStep:
