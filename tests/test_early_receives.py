@@ -17,7 +17,6 @@ from parallel.spec import PipelineSpec
 from tests.test_runtime import CPU, assert_grads_match, batches, dense_grads, layout_cfg, tiny
 from tests.test_schedules import random_feasible
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def computes_before(order: list) -> dict:

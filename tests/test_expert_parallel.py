@@ -399,7 +399,7 @@ def _moe_engine(pp: int, recompute: str):
     return engine, ExpertLoad(engine.chunks(), 4, 4, CPU)
 
 
-def test_expert_load_counts_each_experts_tokens_once_per_step(one_thread):
+def test_expert_load_counts_each_experts_tokens_once_per_step():
     from tests.test_runtime import batches
 
     micro_batches = batches(4)

@@ -17,7 +17,7 @@ SHAPE = ["model=tiny", "train.seq_len=64", "train.micro_batch_size=2", "train.dt
          "schedule.n_microbatches=4", "logger=none"]
 
 
-def test_predicted_peak_memory_per_rank_is_within_20_percent(tmp_path, one_thread):
+def test_predicted_peak_memory_per_rank_is_within_20_percent(tmp_path):
     base = [*SHAPE, f"data.cache_dir={tmp_path}"]
     cfg = config(base)
     costs = MeasuredCosts(key={"micro_batch_size": 2, "backend": "gloo"}, p2p=Fit(0, 0), allreduce=Fit(0, 0),

@@ -16,7 +16,7 @@ from training.planner.profile import measure_compute
 CPU = torch.device("cpu")
 
 
-def test_measured_pieces_match_the_memory_model_and_the_parameter_counts(tmp_path, one_thread):
+def test_measured_pieces_match_the_memory_model_and_the_parameter_counts(tmp_path):
     cfg = compose_run_config(["model=tiny", "train.micro_batch_size=2", "train.seq_len=32"], tmp_path)
     got = measure_compute(cfg, CPU, torch.float32)
     config = model_config(cfg)
@@ -32,7 +32,7 @@ def test_measured_pieces_match_the_memory_model_and_the_parameter_counts(tmp_pat
     assert got["layer_expert_params"] == 0
 
 
-def test_a_moe_layer_counts_its_experts_apart(tmp_path, one_thread):
+def test_a_moe_layer_counts_its_experts_apart(tmp_path):
     """What EP splits: every expert's three projections, not the router or attention."""
     cfg = compose_run_config(["model=tiny-moe", "model.num_experts=8", "train.micro_batch_size=1",
                               "train.seq_len=16"], tmp_path)

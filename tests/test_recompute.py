@@ -26,7 +26,6 @@ from tests.test_runtime import run_b_and_i
 CPU = torch.device("cpu")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(layers: int = 4, moe: bool = False, dropout: float = 0.0) -> MiniMindConfig:

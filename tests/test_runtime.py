@@ -32,7 +32,6 @@ F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 CPU = torch.device("cpu")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(layers: int = 4, moe: bool = False, seed: int = 0) -> Decoder:

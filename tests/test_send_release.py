@@ -18,7 +18,6 @@ from parallel.spec import PipelineSpec
 from tests.test_runtime import CPU, assert_grads_match, batches, dense_grads, layout_cfg, tiny
 from tests.test_schedules import random_feasible
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_1f1b_rank0_activations_are_released_by_the_gradients_that_follow_them():
