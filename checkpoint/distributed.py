@@ -2,7 +2,8 @@
 
 Keys are layout-free: a parameter under its global dense name, its optimizer state under
 `optim/<name>/<field>`, RNG states under `rng/rank<r>/<device>`. A TP shard is handed to DCP as a
-DTensor on the grid's `tp` submesh (`DTensor.from_local`, no communication, same storage), so DCP
+DTensor on the grid's `tp` submesh (`DTensor.from_local`, no communication, same storage), a slice of
+stacked experts as one on the ep group's mesh (`ParallelGrid.expert_mesh`), so DCP
 records its global shape and offsets and reshards on load into any other split, or into whole tensors
 in one process. We chose DTensor over hand-written chunk metadata because DCP plans, deduplicates
 (DP replicas) and reshards DTensors natively, with gloo and NCCL alike; without a process group
@@ -22,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from checkpoint.dense import CheckpointError
 from checkpoint.safe_reader import SafeReader
@@ -63,13 +64,31 @@ def _packed(param: nn.Parameter, grid: ParallelGrid) -> bool:
 
 
 def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
-    """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP, else whole."""
+    """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP or EP, else whole."""
     if _packed(param, grid):
         blocks = all_gather_cat(tensor.unsqueeze(0), grid.tp_group, dim=0).unbind(0)
-        return join_blocks(list(blocks), param.partition_dim, param.tp_packed)
+        return _expert_view(join_blocks(list(blocks), param.partition_dim, param.tp_packed), param, grid)
     if grid.tp > 1 and getattr(param, "tensor_parallel", False):
+        if _expert_sliced(param, grid):
+            return DTensor.from_local(tensor, grid.expert_mesh(), [Shard(0), Shard(param.partition_dim)],
+                                      run_check=False)
         return DTensor.from_local(tensor, grid.mesh["tp"], [Shard(param.partition_dim)], run_check=False)
-    return tensor
+    return _expert_view(tensor, param, grid)
+
+
+def _expert_sliced(param: nn.Parameter, grid: ParallelGrid) -> bool:
+    """A slice of stacked experts (dim 0) held by one rank of the ep group."""
+    return grid.ep > 1 and getattr(param, "expert_block", None) is not None
+
+
+def _expert_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
+    """`tensor` (whole over TP) as a DTensor sharded along dim 0 over the ep group when it is a slice of stacked
+    experts (on the (ep) mesh, or on the (ep, tp) mesh replicated over tp), else itself."""
+    if not _expert_sliced(param, grid):
+        return tensor
+    mesh = grid.expert_mesh()
+    placements = [Shard(0)] if mesh.ndim == 1 else [Shard(0), Replicate()]
+    return DTensor.from_local(tensor, mesh, placements, run_check=False)
 
 
 def _load_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid,
@@ -82,7 +101,7 @@ def _load_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid,
     shape[param.partition_dim] *= grid.tp
     whole = torch.empty(shape, dtype=tensor.dtype)
     unpack.append((whole, tensor, param))
-    return whole
+    return _expert_view(whole, param, grid)
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -2,8 +2,9 @@
 
 Driven by the model's declared `base_model_ep_plan` (transformers' convention): the module under style
 `ep_dispatch_experts` holds a layer's experts. Rank i of an ep group of size E keeps experts [i*n/E, (i+1)*n/E)
-under their dense names (a list becomes a ModuleDict keyed by global expert id, as a pruned pipeline stack does);
-the router and everything else stay replicated. Every rank routes its own tokens (the gate is replicated, so the
+under their dense names: a list becomes a ModuleDict keyed by global expert id (as a pruned pipeline stack does),
+stacked parameters [n, ...] keep that slice along dim 0 (marked `expert_block`); the router and everything else
+stay replicated. Every rank routes its own tokens (the gate is replicated, so the
 aux loss is one process's), sends each routed copy to the rank holding its expert (dropless: variable split sizes,
 counts exchanged first), runs its local experts on what it receives, returns the outputs by the inverse all_to_all
 and combines them with the routing weights in the model's order. Both all_to_alls are differentiable.
@@ -92,20 +93,20 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
 
 class ExpertDispatch:
     """`experts(tokens [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]` over the ep group: the
-    signature of transformers' MoE experts module, with the local experts a ModuleDict keyed by global id.
-    (A class, not a closure, so that deepcopy rebinds it to the copy.)"""
+    signature of transformers' MoE experts module; `run_local(rows, counts)` runs this rank's experts on rows grouped
+    expert by expert. (A class, not a closure, so that deepcopy rebinds it to the copy.)"""
 
-    def __init__(self, experts: nn.ModuleDict, grid: ParallelGrid):
-        self.experts, self.ep, self.group = experts, grid.ep, grid.ep_group
+    def __init__(self, run_local: Callable[[torch.Tensor, list[int]], torch.Tensor], n_local: int, grid: ParallelGrid):
+        self.run_local, self.n_local, self.ep, self.group = run_local, n_local, grid.ep, grid.ep_group
 
     def __call__(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        local = len(self.experts)
+        local = self.n_local
         sent = torch.bincount(top_k_index.reshape(-1), minlength=self.ep * local)
         received = _exchange(sent, [local] * self.ep, [local] * self.ep, self.group).view(self.ep, local)
         routing = routing_of(top_k_index, sent, received)
         k = top_k_index.shape[-1]
         rows = all_to_all(tokens[routing.order // k], routing.send_counts, routing.recv_counts, self.group)
-        outputs = self._run_local(rows[routing.by_expert], routing.expert_counts)
+        outputs = self.run_local(rows[routing.by_expert], routing.expert_counts)
         back = torch.empty_like(routing.by_expert)
         back[routing.by_expert] = torch.arange(len(back), device=back.device)
         returned = all_to_all(outputs[back], routing.recv_counts, routing.send_counts, self.group)
@@ -113,19 +114,46 @@ class ExpertDispatch:
         # One index_add in expert order adds each token's expert outputs in the order the model's loop does.
         return torch.zeros_like(tokens).index_add(0, routing.order // k, (returned * weights).to(tokens.dtype))
 
-    def _run_local(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each local expert on its contiguous rows; an expert without rows still joins the autograd graph, so
-        every rank's backward reaches the same parameters (the model's own forward does the same)."""
-        outputs, touch = [], rows.new_zeros(())
+
+def _joined(out: torch.Tensor, rows: torch.Tensor, idle) -> torch.Tensor:
+    """`out` also hanging on the parameters of experts that got no rows, so that every rank's backward reaches the
+    same parameters (the model's own forward does the same). When nothing arrived, `out` is `rows * 0.0`: it still
+    hangs on the received rows, or this rank's backward would skip the reverse of the dispatch all_to_all that its
+    peers run, and the ep group would hang."""
+    touch = sum((0.0 * p.sum() for p in idle), rows.new_zeros(()))
+    return out + touch.to(out.dtype)
+
+
+class ListedExperts:
+    """The local experts of a module list (a ModuleDict keyed by global id), each on its contiguous rows."""
+
+    def __init__(self, experts: nn.ModuleDict):
+        self.experts = experts
+
+    def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outputs, idle = [], []
         for expert, part in zip(self.experts.values(), rows.split(counts)):
             if part.shape[0]:
                 outputs.append(expert(part))
             else:
-                touch = touch + 0.0 * sum(p.sum() for p in expert.parameters())
-        # Nothing arrived: the (empty) output still hangs on the received rows, or this rank's backward would
-        # skip the reverse of the dispatch all_to_all that its peers run, and the ep group would hang.
-        out = torch.cat(outputs) if outputs else rows * 0.0
-        return out + touch.to(out.dtype)
+                idle.extend(expert.parameters())
+        return _joined(torch.cat(outputs) if outputs else rows * 0.0, rows, idle)
+
+
+class StackedExperts:
+    """The local slice of stacked experts (transformers' `[E, out, in]` parameters), run by the module's own forward
+    on the rows with local expert ids and unit weights (x * 1.0 is exact, so the dispatcher's weighting is the
+    model's), which keeps any TP wrapping of that forward."""
+
+    def __init__(self, module: nn.Module, forward: Callable):
+        self.module, self.forward = module, forward
+
+    def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if not rows.shape[0]:
+            return _joined(rows * 0.0, rows, self.module.parameters(recurse=False))
+        ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
+                                      torch.tensor(counts, device=rows.device))
+        return self.forward(rows, ids[:, None], torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device))
 
 
 def expert_modules(decoder: Decoder) -> list[tuple[str, nn.Module]]:
@@ -143,10 +171,22 @@ def check_expert_parallel(decoder: Decoder, dp: int, ep: int) -> None:
         raise ValueError(f"parallel.ep={ep} splits the experts of MoE layers, and this model has none (a dense model: "
                          "see model.use_moe); set parallel.ep=1")
     for name, experts in found:
-        if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
-            raise ValueError(f"parallel.ep={ep}: {name} ({type(experts).__name__}) keeps its experts as stacked "
-                             "parameters, which Sluice's EP does not split yet; set parallel.ep=1")
-        check_ep_divisibility(len(experts), dp, ep)
+        check_ep_divisibility(expert_count(name, experts), dp, ep)
+
+
+def _listed(experts: nn.Module) -> bool:
+    return isinstance(experts, (nn.ModuleList, nn.ModuleDict))
+
+
+def expert_count(name: str, experts: nn.Module) -> int:
+    """How many experts a planned module holds: a list's length, or its stacked parameters' leading dim."""
+    if _listed(experts):
+        return len(experts)
+    sizes = {p.shape[0] for p in experts.parameters(recurse=False)}
+    if len(sizes) != 1:
+        raise ValueError(f"parallel.ep: {name} ({type(experts).__name__}) is neither a list of experts nor "
+                         f"parameters stacked along one expert dim (leading sizes {sorted(sizes)}); set parallel.ep=1")
+    return sizes.pop()
 
 
 def apply_expert_parallel(decoder: Decoder, grid: ParallelGrid) -> Decoder:
@@ -157,23 +197,47 @@ def apply_expert_parallel(decoder: Decoder, grid: ParallelGrid) -> Decoder:
     if grid.ep == 1:
         return decoder
     check_expert_parallel(decoder, grid.dp, grid.ep)
-    model = decoder.module
     for name, experts in expert_modules(decoder):
-        items = list(experts.items()) if isinstance(experts, nn.ModuleDict) else list(enumerate(experts))
-        per = len(items) // grid.ep
-        first = grid.ep_rank * per
-        kept = nn.ModuleDict({str(i): module for i, module in items[first:first + per]})
-        for p in kept.parameters():
-            p.expert_parallel = True
-        set_submodule(model, name, kept)
-        block_name = name.rpartition(".")[0]
-        block = model.get_submodule(block_name)
-        seam: Callable | None = decoder.adapter.moe_forward(block, ExpertDispatch(kept, grid))
-        if seam is None:
-            raise ValueError(f"parallel.ep: {block_name} calls its experts itself and the family adapter gives no "
-                             "forward that hands them to a dispatcher")
-        block.forward = seam
+        if _listed(experts):
+            _split_list(decoder, name, experts, grid)
+        else:
+            _split_stacked(experts, expert_count(name, experts), grid)
     return decoder
+
+
+def _split_list(decoder: Decoder, name: str, experts: nn.Module, grid: ParallelGrid) -> None:
+    """Keep this rank's experts of a list as a ModuleDict keyed by global id; the block's forward hands its tokens
+    to the dispatcher through the family adapter."""
+    model = decoder.module
+    items = list(experts.items()) if isinstance(experts, nn.ModuleDict) else list(enumerate(experts))
+    per = len(items) // grid.ep
+    first = grid.ep_rank * per
+    kept = nn.ModuleDict({str(i): module for i, module in items[first:first + per]})
+    for p in kept.parameters():
+        p.expert_parallel = True
+    set_submodule(model, name, kept)
+    block_name = name.rpartition(".")[0]
+    block = model.get_submodule(block_name)
+    seam: Callable | None = decoder.adapter.moe_forward(block, ExpertDispatch(ListedExperts(kept), per, grid))
+    if seam is None:
+        raise ValueError(f"parallel.ep: {block_name} calls its experts itself and the family adapter gives no "
+                         "forward that hands them to a dispatcher")
+    block.forward = seam
+
+
+def _split_stacked(experts: nn.Module, n_experts: int, grid: ParallelGrid) -> None:
+    """Keep this rank's slice [first, first + per) of each stacked parameter (its TP marks kept, the slice noted
+    in `expert_block` for materialising and checkpoints); the module's own call becomes the dispatcher."""
+    per = n_experts // grid.ep
+    first = grid.ep_rank * per
+    for pname, param in list(experts.named_parameters(recurse=False)):
+        local = nn.Parameter(param.detach()[first:first + per].clone(), param.requires_grad)
+        local.__dict__.update(param.__dict__)
+        local.expert_parallel, local.expert_block = True, (grid.ep_rank, grid.ep)
+        setattr(experts, pname, local)
+    if hasattr(experts, "num_experts"):  # transformers' stacked experts size their one_hot by it
+        experts.num_experts = per
+    experts.forward = ExpertDispatch(StackedExperts(experts, experts.forward), per, grid)
 
 
 def is_expert(param: nn.Parameter) -> bool:

@@ -108,6 +108,16 @@ class ParallelGrid:
         """DP ranks holding the same experts (their expert gradients are summed over these)."""
         return self.dp // self.ep
 
+    def expert_mesh(self) -> DeviceMesh:
+        """This rank's ep group as a mesh, (ep) or (ep, tp) under TP: stacked experts are sliced over ep along their
+        expert dim and TP-split within a slice; checkpoints hand DCP such slices as DTensors on it."""
+        if self.tp == 1:
+            return DeviceMesh.from_group(self.ep_group, self.device.type, mesh_dim_names=("ep",))
+        first = self.dp_rank - self.ep_rank
+        ranks = [[self.global_rank_of(self.pp_rank, first + i, t) for t in range(self.tp)] for i in range(self.ep)]
+        return DeviceMesh.from_group([self.ep_group, self.tp_group], self.device.type, mesh=torch.tensor(ranks),
+                                     mesh_dim_names=("ep", "tp"))
+
     def _my_group(self, rank_lists: list[list[int]], timeout: timedelta) -> ProcessGroup:
         """Create every group in rank_lists (new_group is collective: all ranks, same order); return ours."""
         mine = None

@@ -36,11 +36,23 @@ def seeded_init(decoder: Decoder, seed: int) -> WeightSource:
 
 
 def dense_shape(param: nn.Parameter, tp: int) -> tuple[int, ...]:
-    """The shape of the dense tensor a (possibly TP-sharded) parameter is a block of."""
+    """The shape of the dense tensor a (possibly TP-sharded, possibly EP-sliced) parameter is a block of."""
     shape = list(param.shape)
     if getattr(param, "tensor_parallel", False):
         shape[param.partition_dim] *= tp
+    if (block := getattr(param, "expert_block", None)) is not None:
+        shape[0] *= block[1]
     return tuple(shape)
+
+
+def local_share(dense: torch.Tensor, param: nn.Parameter, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's block of the dense tensor: its slice of stacked experts (dim 0, `expert_block`), then its TP
+    block; the dense tensor itself when the parameter is whole."""
+    if (block := getattr(param, "expert_block", None)) is not None:
+        dense = local_block(dense, block[0], block[1], 0)
+    if getattr(param, "tensor_parallel", False):
+        dense = local_block(dense, tp_rank, tp, param.partition_dim, getattr(param, "tp_packed", 1))
+    return dense
 
 
 def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, device: torch.device) -> None:
@@ -54,10 +66,10 @@ def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, 
             raise RuntimeError(f"{name}: gradient hooks on a meta tensor do not survive materialising; "
                                "register them afterwards")
         dense = source(name, dense_shape(param, tp))
-        sliced = getattr(param, "tensor_parallel", False)
-        if sliced:
-            dense = local_block(dense, tp_rank, tp, param.partition_dim, getattr(param, "tp_packed", 1))
-        # A TP block is copied: as a view it would pin the whole dense tensor.
+        local = local_share(dense, param, tp_rank, tp)
+        sliced = local is not dense
+        dense = local
+        # A block is copied: as a view it would pin the whole dense tensor.
         fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=sliced).contiguous(), param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
         param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back

@@ -24,7 +24,8 @@ BASE = ["train.seq_len=32", "train.micro_batch_size=2", "data.num_docs=300", "lo
         "checkpoint.save_final=false"]  # a test that wants checkpoints asks (checkpoint.every, save_final=true)
 TIED = "model.embed_tokens.weight"  # the dense name of a tied embedding/lm_head pair
 LOGGED = ("step", "loss", "aux_loss", "grad_norm", "tokens", "val_loss", "val_ppl", "expert_imbalance")  # kept per logged step
-Tensors = dict[str, tuple[torch.Tensor, int | None, int]]  # dense name -> (tensor, TP partition dim or None, packing)
+# dense name -> (tensor, TP partition dim or None, packing, (ep rank, ep) of a slice of stacked experts or None)
+Tensors = dict[str, tuple[torch.Tensor, int | None, int, tuple[int, int] | None]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def _snapshot(named: dict, grads: bool) -> Tensors:
     for name, p in named.items():
         tensor = p.grad if grads else p
         tensor = torch.zeros_like(p) if tensor is None else tensor
-        out[name] = (tensor.detach().float().cpu().clone(), getattr(p, "partition_dim", None), getattr(p, "tp_packed", 1))
+        out[name] = (tensor.detach().float().cpu().clone(), getattr(p, "partition_dim", None), getattr(p, "tp_packed", 1),
+                     getattr(p, "expert_block", None))
     return out
 
 
@@ -165,27 +167,35 @@ def baseline(overrides: list[str], cache_dir: Path, run_dir: Path, dp: int) -> d
 
 
 def dense_copies(results: list[dict], field: str, tied: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """Every copy of `field` ("params" or "grads") by dense name, then by where it lives; TP shards joined.
+    """Every copy of `field` ("params" or "grads") by dense name, then by where it lives; TP shards joined, and the
+    slices of stacked experts of one ep group (named after its first DP rank).
 
     A TP-sharded tensor gives one copy per DP replica; a TP-replicated one gives one per DP replica and TP
     rank; the last stage's lm_head of a tied model counts as a further copy of the embedding."""
     tp = 1 + max(r["coords"][2] for r in results)
-    shards: dict[str, dict[str, dict[int, tuple[torch.Tensor, int | None, int]]]] = {}
+    shards: dict[str, dict[str, dict[tuple[int, int], tuple]]] = {}
     for result in results:
         _, dp_rank, tp_rank = result["coords"]
-        for held, (tensor, dim, packed) in result[field].items():
+        for held, (tensor, dim, packed, block) in result[field].items():
             name = TIED if tied and held == "lm_head.weight" else held
-            where = f"{held} dp{dp_rank}" + ("" if dim is not None else f" tp{tp_rank}")
-            shards.setdefault(name, {}).setdefault(where, {})[tp_rank] = (tensor, dim, packed)
+            ep_rank = block[0] if block else 0
+            where = f"{held} dp{dp_rank - ep_rank}" + ("" if dim is not None else f" tp{tp_rank}")
+            shards.setdefault(name, {}).setdefault(where, {})[ep_rank, tp_rank] = (tensor, dim, packed, block)
     copies: dict[str, dict[str, torch.Tensor]] = {}
     for name, places in shards.items():
         for where, parts in places.items():
-            _, dim, packed = next(iter(parts.values()))
-            if dim is None:
-                copies.setdefault(name, {})[where] = next(iter(parts.values()))[0]
-                continue
-            assert sorted(parts) == list(range(tp)), f"{where}: TP shards {sorted(parts)} of {tp}"
-            copies.setdefault(name, {})[where] = join_blocks([parts[t][0] for t in sorted(parts)], dim, packed)
+            _, dim, packed, block = next(iter(parts.values()))
+            ep = block[1] if block else 1
+            assert {e for e, _ in parts} == set(range(ep)), f"{where}: expert slices {sorted(parts)} of ep={ep}"
+            slices = []
+            for e in range(ep):
+                blocks = {t: tensor for (ee, t), (tensor, *_) in parts.items() if ee == e}
+                if dim is None:
+                    slices.append(next(iter(blocks.values())))
+                    continue
+                assert sorted(blocks) == list(range(tp)), f"{where}: TP shards {sorted(blocks)} of {tp}"
+                slices.append(join_blocks([blocks[t] for t in sorted(blocks)], dim, packed))
+            copies.setdefault(name, {})[where] = torch.cat(slices) if ep > 1 else slices[0]
     return copies
 
 
@@ -199,7 +209,7 @@ def dense_params(results: list[dict], tied: bool = True) -> dict[str, torch.Tens
 
 def _relative_errors(results: list[dict], reference: dict, field: str, dp: int) -> list[tuple[float, str]]:
     """Per-tensor relative error in norm of every copy of `field` against the single process's tensor."""
-    expected = {name: t for name, (t, _, _) in reference[field].items()}
+    expected = {name: t for name, (t, *_) in reference[field].items()}
     copies = dense_copies(results, field, tied="lm_head.weight" not in expected)
     assert set(copies) == set(expected), f"{field}: names differ: {sorted(set(copies) ^ set(expected))}"
     experts = {name for r in results for name in r.get("experts", ())}
@@ -277,7 +287,7 @@ def distance(results: list[dict], reference: dict) -> float:
     tensor (to tell which of two references it is nearer). One norm, not the worst tensor: under TP, bf16 rounds
     partial products and moves a few small tensors as far as bf16 itself does, while the whole model stays nearer
     its bf16 reference (tp2-pp2: 1.5e-3 against 1.9e-3 from fp32; a worst tensor says 7.6e-3 against 7.3e-3)."""
-    expected = {name: t.double() for name, (t, _, _) in reference["params"].items()}
+    expected = {name: t.double() for name, (t, *_) in reference["params"].items()}
     copies = dense_copies(results, "params", tied="lm_head.weight" not in expected)
     off = sum((got.double() - expected[name]).pow(2).sum().item() for name in expected for got in copies[name].values())
     size = sum(expected[name].pow(2).sum().item() * len(copies[name]) for name in expected)

@@ -123,7 +123,7 @@ def test_exact_resume_of_optimizer_shards_routers_bf16_v_placement_and_dropout(e
         by_coords = {r["coords"]: r for r in runs[name]}
         for (pp, dp, tp), result in by_coords.items():
             assert result["rng"] == by_coords[pp, dp, 0]["rng"], (pp, dp, tp)
-            for param, (tensor, dim, _) in result["params"].items():
+            for param, (tensor, dim, *_) in result["params"].items():
                 if dim is None:  # replicated over TP: bitwise one value
                     assert torch.equal(tensor, by_coords[pp, dp, 0]["params"][param][0]), param
 

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(1800)  # the module's shared spawns run inside 
 STEPS = ["train.steps=3", "schedule.n_microbatches=4"]
 MOE = ["model=tiny-moe"]  # 4 experts, top-1
 TOP2_8 = [*MOE, "model.num_experts=8", "model.num_experts_per_tok=2"]
+QWEN3_MOE = ["model=qwen3-moe-tiny"]  # 4 experts, top-2, stacked
 # bf16 against a bf16 single process: an expert's holder runs one bf16 matmul over the rows of every ep rank where
 # the single process runs one per micro-batch, so its weight gradient is rounded to bf16 over other partial sums,
 # the noise of bf16 itself, as TP's partial products are (tests/test_equivalence.py's BF16_TP_TOL, same reasons).
@@ -50,6 +51,12 @@ LAYOUTS = [Layout(*case) for case in [
     # ZeRO-1: dense AdamW state sharded over DP, expert state over the edp group (2 ranks; 1 at dp2, unsharded).
     ("ep2-dp4-zero1", MOE, ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"], 4, 4),
     ("ep2-dp2-zero1", MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.zero=1"], 2, 2),
+    # transformers' Qwen3-MoE through its declared plans: stacked experts [E, 2I, H] / [E, H, I] sliced along E, run
+    # by the module's own forward; under TP too (gate_up packed colwise, down rowwise) and in a ZB-H1 pipeline.
+    ("qwen3-moe-ep2", QWEN3_MOE, ["parallel.dp=2", "parallel.ep=2"], 2, 2),
+    ("qwen3-moe-ep2-tp2", QWEN3_MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"], 4, 2),
+    ("qwen3-moe-ep4", QWEN3_MOE, ["parallel.dp=4", "parallel.ep=4"], 4, 4),
+    ("qwen3-moe-ep2-pp2-zb-h1", QWEN3_MOE, ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "schedule=zb-h1"], 4, 2),
 ]]
 
 
@@ -89,7 +96,9 @@ def test_expert_parallel_layout_equals_single_process(workspace, case):
         assert distance(results, reference) < distance(results, fp32), (distance(results, reference),
                                                                          distance(results, fp32))
     ep = int(next(a for a in case.layout if a.startswith("parallel.ep=")).split("=")[1])
-    held = [set(r["experts"]) for r in results if r["coords"][1] < ep and r["coords"][2] == 0]
+    # (name, slice) of each expert tensor held: a listed expert by its own name, stacked ones by their ep slice
+    held = [{(name, block) for name, (*_, block) in r["params"].items() if name in r["experts"]}
+            for r in results if r["coords"][1] < ep and r["coords"][2] == 0]
     assert all(held) and not set.intersection(*held), "each ep rank holds its own share of the experts"
 
 
@@ -186,6 +195,8 @@ def test_zero_rows_everywhere_is_a_valid_routing():
      "parallel.ep=3 does not divide model.num_experts=4; choose ep in {1, 2}"),
     (["model=tiny-moe", "model.num_experts=6", "parallel.dp=4", "parallel.ep=3"],
      "parallel.ep=3 does not divide the data-parallel size parallel.dp=4; choose ep in {1, 2}"),
+    (["model=qwen3-moe-tiny", "parallel.dp=6", "parallel.ep=3"],
+     "parallel.ep=3 does not divide model.num_experts=4; choose ep in {1, 2}"),
     (["model=tiny", "parallel.dp=2", "parallel.ep=2"],
      "parallel.ep=2 splits the experts of MoE layers, and this model has none (a dense model: see model.use_moe); "
      "set parallel.ep=1"),
@@ -233,16 +244,21 @@ def test_ep_groups_are_carved_out_of_dp():
 
 # --- checkpoints: saved EP-split, resumed in other layouts -------------------------------------------------------------
 
-CKPT = [*MOE, "train.steps=6", "checkpoint.every=3", "checkpoint.save_final=false"]
-EP2_PP2 = ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
-EP1_PP2 = ["parallel.dp=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
-EP4 = ["parallel.dp=4", "parallel.ep=4", "schedule.n_microbatches=1"]  # the same global batch of 8 sequences
-EP2_DP4_ZERO1 = ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "schedule.n_microbatches=1"]
+CKPT = ["train.steps=6", "checkpoint.every=3", "checkpoint.save_final=false"]
+EP2_PP2 = [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
+EP1_PP2 = [*MOE, "parallel.dp=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
+EP4 = [*MOE, "parallel.dp=4", "parallel.ep=4", "schedule.n_microbatches=1"]  # the same global batch of 8 sequences
+EP2_DP4_ZERO1 = [*MOE, "parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "schedule.n_microbatches=1"]
+# Qwen3-MoE's stacked experts: saved as DTensors on the (ep, tp) mesh (gate_up packed: whole over tp), resumed at ep4
+Q_EP2_TP2 = [*QWEN3_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "schedule.n_microbatches=2"]
+Q_EP4 = [*QWEN3_MOE, "parallel.dp=4", "parallel.ep=4", "schedule.n_microbatches=1"]
 STEP3 = "checkpoints/step_00000003"
 RESUMES = [("ep2pp2", EP2_PP2, None), ("ep2pp2-resumed", EP2_PP2, "ep2pp2"), ("ep1pp2-from-ep2pp2", EP1_PP2, "ep2pp2"),
            ("ep4-from-ep2pp2", EP4, "ep2pp2"), ("ep4", EP4, None), ("ep1pp2", EP1_PP2, None),
            ("ep2dp4-zero1", EP2_DP4_ZERO1, None), ("ep2dp4-zero1-resumed", EP2_DP4_ZERO1, "ep2dp4-zero1"),
-           ("ep4-from-ep2dp4-zero1", EP4, "ep2dp4-zero1")]
+           ("ep4-from-ep2dp4-zero1", EP4, "ep2dp4-zero1"),
+           ("qwen3-ep2tp2", Q_EP2_TP2, None), ("qwen3-ep2tp2-resumed", Q_EP2_TP2, "qwen3-ep2tp2"),
+           ("qwen3-ep4-from-qwen3-ep2tp2", Q_EP4, "qwen3-ep2tp2"), ("qwen3-ep4", Q_EP4, None)]
 
 
 def _resumes_worker(rank: int, world_size: int, root: str) -> list[dict]:
@@ -273,7 +289,7 @@ def resumed(ep_root) -> dict[str, list[dict]]:
     return {name: [r[i] for r in by_rank] for i, (name, _, _) in enumerate(RESUMES)}
 
 
-@pytest.mark.parametrize("saved", ["ep2pp2", "ep2dp4-zero1"])
+@pytest.mark.parametrize("saved", ["ep2pp2", "ep2dp4-zero1", "qwen3-ep2tp2"])
 def test_ep_checkpoint_resumes_bit_for_bit_in_its_own_layout(resumed, saved):
     """Under ZeRO-1 too: each rank saves the dense and the expert AdamW state it holds, and loads it back."""
     from tests.equivalence import assert_bitwise_resume
@@ -283,7 +299,8 @@ def test_ep_checkpoint_resumes_bit_for_bit_in_its_own_layout(resumed, saved):
 
 @pytest.mark.parametrize("run,saved,uninterrupted", [("ep1pp2-from-ep2pp2", "ep2pp2", "ep1pp2"),
                                                      ("ep4-from-ep2pp2", "ep2pp2", "ep4"),
-                                                     ("ep4-from-ep2dp4-zero1", "ep2dp4-zero1", "ep4")])
+                                                     ("ep4-from-ep2dp4-zero1", "ep2dp4-zero1", "ep4"),
+                                                     ("qwen3-ep4-from-qwen3-ep2tp2", "qwen3-ep2tp2", "qwen3-ep4")])
 def test_ep_checkpoint_reshards_to_another_ep(resumed, run, saved, uninterrupted):
     """Resumed at ep1 or ep4 (without ZeRO), the run continues the saved one (and equals the uninterrupted run of
     its own layout) within the suite's tolerances: another ep sums expert gradients in another order, so not bit
@@ -295,44 +312,60 @@ def test_ep_checkpoint_reshards_to_another_ep(resumed, run, saved, uninterrupted
         for tail in resumed[run]:
             torch.testing.assert_close(torch.tensor(tail["losses"], dtype=torch.float64),
                                        torch.tensor(reference[0]["losses"][3:], dtype=torch.float64), rtol=1e-5, atol=0)
-        expected, got = dense_params(reference), dense_params(resumed[run])
+        tied = not run.startswith("qwen3")  # qwen3-moe-tiny has its own lm_head
+        expected, got = dense_params(reference, tied), dense_params(resumed[run], tied)
         assert expected.keys() == got.keys()
         for name, tensor in expected.items():
             assert ((got[name] - tensor).norm() / tensor.norm()).item() <= 1e-4, name
 
 
-def test_an_ep_checkpoint_exports_the_trained_model(resumed, ep_root, tmp_path):
-    """Expert-split checkpoints keep every expert under its dense name: the export is the model one process holds."""
+@pytest.mark.parametrize("run", ["ep2pp2", "qwen3-ep2tp2"])
+def test_an_ep_checkpoint_exports_the_trained_model(resumed, ep_root, tmp_path, run):
+    """Expert-split checkpoints keep every expert under its dense name (a listed expert) or as one stacked tensor
+    (Qwen3-MoE): the export is the model one process holds, loaded back by its own class."""
+    from transformers import AutoModelForCausalLM
+
     from checkpoint.export import export_checkpoint
     from minimind import MiniMindForCausalLM
     from tests.equivalence import dense_params
 
-    folder = export_checkpoint(ep_root / "ep2pp2" / "checkpoints" / "step_00000006", tmp_path / "hf")
-    exported = MiniMindForCausalLM.from_pretrained(str(folder))
-    trained = dense_params(resumed["ep2pp2"])
+    folder = export_checkpoint(ep_root / run / "checkpoints" / "step_00000006", tmp_path / "hf")
+    tied = run == "ep2pp2"
+    exported = (MiniMindForCausalLM if tied else AutoModelForCausalLM).from_pretrained(str(folder))
+    trained = dense_params(resumed[run], tied)
     state = exported.state_dict()
-    assert exported.config.use_moe and set(state) - {"lm_head.weight"} == set(trained)
+    assert getattr(exported.config, "use_moe", True) and set(state) - {"lm_head.weight"} == set(trained) - {
+        "lm_head.weight"}
     assert all(torch.equal(state[name], tensor) for name, tensor in trained.items())
 
 
 # --- the dispatch itself, in two processes ----------------------------------------------------------------------------
 
 
-def _dispatch_worker(rank: int, world_size: int, hot: bool) -> dict:
-    """ExpertDispatch of this rank's tokens over ep 2 against the expert loop on every rank's tokens in one process:
-    outputs, token gradients and the local experts' gradients (the holder's gradient holds both ranks' tokens)."""
+def _dispatch_worker(rank: int, world_size: int, hot: bool, stacked: bool) -> dict:
+    """ExpertDispatch of this rank's tokens over ep 2 against the experts of every rank's tokens in one process:
+    outputs, token gradients and the local experts' gradients (the holder's gradient holds both ranks' tokens).
+    Listed experts (a ModuleList of Linears, the loop written here) or stacked ones (transformers' Qwen3-MoE
+    experts module, its own forward for the reference, sliced by the EP pass)."""
     import copy
 
     from torch import nn
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from parallel.expert import ExpertDispatch
+    from parallel.expert import ExpertDispatch, ListedExperts, _split_stacked
     from parallel.grid import ParallelGrid
 
     grid = ParallelGrid.build(dp=2, tp=1, pp=1, backend="gloo", timeout_s=60, ep=2)
     generator = torch.Generator().manual_seed(3)
-    experts = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(4))
-    for expert in experts:
-        expert.weight.data = torch.randn(8, 8, generator=generator)
+    if stacked:
+        experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4))
+        for param in experts.parameters():
+            param.data = torch.randn(param.shape, generator=generator)
+    else:
+        experts = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(4))
+        for expert in experts:
+            expert.weight.data = torch.randn(8, 8, generator=generator)
     tokens = torch.randn(2, 5, 8, generator=generator)
     chosen = torch.stack([torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(5)])
                           for _ in range(2)])
@@ -344,26 +377,44 @@ def _dispatch_worker(rank: int, world_size: int, hot: bool) -> dict:
     ref_tokens = tokens.clone().requires_grad_()
     ref_out = torch.zeros_like(ref_tokens)
     for r in range(2):
+        if stacked:
+            ref_out[r] = reference(ref_tokens[r], chosen[r], weights[r])
+            continue
         for e, expert in enumerate(reference):
             token_idx, slot = torch.where(chosen[r] == e)
             ref_out[r] = ref_out[r].index_add(0, token_idx, expert(ref_tokens[r][token_idx]) *
                                               weights[r][token_idx, slot, None])
     ref_out.pow(2).sum().backward()
     mine = tokens[rank].clone().requires_grad_()
-    kept = nn.ModuleDict({str(i): experts[i] for i in (2 * rank, 2 * rank + 1)})
-    out = ExpertDispatch(kept, grid)(mine, chosen[rank], weights[rank])
+    local = (2 * rank, 2 * rank + 1)
+    if stacked:
+        _split_stacked(experts, 4, grid)
+        out = experts(mine, chosen[rank], weights[rank])
+        held = list(experts.parameters())
+        expected = lambda: [ref.grad[2 * rank:2 * rank + 2] for ref in reference.parameters()]  # noqa: E731
+    else:
+        kept = nn.ModuleDict({str(i): experts[i] for i in local})
+        out = ExpertDispatch(ListedExperts(kept), 2, grid)(mine, chosen[rank], weights[rank])
+        held = [kept[str(i)].weight for i in local]
+        expected = lambda: [reference[i].weight.grad for i in local]  # noqa: E731
     out.pow(2).sum().backward()
-    return {"out": (out - ref_out[rank]).abs().max().item(), "grad": (mine.grad - ref_tokens.grad[rank]).abs().max().item(),
-            "experts": max((kept[str(i)].weight.grad - reference[i].weight.grad).abs().max().item() for i in
-                           (2 * rank, 2 * rank + 1)),
-            "rows": int((chosen[rank] >= 2).sum()), "hot": hot}
+    # Relative in norm: the stacked SwiGLU's outputs and gradients run to hundreds (random weights, a squared loss).
+    expert_error = max(relative(p.grad, want) for p, want in zip(held, expected()))
+    return {"out": relative(out, ref_out[rank]), "grad": relative(mine.grad, ref_tokens.grad[rank]),
+            "experts": expert_error, "rows": int((chosen[rank] >= 2).sum()), "hot": hot}
 
 
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| in norm; 0 when both are zero (an expert that got no rows)."""
+    return (got - want).norm().item() / max(want.norm().item(), 1e-12)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["listed", "stacked"])
 @pytest.mark.parametrize("hot", [False, True], ids=["spread", "one-rank-receives-nothing"])
-def test_dispatch_equals_the_expert_loop_and_its_backward_completes(hot):
-    results = run_workers(_dispatch_worker, 2, hot, timeout=120)
+def test_dispatch_equals_the_expert_loop_and_its_backward_completes(hot, stacked):
+    results = run_workers(_dispatch_worker, 2, hot, stacked, timeout=120)
     for r in results:
-        assert r["out"] < 1e-5 and r["grad"] < 1e-4 and r["experts"] < 1e-4, r
+        assert r["out"] < 1e-6 and r["grad"] < 1e-5 and r["experts"] < 1e-5, r
     if hot:
         assert all(r["rows"] == 0 for r in results)  # so rank 1's experts got no rows and its backward still ran
 
