@@ -13,6 +13,7 @@ from checkpoint.manager import COMPLETE, complete_checkpoints
 from parallel.grid import ParallelGrid
 from tests.conftest import ROOT
 from tests.equivalence import assert_bitwise_resume, compose_run_config, dense_params, run_training
+from tests.shared import once_per_session
 from tests.spawn import run_workers
 
 # The module's shared runs are set up inside its first test: under load that can take minutes, so the
@@ -78,18 +79,21 @@ def exact_worker(rank: int, world_size: int, root: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory) -> tuple[Path, dict]:
     """The EXACT runs and their resumes (one job on the two-process pool), by run name then rank."""
-    root = tmp_path_factory.mktemp("exact")
-    by_rank = run_workers(exact_worker, 2, str(root), timeout=420)
-    return root, {name: [rank[i][1] for rank in by_rank] for i, (name, _) in enumerate(by_rank[0])}
+    def compute(root: Path) -> tuple[Path, dict]:
+        by_rank = run_workers(exact_worker, 2, str(root), timeout=420)
+        return root, {name: [rank[i][1] for rank in by_rank] for i, (name, _) in enumerate(by_rank[0])}
+
+    return once_per_session(tmp_path_factory, "checkpoint-exact", compute)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """All four-process runs (one spawn), keyed by run name; each value is the list of per-rank results."""
-    root = tmp_path_factory.mktemp("ckpt")
-    results = run_workers(runs_worker, 4, RUNS, str(root / "cache"), str(root), timeout=420)
-    by_run = {name: [rank[i] for rank in results] for i, (name, _, _) in enumerate(RUNS)}
-    return root, by_run
+    def compute(root: Path) -> tuple[Path, dict]:
+        results = run_workers(runs_worker, 4, RUNS, str(root / "cache"), str(root), timeout=420)
+        return root, {name: [rank[i] for rank in results] for i, (name, _, _) in enumerate(RUNS)}
+
+    return once_per_session(tmp_path_factory, "checkpoint-trained", compute)
 
 
 def assert_close_resume(straight: list[dict], resumed: list[dict]) -> None:

@@ -8,6 +8,7 @@ import torch
 from parallel.grid import ParallelGrid
 from parallel.pipeline.schedules import SCHEDULES
 from tests.equivalence import compose_run_config, run_training
+from tests.shared import once_per_session
 from tests.spawn import run_workers
 
 COMMON = ["model=tiny", "train.steps=2", "schedule.n_microbatches=4"]
@@ -31,14 +32,16 @@ def losses_worker(rank: int, world_size: int, layouts: list[list[str]], cache_di
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
     """Per-step losses of the real multi-process runs, rank 0's view, by layout."""
-    root = tmp_path_factory.mktemp("distributed")
-    by_world = {2: PP2, 4: [*PP4, TP2_PP2]}
-    losses = {}
-    for world, layouts in by_world.items():
-        results = run_workers(losses_worker, world, layouts, str(root / "cache"), str(root / f"w{world}"), timeout=240)
-        assert all(r == results[0] for r in results)  # every rank returns the same losses
-        losses.update({tuple(layout): result for layout, result in zip(layouts, results[0])})
-    return losses
+    def compute(root: Path) -> dict:
+        losses = {}
+        for world, layouts in {2: PP2, 4: [*PP4, TP2_PP2]}.items():
+            results = run_workers(losses_worker, world, layouts, str(root / "cache"), str(root / f"w{world}"),
+                                  timeout=240)
+            assert all(r == results[0] for r in results)  # every rank returns the same losses
+            losses.update({tuple(layout): result for layout, result in zip(layouts, results[0])})
+        return losses
+
+    return once_per_session(tmp_path_factory, "emulate-distributed", compute)
 
 
 def assert_same_losses(emulated: list[float], distributed: list[float]) -> None:

@@ -7,6 +7,7 @@ world > 1 share one spawn per world size. Real P2P pipelines are covered by the 
 """
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from parallel.pipeline.prepare import prepare_pipeline
 from parallel.pipeline.tables import dump_builtin
 from tests.equivalence import (EMU, Layout, Tolerances, assert_equivalent, baseline, compose_run_config, distance,
                                layout_worker, layouts_worker, run_training)
+from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.config import model_config
 from training.specs import pipeline_spec
@@ -89,7 +91,8 @@ LAYOUTS = [Layout(*case) for case in [
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A shared tokenizer cache, dense checkpoints per model, memoised baselines and grouped results."""
-    return {"root": tmp_path_factory.mktemp("equivalence"), "dense": {}, "baselines": {}, "grouped": {}}
+    return {"root": tmp_path_factory.mktemp("equivalence"), "dense": {}, "baselines": {}, "grouped": {},
+            "factory": tmp_path_factory}
 
 
 def dense_checkpoint(workspace, run_args: list[str]) -> str:
@@ -134,9 +137,14 @@ def layout_results(workspace, case: Layout) -> list[dict]:
         return [run_training(cfg, ParallelGrid.single(torch.device("cpu")), root / case.name)]
     if case.name not in workspace["grouped"]:
         group = [c for c in LAYOUTS if c.emulated and c.world == case.world]
-        runs = [(overrides(workspace, c), str(root / c.name)) for c in group]
-        by_rank = run_workers(layouts_worker, case.world, runs, str(cache), timeout=480)
-        workspace["grouped"].update({c.name: [r[i] for r in by_rank] for i, c in enumerate(group)})
+
+        def compute(shared: Path) -> dict[str, list[dict]]:
+            runs = [(overrides(workspace, c), str(shared / c.name)) for c in group]
+            by_rank = run_workers(layouts_worker, case.world, runs, str(cache), timeout=480)
+            return {c.name: [r[i] for r in by_rank] for i, c in enumerate(group)}
+
+        workspace["grouped"].update(once_per_session(workspace["factory"], f"equivalence-emulated-world{case.world}",
+                                                     compute))
     return workspace["grouped"][case.name]
 
 

@@ -15,6 +15,7 @@ import torch
 from parallel.expert import check_ep_divisibility, routing_of
 from tests.equivalence import (Layout, Tolerances, _quantity, assert_equivalent, baseline, distance, layouts_worker,
                                step_failures, tensor_failures)
+from tests.shared import once_per_session, session_dir
 from tests.spawn import run_workers
 from training.config import ConfigError, validate
 
@@ -62,7 +63,8 @@ LAYOUTS = [Layout(*case) for case in [
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    return {"root": tmp_path_factory.mktemp("expert_parallel"), "baselines": {}, "results": {}}
+    return {"root": tmp_path_factory.mktemp("expert_parallel"), "baselines": {}, "results": {},
+            "factory": tmp_path_factory}
 
 
 def reference_run(workspace, case: Layout) -> dict:
@@ -77,11 +79,15 @@ def reference_run(workspace, case: Layout) -> dict:
 def layout_results(workspace, case: Layout) -> list[dict]:
     """Every rank's results; the layouts of one world size run in one spawn."""
     if case.name not in workspace["results"]:
-        root = workspace["root"]
         group = [c for c in LAYOUTS if c.world == case.world]
-        runs = [([*STEPS, *c.run, *c.layout], str(root / c.name)) for c in group]
-        by_rank = run_workers(layouts_worker, case.world, runs, str(root / "cache"), timeout=900)
-        workspace["results"].update({c.name: [r[i] for r in by_rank] for i, c in enumerate(group)})
+
+        def compute(root: Path) -> dict[str, list[dict]]:
+            runs = [([*STEPS, *c.run, *c.layout], str(root / c.name)) for c in group]
+            by_rank = run_workers(layouts_worker, case.world, runs, str(root / "cache"), timeout=900)
+            return {c.name: [r[i] for r in by_rank] for i, c in enumerate(group)}
+
+        workspace["results"].update(once_per_session(workspace["factory"], f"expert-parallel-world{case.world}",
+                                                     compute))
     return workspace["results"][case.name]
 
 
@@ -279,14 +285,16 @@ def _resumes_worker(rank: int, world_size: int, root: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ep_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ep_checkpoints")
+    return session_dir(tmp_path_factory, "ep-checkpoints")
 
 
 @pytest.fixture(scope="module")
-def resumed(ep_root) -> dict[str, list[dict]]:
-    root = ep_root
-    by_rank = run_workers(_resumes_worker, 4, str(root), timeout=900)
-    return {name: [r[i] for r in by_rank] for i, (name, _, _) in enumerate(RESUMES)}
+def resumed(tmp_path_factory, ep_root) -> dict[str, list[dict]]:
+    def compute(root: Path) -> dict[str, list[dict]]:
+        by_rank = run_workers(_resumes_worker, 4, str(root), timeout=900)
+        return {name: [r[i] for r in by_rank] for i, (name, _, _) in enumerate(RESUMES)}
+
+    return once_per_session(tmp_path_factory, ep_root.name, compute)
 
 
 @pytest.mark.parametrize("saved", ["ep2pp2", "ep2dp4-zero1", "qwen3-ep2tp2"])

@@ -5,6 +5,7 @@ The world-2 layouts of all three families share one spawn; the world-1 ones (emu
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from models import decoder_of
 from models.family import build_model, model_config
 from parallel.pipeline.prepare import prepare_pipeline
 from tests.equivalence import FP32, assert_equivalent, baseline, compose_run_config, layouts_worker, run_training
+from tests.shared import once_per_session
 from tests.spawn import run_workers
 from tests.test_equivalence import assert_tied_copies_bitwise_equal
 from training.specs import pipeline_spec
@@ -54,7 +56,7 @@ CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A shared data cache, memoised baselines and the results of the one world-2 spawn."""
-    return {"root": tmp_path_factory.mktemp("families"), "baselines": {}, "grouped": {}}
+    return {"root": tmp_path_factory.mktemp("families"), "baselines": {}, "grouped": {}, "factory": tmp_path_factory}
 
 
 def _overrides(family: str, layout: Layout) -> list[str]:
@@ -79,9 +81,13 @@ def _results(workspace, family: str, layout: Layout) -> list[dict]:
         return [run_training(cfg, ParallelGrid.single(torch.device("cpu")), root / f"{family}-{layout.name}")]
     if not workspace["grouped"]:
         group = [(f, c) for f, c in CASES if c.world == 2]
-        runs = [(_overrides(f, c), str(root / f"{f}-{c.name}")) for f, c in group]
-        by_rank = run_workers(layouts_worker, 2, runs, str(cache), timeout=540)
-        workspace["grouped"].update({(f, c.name): [r[i] for r in by_rank] for i, (f, c) in enumerate(group)})
+
+        def compute(shared: Path) -> dict:
+            runs = [(_overrides(f, c), str(shared / f"{f}-{c.name}")) for f, c in group]
+            by_rank = run_workers(layouts_worker, 2, runs, str(cache), timeout=540)
+            return {(f, c.name): [r[i] for r in by_rank] for i, (f, c) in enumerate(group)}
+
+        workspace["grouped"].update(once_per_session(workspace["factory"], "families-world2", compute))
     return workspace["grouped"][family, layout.name]
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from checkpoint.export import export_checkpoint
 from models.family import build_model, model_config
 from tests.equivalence import compose_run_config, dense_params, layouts_worker
+from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.data import build_data
 
@@ -38,15 +39,17 @@ def saved_folder(root: Path, preset: str) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Both presets loaded from their folders and trained two steps at pp2 x tp2 (one spawn of four processes)."""
-    root = tmp_path_factory.mktemp("family-weights")
-    folders = {family: saved_folder(root, preset) for family, preset in PRESETS.items()}
-    runs = [([*LAYOUT, f"model={preset}", f"checkpoint.load_dense={folders[family]}"], str(root / f"run-{family}"))
-            for family, preset in PRESETS.items()]
-    resumed = [*LAYOUT, "model=qwen3-moe-tiny", f"checkpoint.resume={root / 'run-qwen3-moe' / STEP2}"]
-    by_rank = run_workers(layouts_worker, 4, [*runs, (resumed, str(root / "resumed"))], str(root / "cache"),
-                          timeout=540)
-    return {"root": root, "folders": folders, "runs": runs, "resumed": [r[-1] for r in by_rank],
-            "results": {family: [r[i] for r in by_rank] for i, family in enumerate(PRESETS)}}
+    def compute(root: Path) -> dict:
+        folders = {family: saved_folder(root, preset) for family, preset in PRESETS.items()}
+        runs = [([*LAYOUT, f"model={preset}", f"checkpoint.load_dense={folders[family]}"], str(root / f"run-{family}"))
+                for family, preset in PRESETS.items()]
+        resumed = [*LAYOUT, "model=qwen3-moe-tiny", f"checkpoint.resume={root / 'run-qwen3-moe' / STEP2}"]
+        by_rank = run_workers(layouts_worker, 4, [*runs, (resumed, str(root / "resumed"))], str(root / "cache"),
+                              timeout=540)
+        return {"root": root, "folders": folders, "runs": runs, "resumed": [r[-1] for r in by_rank],
+                "results": {family: [r[i] for r in by_rank] for i, family in enumerate(PRESETS)}}
+
+    return once_per_session(tmp_path_factory, "family-weights", compute)
 
 
 def test_a_checkpoint_with_packed_experts_resumes_bit_for_bit(trained):
