@@ -33,6 +33,7 @@ from parallel.pipeline.shm_transport import send_counts, shm_available, shm_tran
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
+from parallel.compile import apply_compile
 from parallel.recompute import apply_recompute
 from parallel.spec import EngineSpec
 from parallel.step import Engine, LocalEngine, MicroBatch, StepResult, TokenLoss, dense_token_loss
@@ -47,7 +48,7 @@ def build_engine(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid,
 
     The decoder may be built on the meta device; then only this rank's parameters are materialised, from `weights`."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
-        place_(apply_recompute(decoder, spec.recompute), weights, grid)
+        place_(apply_compile(apply_recompute(decoder, spec.recompute), spec.compile), weights, grid)
         return LocalEngine(decoder, grid.device, spec.dtype)
     return ParallelEngine(spec, decoder, grid, weights)
 
@@ -135,7 +136,7 @@ class ParallelEngine:
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
         self._lists = {r: list(self.pipeline.lowered[r]) for r in ranks}
-        how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights)
+        how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights, spec.compile)
         self.stages_of: StagesByRank = build_stages(self.pipeline, decoder, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)

@@ -78,6 +78,9 @@ def _checkpoint(function: Callable, *args, **kwargs):
     runs under the function modes the forward ran under."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)  # nothing will be saved: eval and generation pay nothing
+    if torch.compiler.is_compiling():  # train.compile: dynamo's checkpoint takes no context_fn of function modes,
+        # and recomputes the graph it traced (a compiled ZB-V with selective recompute equals eager: tests/test_compile)
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
     return checkpoint(function, *args, use_reentrant=False, context_fn=_same_function_modes, **kwargs)
 
 

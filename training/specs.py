@@ -32,7 +32,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 # EngineSpec's runtime settings and the run-config keys they come from.
 ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate", "bucket_mb": "parallel.bucket_mb",
-               "recompute": "train.recompute", "transport": "parallel.transport"}
+               "recompute": "train.recompute", "transport": "parallel.transport", "compile": "train.compile"}
 
 
 def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:

@@ -130,6 +130,8 @@ class Trainer:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 step_time = time.perf_counter() - start
+                if step == first and cfg.train.compile and self.grid.rank == 0:  # dynamo compiles at the first call
+                    log.info("train.compile: the first step took %.1f s, compiling each decoder layer", step_time)
                 losses.append(result.loss)
                 if on_step is not None:
                     on_step(step + 1)

@@ -11,6 +11,7 @@ from parallel.decoder import Decoder, set_parameter
 from parallel.expert import apply_expert_parallel
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, is_meta, materialize_
+from parallel.compile import apply_compile
 from parallel.recompute import apply_recompute
 from parallel.step import TokenLoss
 from parallel.tensor_pass import shard_modules, sync_replicated_grads
@@ -25,12 +26,13 @@ StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage inde
 
 @dataclass(frozen=True)
 class StageBuild:
-    """How each stage module is made: compute dtype, loss, recompute mode, and where weights come from."""
+    """How each stage module is made: compute dtype, loss, recompute mode, where weights come from, compiled or not."""
 
     dtype: torch.dtype
     token_loss: TokenLoss
     recompute: str  # none | full | selective
     weights: WeightSource | None = None  # required when the model is on the meta device
+    compile: bool = False  # torch.compile each decoder layer
 
 
 def build_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
@@ -50,6 +52,7 @@ def _rank_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid
         shard_modules(chunk, grid)
         apply_expert_parallel(chunk, grid)
         apply_recompute(chunk, how.recompute)
+        apply_compile(chunk, how.compile)
         place_(chunk, how.weights, grid)
         sync_replicated_grads(chunk, grid)
     tie_within_rank(chunks, last)
