@@ -75,9 +75,12 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert experts["losses_equal"] is True, experts["first_loss"]
     assert experts["memory_met"] is True and experts["memory_fall"] > 0, experts  # met: compared in whole bytes
     assert experts["ep4_s"] > 0 and experts["ep1_s"] > 0
+    compiled = r["compiled"]["rows"][0]  # a compiled layer trains with eager's first loss
+    assert compiled["losses_close"] is True and compiled["compiled_s"] > 0 and compiled["eager_s"] > 0, compiled
     page = doc.read_text()
     assert "## Acceptance" in page and "make bench ARGS=--smoke" in page and "## Transport" in page
     assert "## Expert parallelism: ep=4 against replicated experts (dp=4)" in page
+    assert "## Compiled layers: `train.compile=true` against eager" in page
     assert all(f"| {name} |" in page for name in SLEEP)
 
 

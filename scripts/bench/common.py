@@ -124,6 +124,38 @@ class LoopStep:
         return result.loss
 
 
+class TrainerStep(LoopStep):
+    """One optimizer step of the Trainer's loop on its first batch every time (the variants see the same data),
+    keeping the gradients' bytes for `memory`."""
+
+    def __init__(self, trainer):  # training.trainer.Trainer
+        cfg = trainer.cfg
+        super().__init__(trainer.engine, trainer.optimizer, trainer.grid, cfg.optim, cfg.train.steps,
+                         cfg.train.grad_clip, on_grads=self._count_grads)
+        self.trainer, self.micro = trainer, next(iter(trainer.data))
+        self.grad_bytes: dict[int, int] = {}
+
+    def _count_grads(self, params: list) -> None:
+        self.grad_bytes = {id(p): _nbytes(p.grad) for p in params if p.grad is not None}
+
+    def __call__(self) -> float:
+        return super().__call__(self.micro)
+
+    def memory(self, among: set[int] | None = None) -> dict:
+        """This rank's bytes of parameters, gradients (as the last backward left them) and optimizer state; of the
+        parameters whose id is in `among` only, if given."""
+        held = [p for p in self.params if among is None or id(p) in among]
+        optimizer = self.trainer.optimizer.state
+        params = sum(_nbytes(p) for p in held)
+        grads = sum(self.grad_bytes.get(id(p), 0) for p in held)
+        state = sum(_nbytes(v) for p in held for v in optimizer.get(p, {}).values() if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 # --- Timing --------------------------------------------------------------------------------------------
 
 

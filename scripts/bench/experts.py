@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LoopStep, alternate, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
+from common import TrainerStep, alternate, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -55,38 +55,6 @@ class Setup:
                 f"schedule.n_microbatches={self.microbatches}", "train.dtype=fp32", "parallel.backend=gloo",
                 f"parallel.dp={WORLD}", f"parallel.ep={ep}", "logger=none", "data.num_docs=400",
                 "checkpoint.save_final=false", "optim.warmup_steps=0", f"data.cache_dir={cache_dir}"]
-
-
-class TrainerStep(LoopStep):
-    """One optimizer step of the Trainer's loop on its first batch every time (the variants see the same data),
-    keeping the gradients' bytes for `memory`."""
-
-    def __init__(self, trainer: Trainer):
-        cfg = trainer.cfg
-        super().__init__(trainer.engine, trainer.optimizer, trainer.grid, cfg.optim, cfg.train.steps,
-                         cfg.train.grad_clip, on_grads=self._count_grads)
-        self.trainer, self.micro = trainer, next(iter(trainer.data))
-        self.grad_bytes: dict[int, int] = {}
-
-    def _count_grads(self, params: list) -> None:
-        self.grad_bytes = {id(p): _nbytes(p.grad) for p in params if p.grad is not None}
-
-    def __call__(self) -> float:
-        return super().__call__(self.micro)
-
-    def memory(self, among: set[int] | None = None) -> dict:
-        """This rank's bytes of parameters, gradients (as the last backward left them) and optimizer state; of the
-        parameters whose id is in `among` only, if given."""
-        held = [p for p in self.params if among is None or id(p) in among]
-        optimizer = self.trainer.optimizer.state
-        params = sum(_nbytes(p) for p in held)
-        grads = sum(self.grad_bytes.get(id(p), 0) for p in held)
-        state = sum(_nbytes(v) for p in held for v in optimizer.get(p, {}).values() if isinstance(v, torch.Tensor))
-        return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def worker(rank: int, world: int, setup: Setup, cache_dir: str) -> dict:
