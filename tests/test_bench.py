@@ -75,12 +75,18 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert experts["losses_equal"] is True, experts["first_loss"]
     assert experts["memory_met"] is True and experts["memory_fall"] > 0, experts  # met: compared in whole bytes
     assert experts["ep4_s"] > 0 and experts["ep1_s"] > 0
+    for name, row in r["data_parallel"]["rows"].items():  # the same model, data and optimizer on both sides
+        assert row["losses_equal"] is True and row["sluice_s"] > 0 and row["peak_mib"]["torch"] > 0, (name, row)
+    assert r["recompute"]["losses_equal"] is True, r["recompute"]["rows"]
+    assert all(row["peak_mib"] > 0 and row["step_s"] > 0 for row in r["recompute"]["rows"].values())
     compiled = r["compiled"]["rows"][0]  # a compiled layer trains with eager's first loss
     assert compiled["losses_close"] is True and compiled["compiled_s"] > 0 and compiled["eager_s"] > 0, compiled
     page = doc.read_text()
     assert "## Acceptance" in page and "make bench ARGS=--smoke" in page and "## Transport" in page
     assert "## Expert parallelism: ep=4 against replicated experts (dp=4)" in page
     assert "## Compiled layers: `train.compile=true` against eager" in page
+    assert "## Data parallelism against DistributedDataParallel (dp=2)" in page
+    assert "## Recomputation against `torch.utils.checkpoint`" in page
     assert all(f"| {name} |" in page for name in SLEEP)
 
 

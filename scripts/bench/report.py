@@ -52,7 +52,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
     if run:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r) + _transport(r) + _experts(r)
-    lines += _compiled(r)
+    lines += _data_parallel(r) + _recompute(r) + _compiled(r)
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -95,6 +95,17 @@ def _acceptance(r: dict) -> list[str]:
         rows.append((f"ep{e['ep']} memory per rank falls by at least the expert share x (1 - 1/ep), equal losses",
                      f"fall {e['memory_fall']:.3f}, required {e['required_fall']:.3f}",
                      e["memory_met"] and e["losses_equal"]))
+    for name, row in r.get("data_parallel", {}).get("rows", {}).items():
+        peer = PEERS[name]
+        rows.append((f"Sluice {name} at most 1.00x {peer} in step time and peak memory, equal losses",
+                     f"step {row['sluice_over_torch']:.3f}, memory {row['memory_over_torch']:.3f}",
+                     row["sluice_over_torch"] <= 1.0 and row["memory_over_torch"] <= 1.0 and row["losses_equal"]))
+    if "recompute" in r:
+        c = r["recompute"]
+        rows.append(("`train.recompute=full` at most 1.00x `torch.utils.checkpoint` per layer in step time and peak "
+                     "memory, equal losses", f"step {c['full_over_checkpoint']:.3f}, memory "
+                     f"{c['memory_full_over_checkpoint']:.3f}", c["full_over_checkpoint"] <= 1.0
+                     and c["memory_full_over_checkpoint"] <= 1.0 and c["losses_equal"]))
     if "compiled" in r:
         c = r["compiled"]
         rows.append(("`train.compile=true` at least 1.15x tokens/s over eager, one process, default size",
@@ -215,6 +226,53 @@ def _experts(r: dict) -> list[str]:
             f"(a fall of {e['memory_fall']:.3f}; the experts' share x (1 - 1/ep) is {e['required_fall']:.3f}). "
             "First losses " + ", ".join(f"{v:.6f} at ep={k}" for k, v in e["first_loss"].items())
             + f" ({'equal to 1e-5' if e['losses_equal'] else '**not equal**'}).", ""]
+
+
+PEERS = {"dp": "DistributedDataParallel", "zero1": "DDP + ZeroRedundancyOptimizer"}  # data_parallel.py's rows
+
+
+def _data_parallel(r: dict) -> list[str]:
+    d = r.get("data_parallel")
+    if not d:
+        return []
+    s = d["setup"]
+    out = [f"## Data parallelism against DistributedDataParallel (dp={d['dp']})", "",
+           f"MiniMind, {s['layers']} layers, hidden {s['hidden']}, seq {s['seq']}, micro-batch size "
+           f"{s['micro_batch_size']}, {s['microbatches']} micro-batches per replica; fp32 on gloo; buckets of "
+           f"{d['bucket_mb']} MiB on both sides (`scripts/bench/data_parallel.py`). Sluice's step is its engine's "
+           "(gradient sums started by post-accumulate hooks while the backward runs) with its clipping and AdamW; "
+           "torch's is a DDP loop (`no_sync` until the last micro-batch, `clip_grad_norm_`, AdamW), with "
+           "`ZeroRedundancyOptimizer` for `zero1`. Step times alternate in the same processes "
+           f"({s['rounds']} rounds after {s['warmup']} warm-up); peak memory is each variant alone in fresh processes: "
+           "the fullest rank's peak resident set over three steps above what it held before building the model (glibc "
+           "returning freed memory at once, so the resident set follows the live tensors).", "",
+           "| comparison | Sluice step (s) | torch step (s) | Sluice / torch | Sluice faster in | Sluice peak (MiB) "
+           "| torch peak (MiB) | memory Sluice / torch |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in d["rows"].items():
+        out.append(f"| {name} vs {PEERS[name]} | {row['sluice_s']:.3f} | {row['torch_s']:.3f} | "
+                   f"{row['sluice_over_torch']:.3f} | {row['sluice_wins']} of {row['rounds']} | "
+                   f"{row['peak_mib']['sluice']:.1f} | {row['peak_mib']['torch']:.1f} | {row['memory_over_torch']:.3f} |")
+    return out + [""]
+
+
+def _recompute(r: dict) -> list[str]:
+    c = r.get("recompute")
+    if not c:
+        return []
+    s = c["setup"]
+    out = ["## Recomputation against `torch.utils.checkpoint`", "",
+           f"One process, MiniMind, {s['layers']} layers, hidden {s['hidden']}, seq {s['seq']}, micro-batch size "
+           f"{s['micro_batch_size']}, {s['microbatches']} micro-batches; fp32 (`scripts/bench/recompute.py`). "
+           "`torch_checkpoint` is the hand-written loop with each decoder layer's forward under non-reentrant "
+           "`torch.utils.checkpoint`; the Sluice variants are its one-process step with `train.recompute`. Step "
+           f"times alternate in one process ({s['rounds']} rounds after {s['warmup']} warm-up); peak memory is each "
+           "variant alone in a fresh process, its peak resident set over three steps above what it held before "
+           "building the model (glibc returning freed memory at once).", "", "| variant | step (s) | peak memory (MiB) |",
+           "|---|---|---|"]
+    out += [f"| {name} | {row['step_s']:.3f} | {row['peak_mib']:.1f} |" for name, row in c["rows"].items()]
+    return out + ["", f"Full recomputation / `torch.utils.checkpoint`: step {c['full_over_checkpoint']:.3f}, "
+                  f"memory {c['memory_full_over_checkpoint']:.3f}; first losses "
+                  f"{'equal to 1e-5' if c['losses_equal'] else '**not equal**'}.", ""]
 
 
 def _compiled(r: dict) -> list[str]:

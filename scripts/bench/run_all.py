@@ -1,7 +1,7 @@
 """`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining, the single-process
-overhead, the transports' hop latency, expert parallelism against replicated experts and compiled layers against
-eager, one after the other; then bench/results.json and docs/benchmarks.md
-(tables, ratios, timelines).
+overhead, the transports' hop latency, expert parallelism against replicated experts, data parallelism against
+DDP (and ZeRO-1 against ZeroRedundancyOptimizer), recomputation against torch.utils.checkpoint and compiled layers
+against eager, one after the other; then bench/results.json and docs/benchmarks.md (tables, ratios, timelines).
 
     python scripts/bench/run_all.py [--smoke] [--results PATH] [--doc PATH] [--png-dir DIR]
 
@@ -22,7 +22,7 @@ from common import ROOT, RESULTS, update_results  # noqa: E402
 from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py", "experts.py", "compiled.py")
+BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py", "recompute.py", "compiled.py")
 
 
 def run_benchmark(script: str, argv: list[str]) -> None:

@@ -1,0 +1,172 @@
+"""Data parallelism against `DistributedDataParallel`: Sluice at dp=2 (bucketed gradient sums started by
+post-accumulate hooks, overlapping the backward) and the loop a PyTorch user writes with DDP (the same bucket size,
+`no_sync` on all but the last micro-batch), on the same MiniMind, micro-batches, fp32, gloo, grad-norm clipping and
+AdamW settings; and both again with the AdamW state sharded over the replicas: Sluice's `parallel.zero=1` against
+DDP with `ZeroRedundancyOptimizer`. Writes the "data_parallel" section of results.json.
+
+Step time: both variants live in the same two processes and take turns, one step each per round (A B A B) after a
+warm-up. Memory: each variant alone in two fresh processes, the peak resident set (VmHWM) of its fullest rank over
+its steps, less what the process held before the model was built (interpreter, torch, data), with freed memory
+returned to the system at once (`common.freed_to_the_system`).
+
+    python scripts/bench/data_parallel.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (LoopStep, alternate, bench_parser, freed_to_the_system, init_gloo, paired,  # noqa: E402
+                    resident_kib, run_workers, update_results)
+from overhead import GRAD_CLIP, STEPS  # noqa: E402
+from vs_torch import Setup, batches, dense_model  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from models import decoder_of  # noqa: E402
+from parallel.engine import build_engine  # noqa: E402
+from parallel.grid import ParallelGrid  # noqa: E402
+from parallel.spec import PipelineSpec  # noqa: E402
+from parallel.step import MicroBatch, shifted_loss_sum  # noqa: E402
+from training.config.schema import OptimSchema, schema_defaults  # noqa: E402
+from training.optim import build_optimizer, lr_at  # noqa: E402
+from training.specs import default_engine_spec  # noqa: E402
+
+DP = 2
+ZERO = {"dp": 0, "zero1": 1}  # comparison -> parallel.zero of both sides (1: ZeroRedundancyOptimizer on DDP's)
+BUCKET_MB = schema_defaults()["parallel.bucket_mb"]  # Sluice's default, given to DDP as bucket_cap_mb too
+
+
+class SluiceDP(LoopStep):
+    """The Trainer's step at dp=2: the engine's bucketed, overlapped gradient sums, clipping, AdamW."""
+
+    def __init__(self, setup: Setup, optim_cfg, grid: ParallelGrid, zero: int):
+        spec = default_engine_spec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size,
+                                   setup.seq, bucket_mb=BUCKET_MB)
+        engine = build_engine(spec, decoder_of(dense_model(setup)), grid)
+        optimizer = build_optimizer(engine.parameters(), optim_cfg, grid.dp_group, zero=zero)
+        super().__init__(engine, optimizer, grid, optim_cfg, STEPS, GRAD_CLIP)
+
+
+class DDPStep:
+    """What a PyTorch user writes: DDP around the model, `no_sync` while accumulating, clip, AdamW, the step's
+    loss summed over the replicas (as Sluice returns it)."""
+
+    def __init__(self, setup: Setup, optim_cfg, zero: int):
+        self.model = DistributedDataParallel(dense_model(setup), bucket_cap_mb=BUCKET_MB)
+        options = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                       weight_decay=optim_cfg.weight_decay)
+        self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.AdamW, **options) if zero \
+            else torch.optim.AdamW(self.model.parameters(), **options)
+        self.cfg, self.step_no = optim_cfg, 0
+
+    def __call__(self, micro: list[MicroBatch]) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step_no, STEPS, self.cfg)
+        total = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with self.model.no_sync() if not last else _nothing():
+                # DDP averages over the replicas: times dp, each gradient is the global token-mean's.
+                loss = shifted_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels) / mb.global_tokens
+                (loss * DP).backward()
+            total += loss.detach().double()
+        dist.all_reduce(total)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_no += 1
+        return float(total)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def replica_batches(setup: Setup, rank: int) -> list[MicroBatch]:
+    """This replica's micro-batches, each carrying the label-token count of both replicas' (the global batch)."""
+    vocab = dense_model(setup).config.vocab_size
+    mine = [batches(setup, vocab) for _ in range(DP)]  # the same generator seed: shift each replica's ids apart
+    every = [[MicroBatch((mb.input_ids + 97 * r) % vocab, (mb.labels + 97 * r) % vocab) for mb in mine[r]]
+             for r in range(DP)]
+    tokens = sum(mb.num_label_tokens() for replica in every for mb in replica)
+    return [MicroBatch(mb.input_ids, mb.labels, tokens) for mb in every[rank]]
+
+
+def timing_worker(rank: int, world: int, setup: Setup) -> dict:
+    init_gloo()
+    optim_cfg = OmegaConf.structured(OptimSchema)
+    grid = ParallelGrid.build(dp=DP, tp=1, pp=1, backend="gloo", timeout_s=600)
+    micro = replica_batches(setup, rank)
+    steps = {}
+    for name, zero in ZERO.items():
+        steps[f"{name}_sluice"] = SluiceDP(setup, optim_cfg, grid, zero)
+        steps[f"{name}_torch"] = DDPStep(setup, optim_cfg, zero)
+    first = {name: step(micro) for name, step in steps.items()}  # same weights, same data: the same first loss
+    times = alternate({name: (lambda step=step: step(micro)) for name, step in steps.items()}, setup.warmup,
+                      setup.rounds)
+    return {"times": times, "first_loss": first}
+
+
+def memory_worker(rank: int, world: int, setup: Setup, name: str) -> dict:
+    """One variant alone: its peak resident memory over its steps above what the process held before."""
+    init_gloo()
+    optim_cfg = OmegaConf.structured(OptimSchema)
+    grid = ParallelGrid.build(dp=DP, tp=1, pp=1, backend="gloo", timeout_s=600)
+    micro = replica_batches(setup, rank)
+    before = resident_kib("VmRSS")
+    comparison, side = name.split("_")
+    step = SluiceDP(setup, optim_cfg, grid, ZERO[comparison]) if side == "sluice" else \
+        DDPStep(setup, optim_cfg, ZERO[comparison])
+    for _ in range(3):
+        step(micro)
+    return {"peak_mib": (resident_kib("VmHWM") - before) / 1024}
+
+
+def comparison(name: str, ours: dict, memory: dict) -> dict:
+    """One row: Sluice against torch's on step time (medians, paired rounds), peak memory and the first loss."""
+    row = {**ours["times"][f"{name}_sluice"].summary("sluice"), **ours["times"][f"{name}_torch"].summary("torch")}
+    losses = {side: ours["first_loss"][f"{name}_{side}"] for side in ("sluice", "torch")}
+    peak = {side: memory[f"{name}_{side}"] for side in ("sluice", "torch")}
+    return {"zero": ZERO[name], "sluice_over_torch": row["sluice_s"] / row["torch_s"], **row, **paired(row),
+            "peak_mib": peak, "memory_over_torch": peak["sluice"] / peak["torch"], "first_loss": losses,
+            "losses_equal": abs(losses["sluice"] - losses["torch"]) <= 1e-5 * abs(losses["torch"])}
+
+
+def main(argv: list[str]) -> dict:
+    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=8, warmup=2)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
+    else:
+        setup = Setup(8, 512, 256, 2, 4, args.warmup, args.rounds)
+    ours = run_workers(timing_worker, DP, setup, timeout=1800)[0]
+    with freed_to_the_system():
+        memory = {f"{name}_{side}": max(r["peak_mib"] for r in run_workers(memory_worker, DP, setup,
+                                                                            f"{name}_{side}", timeout=1800))
+                  for name in ZERO for side in ("sluice", "torch")}
+    section = {"dp": DP, "bucket_mb": BUCKET_MB, "rows": {name: comparison(name, ours, memory) for name in ZERO},
+               "setup": asdict(setup)}
+    update_results("data_parallel", section, args.results)
+    for name, row in section["rows"].items():
+        print(f"{name}: sluice {row['sluice_s']:.3f} s, torch {row['torch_s']:.3f} s (ratio "
+              f"{row['sluice_over_torch']:.3f}, Sluice faster in {row['sluice_wins']} of {row['rounds']} rounds); peak "
+              f"memory per rank {row['peak_mib']['sluice']:.1f} vs {row['peak_mib']['torch']:.1f} MiB (ratio "
+              f"{row['memory_over_torch']:.3f}); first loss {row['first_loss']}")
+    return section
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
