@@ -111,7 +111,7 @@ def setups(smoke: bool, warmup: int, rounds: int) -> list[Setup]:
 
 
 def main(argv: list[str]) -> dict:
-    parser = bench_parser(__doc__, "a tiny model, 1 round: checks the script works", rounds=5, warmup=1)
+    parser = bench_parser(__doc__, "a tiny model, 1 round: checks the script works", rounds=4, warmup=1)
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as cache:

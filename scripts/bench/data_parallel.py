@@ -146,12 +146,12 @@ def comparison(name: str, ours: dict, memory: dict) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=8, warmup=2)
+    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=6, warmup=1)
     args = parser.parse_args(argv)
     if args.smoke:
         setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
     else:
-        setup = Setup(8, 512, 256, 2, 4, args.warmup, args.rounds)
+        setup = Setup(8, 512, 128, 2, 4, args.warmup, args.rounds)
     ours = run_workers(timing_worker, DP, setup, timeout=1800)[0]
     with freed_to_the_system():
         memory = {f"{name}_{side}": max(r["peak_mib"] for r in run_workers(memory_worker, DP, setup,

@@ -91,12 +91,12 @@ def memory_worker(rank: int, world: int, setup: Setup, name: str) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=6, warmup=1)
+    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=5, warmup=1)
     args = parser.parse_args(argv)
     if args.smoke:
         setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
     else:
-        setup = Setup(8, 512, 512, 4, 2, args.warmup, args.rounds)
+        setup = Setup(8, 512, 512, 2, 2, args.warmup, args.rounds)
     ours = run_workers(timing_worker, 1, setup, timeout=1800)[0]
     with freed_to_the_system():
         memory = {name: run_workers(memory_worker, 1, setup, name, timeout=1800)[0]["peak_mib"] for name in VARIANTS}
