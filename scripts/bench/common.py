@@ -210,6 +210,24 @@ def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) 
     return times
 
 
+def first_then_alternate(steps: dict[str, Callable[[list], Any]], micro: list, warmup: int, rounds: int) -> dict:
+    """Each variant's first loss on `micro` (the same weights and data give the same loss), then their step times
+    taken in turns (`alternate`)."""
+    first = {name: step(micro) for name, step in steps.items()}
+    times = alternate({name: (lambda step=step: step(micro)) for name, step in steps.items()}, warmup, rounds)
+    return {"times": times, "first_loss": first}
+
+
+def peak_growth_mib(build: Callable[[], Callable[[list], Any]], micro: list, steps: int = 3) -> float:
+    """Build a variant and run `steps` steps of it: the peak resident set above what the process held before the
+    build, in MiB (run it in a fresh process, under `freed_to_the_system`)."""
+    before = resident_kib("VmRSS")
+    step = build()
+    for _ in range(steps):
+        step(micro)
+    return (resident_kib("VmHWM") - before) / 1024
+
+
 # --- Activation memory ---------------------------------------------------------------------------------
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (LoopStep, alternate, bench_parser, freed_to_the_system, init_gloo, paired,  # noqa: E402
-                    resident_kib, run_workers, update_results)
+from common import (LoopStep, bench_parser, first_then_alternate, freed_to_the_system, init_gloo,  # noqa: E402
+                    paired, peak_growth_mib, run_workers, update_results)
 from overhead import GRAD_CLIP, STEPS  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
@@ -114,10 +114,7 @@ def timing_worker(rank: int, world: int, setup: Setup) -> dict:
     for name, zero in ZERO.items():
         steps[f"{name}_sluice"] = SluiceDP(setup, optim_cfg, grid, zero)
         steps[f"{name}_torch"] = DDPStep(setup, optim_cfg, zero)
-    first = {name: step(micro) for name, step in steps.items()}  # same weights, same data: the same first loss
-    times = alternate({name: (lambda step=step: step(micro)) for name, step in steps.items()}, setup.warmup,
-                      setup.rounds)
-    return {"times": times, "first_loss": first}
+    return first_then_alternate(steps, micro, setup.warmup, setup.rounds)
 
 
 def memory_worker(rank: int, world: int, setup: Setup, name: str) -> dict:
@@ -126,13 +123,11 @@ def memory_worker(rank: int, world: int, setup: Setup, name: str) -> dict:
     optim_cfg = OmegaConf.structured(OptimSchema)
     grid = ParallelGrid.build(dp=DP, tp=1, pp=1, backend="gloo", timeout_s=600)
     micro = replica_batches(setup, rank)
-    before = resident_kib("VmRSS")
-    comparison, side = name.split("_")
-    step = SluiceDP(setup, optim_cfg, grid, ZERO[comparison]) if side == "sluice" else \
-        DDPStep(setup, optim_cfg, ZERO[comparison])
-    for _ in range(3):
-        step(micro)
-    return {"peak_mib": (resident_kib("VmHWM") - before) / 1024}
+    kind, side = name.split("_")
+    zero = ZERO[kind]
+    build = (lambda: SluiceDP(setup, optim_cfg, grid, zero)) if side == "sluice" else \
+        (lambda: DDPStep(setup, optim_cfg, zero))
+    return {"peak_mib": peak_growth_mib(build, micro)}
 
 
 def comparison(name: str, ours: dict, memory: dict) -> dict:

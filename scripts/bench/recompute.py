@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (LoopStep, alternate, bench_parser, freed_to_the_system, resident_kib, run_workers,  # noqa: E402
-                    update_results)
+from common import (LoopStep, bench_parser, first_then_alternate, freed_to_the_system, peak_growth_mib,  # noqa: E402
+                    run_workers, update_results)
 from overhead import GRAD_CLIP, STEPS, PlainStep  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
@@ -73,21 +73,14 @@ def timing_worker(rank: int, world: int, setup: Setup) -> dict:
     optim_cfg = OmegaConf.structured(OptimSchema)
     micro = batches(setup, dense_model(setup).config.vocab_size)
     steps = {name: build(name, setup, optim_cfg) for name in VARIANTS}
-    first = {name: step(micro) for name, step in steps.items()}  # same weights, same data: the same first loss
-    times = alternate({name: (lambda step=step: step(micro)) for name, step in steps.items()}, setup.warmup,
-                      setup.rounds)
-    return {"times": times, "first_loss": first}
+    return first_then_alternate(steps, micro, setup.warmup, setup.rounds)
 
 
 def memory_worker(rank: int, world: int, setup: Setup, name: str) -> dict:
     """One variant alone: its peak resident memory over three steps above what the process held before."""
     torch.set_num_threads(2)
     micro = batches(setup, dense_model(setup).config.vocab_size)
-    before = resident_kib("VmRSS")
-    step = build(name, setup, OmegaConf.structured(OptimSchema))
-    for _ in range(3):
-        step(micro)
-    return {"peak_mib": (resident_kib("VmHWM") - before) / 1024}
+    return {"peak_mib": peak_growth_mib(lambda: build(name, setup, OmegaConf.structured(OptimSchema)), micro)}
 
 
 def main(argv: list[str]) -> dict:
