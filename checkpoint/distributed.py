@@ -67,28 +67,21 @@ def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) 
     """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP or EP, else whole."""
     if _packed(param, grid):
         blocks = all_gather_cat(tensor.unsqueeze(0), grid.tp_group, dim=0).unbind(0)
-        return _expert_view(join_blocks(list(blocks), param.partition_dim, param.tp_packed), param, grid)
-    if grid.tp > 1 and getattr(param, "tensor_parallel", False):
-        if _expert_sliced(param, grid):
-            return DTensor.from_local(tensor, grid.expert_mesh(), [Shard(0), Shard(param.partition_dim)],
-                                      run_check=False)
-        return DTensor.from_local(tensor, grid.mesh["tp"], [Shard(param.partition_dim)], run_check=False)
-    return _expert_view(tensor, param, grid)
+        return _sharded(join_blocks(list(blocks), param.partition_dim, param.tp_packed), param, grid, tp_split=False)
+    return _sharded(tensor, param, grid, tp_split=grid.tp > 1 and getattr(param, "tensor_parallel", False))
 
 
-def _expert_sliced(param: nn.Parameter, grid: ParallelGrid) -> bool:
-    """A slice of stacked experts (dim 0) held by one rank of the ep group."""
-    return grid.ep > 1 and getattr(param, "expert_block", None) is not None
-
-
-def _expert_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
-    """`tensor` (whole over TP) as a DTensor sharded along dim 0 over the ep group when it is a slice of stacked
-    experts (on the (ep) mesh, or on the (ep, tp) mesh replicated over tp), else itself."""
-    if not _expert_sliced(param, grid):
-        return tensor
+def _sharded(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid, tp_split: bool) -> torch.Tensor:
+    """`tensor` as a DTensor of its shards: along the TP dim over `tp` when `tp_split`, and for a slice of stacked
+    experts along dim 0 over the ep group (the (ep, tp) mesh under TP, replicated over tp when whole over it);
+    itself when it is neither."""
+    expert = grid.ep > 1 and getattr(param, "expert_block", None) is not None
+    if not expert:
+        return DTensor.from_local(tensor, grid.mesh["tp"], [Shard(param.partition_dim)], run_check=False) \
+            if tp_split else tensor
     mesh = grid.expert_mesh()
-    placements = [Shard(0)] if mesh.ndim == 1 else [Shard(0), Replicate()]
-    return DTensor.from_local(tensor, mesh, placements, run_check=False)
+    over_tp = [Shard(param.partition_dim) if tp_split else Replicate()] if mesh.ndim == 2 else []
+    return DTensor.from_local(tensor, mesh, [Shard(0), *over_tp], run_check=False)
 
 
 def _load_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid,
@@ -101,7 +94,7 @@ def _load_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid,
     shape[param.partition_dim] *= grid.tp
     whole = torch.empty(shape, dtype=tensor.dtype)
     unpack.append((whole, tensor, param))
-    return _expert_view(whole, param, grid)
+    return _sharded(whole, param, grid, tp_split=False)
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -67,10 +67,9 @@ def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, 
                                "register them afterwards")
         dense = source(name, dense_shape(param, tp))
         local = local_share(dense, param, tp_rank, tp)
-        sliced = local is not dense
-        dense = local
         # A block is copied: as a view it would pin the whole dense tensor.
-        fresh = nn.Parameter(dense.to(device=device, dtype=param.dtype, copy=sliced).contiguous(), param.requires_grad)
+        fresh = nn.Parameter(local.to(device=device, dtype=param.dtype, copy=local is not dense).contiguous(),
+                             param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
         param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back
     for owner in module.modules():
