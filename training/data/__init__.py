@@ -1,13 +1,15 @@
-"""Training data: the synthetic corpus or MiniMind JSONL (text or chat), the tokenizer, a memory-mapped token
-cache, packed or padded samples, the held-out split and the DP step stream.
+"""Training data: the synthetic corpus or rows (text or chat) from JSONL, parquet, Arrow, a `save_to_disk` folder or
+the Hub, the tokenizer, a memory-mapped token cache, packed or padded samples, the held-out split and the DP step
+stream.
 
 The trainer needs `build_data(cfg, dp_rank, dp_size) -> (StepBatches, tokenizer)` and, for evaluation,
 `build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `data_problem(cfg)`.
 The sample order is a property of the *global* batch, never of the layout (see `StepBatches`).
 
-Files, one concept each: spec (typed config, DataError), corpus, tokenizer, jsonl (row reading and checks),
-encode (documents -> ids, chat masks), cache (memory-mapped token cache), samples (packed / padded), split
-(held-out documents), stream (steps, DP sharding, resume position), check (pre-launch), build (entry points).
+Files, one concept each: spec (typed config, DataError), corpus, tokenizer, rows (the columns each task reads, row
+checks, the reader base), jsonl and tables (the two readers), sources (what data.path names), encode (documents
+-> ids, chat masks), cache (memory-mapped token cache), samples (packed / padded), split (held-out documents),
+stream (steps, DP sharding, resume position), validate (pre-launch), build (entry points).
 """
 
 from parallel.step import IGNORE_INDEX, MicroBatch

@@ -11,12 +11,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from parallel.step import MicroBatch
-from training.data.cache import cache_folder, cached_documents, file_identity, write_cache
+from training.data.cache import cache_folder, cached_documents, write_cache
 from training.data.validate import spec_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents
-from training.data.jsonl import JsonlRows
 from training.data.samples import Samples, make_samples, unlabeled_share
+from training.data.sources import Source, data_source
 from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, section
 from training.data.split import split_documents
 from training.data.stream import StepBatches
@@ -39,37 +39,40 @@ def _never(line: int, problem: str) -> None:
     raise AssertionError(f"synthetic document {line}: {problem}")  # the embedded corpus has no bad rows
 
 
-def source_folder(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase) -> Path:
+def source_folder(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase,
+                  source: Source | None = None) -> Path:
     """The token-cache folder of `key` ("data.path", "data.val_path" or the synthetic corpus)."""
     if spec.name == "synthetic":
         identity = {"synthetic": CORPUS_VERSION, "num_docs": spec.num_docs, "seed": spec.seed}
         return cache_folder(spec.cache_dir, f"synthetic-seed{spec.seed}-docs{spec.num_docs}", identity,
                             tokenizer, False)
-    path = spec.path if key == "data.path" else spec.val_path
-    identity = {**file_identity(path), "max_line_bytes": spec.max_line_bytes, "skip_bad_lines": spec.skip_bad_lines}
-    return cache_folder(spec.cache_dir, Path(path).stem, identity, tokenizer, spec.chat)
+    source = source or data_source(spec, key)
+    return cache_folder(spec.cache_dir, source.label(), source.identity(), tokenizer, spec.chat)
 
 
 def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase, verbose: bool) -> Documents:
     """The tokenised documents of one source, from its cache (built here by one process if missing)."""
-    folder = source_folder(spec, key, tokenizer)
     if spec.name == "synthetic":
+        folder = source_folder(spec, key, tokenizer)
+
         def build() -> None:
             corpus = synthetic_corpus(spec.num_docs, spec.seed)
             write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, False,
                         total=len(corpus) if verbose else None)
     else:
-        path = spec.path if key == "data.path" else spec.val_path
+        source = data_source(spec, key)
+        folder = source_folder(spec, key, tokenizer, source)
 
         def build() -> None:
-            rows = JsonlRows(path, key, spec.chat, spec.max_line_bytes, spec.skip_bad_lines)
-            write_cache(folder, rows, rows.reject, tokenizer, spec.chat, progress=lambda: rows.bytes_read,
-                        total=Path(path).stat().st_size if verbose else None, skipped=lambda: rows.skipped)
+            rows = source.reader()
+            write_cache(folder, rows, rows.reject, tokenizer, spec.chat, progress=rows.progress,
+                        total=rows.total if verbose else None, skipped=lambda: rows.skipped,
+                        unit=rows.progress_unit)
             rows.report()
     documents = cached_documents(folder, build)
     if len(documents) == 0:
-        where = "the synthetic corpus" if spec.name == "synthetic" else f"'{path}'"
-        raise DataError(f"{key}: no usable text in {where} ({documents.skipped_lines} bad lines skipped); "
+        where = "the synthetic corpus" if spec.name == "synthetic" else f"'{source.path}'"
+        raise DataError(f"{key}: no usable text in {where} ({documents.skipped_lines} bad rows skipped); "
                         "give a file with usable rows")
     return documents
 

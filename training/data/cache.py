@@ -27,7 +27,7 @@ from training.data.tokenizer import fingerprint
 CACHE_VERSION = 1
 BATCH_ROWS = 1024
 BATCH_CHARS = 4 << 20  # text per tokenizer call: bounds memory, keeps the tokenizer's threads busy
-Rows = Iterable[tuple[int, Any]]  # (line number, text or conversation)
+Rows = Iterable[tuple[int, Any]]  # (line or row number, payload: a text or a conversation)
 
 
 def cache_folder(cache_dir: str | Path, label: str, identity: dict[str, Any],
@@ -42,6 +42,14 @@ def file_identity(path: str | Path) -> dict[str, Any]:
     """A file's identity for the cache key: real path, size and modification time (no content hash)."""
     stat = os.stat(path)
     return {"path": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def folder_identity(path: str | Path) -> dict[str, Any]:
+    """A folder's identity for the cache key: its real path and each file's relative path, size and mtime."""
+    root = Path(path)
+    files = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in root.rglob("*") if p.is_file())
+    return {"path": os.path.realpath(path), "files": files}
 
 
 def _size(payload: Any) -> int:
@@ -64,12 +72,13 @@ def _batches(rows: Rows) -> Iterator[list[tuple[int, Any]]]:
 
 def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
                 tokenizer: PreTrainedTokenizerBase, chat: bool, progress: Callable[[], int] | None = None,
-                total: int | None = None, skipped: Callable[[], int] = lambda: 0) -> None:
-    """Tokenise `rows` into `folder` batch by batch (memory bounded by one batch), then rename it into place."""
+                total: int | None = None, skipped: Callable[[], int] = lambda: 0, unit: str = "doc") -> None:
+    """Tokenise `rows` into `folder` batch by batch (memory bounded by one batch), then rename it into place;
+    the bar shows `progress()` of `total` `unit`s (bytes of a JSONL file, rows of a table), or rows counted."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     dtype, lengths = token_dtype(len(tokenizer)), [np.zeros(1, np.int64)]
-    bar = tqdm(total=total, desc="tokenizing", unit="B" if progress else "doc", unit_scale=True,
+    bar = tqdm(total=total, desc="tokenizing", unit=unit, unit_scale=True,
                disable=True if total is None else None, leave=False)  # None: off when not a terminal
     try:
         with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "mask.bin", "wb") as mask:

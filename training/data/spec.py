@@ -38,6 +38,11 @@ class DataSpec:
         """True when rows are MiniMind conversations rendered with the chat template."""
         return self.format.startswith("chat")
 
+    @property
+    def task(self) -> str:
+        """The task whose columns each row must hold (a key of training.data.rows.TASKS)."""
+        return "chat" if self.chat else "text"
+
 
 @dataclass(frozen=True)
 class Geometry:

@@ -10,25 +10,14 @@ from typing import Any
 import numpy as np
 
 from training.data.corpus import MIN_DOCUMENT_WORDS, synthetic_corpus
-from training.data.jsonl import bounded_lines, parse_row
+from training.data.sources import data_source, source_problem
 from training.data.spec import FORMATS, NAMES, DataError, DataSpec, Geometry, PACKED_FORMATS, data_spec, geometry, optional_field, section
 from training.data.split import split_documents, val_count
+from training.data.tables import table_bytes
 from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
 
 HEAD_LINES = 100  # rows read to catch a wrong file early; the loader checks every row
 SCAN_CHUNK = 1 << 20
-
-
-def _file_problem(key: str, path: str | None, chat: bool) -> str | None:
-    """A missing or empty data file."""
-    hint = f"pass {key}=<a MiniMind {'SFT (conversations)' if chat else 'pretraining'} .jsonl file>"
-    if path is None:
-        return f"{key}: not set; {hint}"
-    if not os.path.isfile(path):
-        return f"{key}: file '{path}' does not exist; {hint}"
-    if os.path.getsize(path) == 0:
-        return f"{key}: file '{path}' is empty; {hint}"
-    return None
 
 
 def spec_problem(spec: DataSpec) -> str | None:
@@ -51,11 +40,11 @@ def spec_problem(spec: DataSpec) -> str | None:
         if spec.vocab_size < 256 + len(SPECIAL_TOKENS):
             return f"data.vocab_size: must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + 3 special tokens)"
     else:
-        problem = _file_problem("data.path", spec.path, spec.chat)
+        problem = source_problem("data.path", spec.path, spec.chat)
         if problem is not None:
             return problem
     if spec.val_path is not None:
-        problem = _file_problem("data.val_path", spec.val_path, spec.chat)
+        problem = source_problem("data.val_path", spec.val_path, spec.chat)
         if problem is not None:
             return problem
     if spec.name == "jsonl" and spec.tokenizer != EMBEDDED_TOKENIZER:
@@ -69,26 +58,19 @@ def spec_problem(spec: DataSpec) -> str | None:
     return None
 
 
-def _head_problem(spec: DataSpec, key: str, path: str) -> str | None:
-    """The first bad row among the first lines (unless skipped), or a file whose rows are all unusable."""
-    usable, exhausted = 0, True
-    with open(path, "rb") as f:
-        for count, (number, line, size) in enumerate(bounded_lines(f, spec.max_line_bytes)):
-            if count == HEAD_LINES:
-                exhausted = False
-                break
-            if line is None:
-                problem = f"line of {size} bytes is longer than data.max_line_bytes={spec.max_line_bytes}"
-            elif not line.strip():
-                continue
-            else:
-                problem = parse_row(line, spec.chat)[1]
-            if problem is None:
-                usable += 1
-            elif not spec.skip_bad_lines:
-                return f"{key}: {path}:{number}: {problem}; fix or remove the line, or set data.skip_bad_lines=true"
-    if exhausted and usable == 0:
-        return f"{key}: no usable text in '{path}' (every row is blank or bad); give a file with usable rows"
+def _head_problem(spec: DataSpec, key: str) -> str | None:
+    """A table without the task's columns, the first bad row among the first rows (unless skipped), or a source
+    whose first rows are all unusable. A Hub dataset is checked when it loads (this check stays offline)."""
+    source = data_source(spec, key)
+    if source.kind == "hub":
+        return None
+    try:
+        rows = source.reader(limit=HEAD_LINES)
+        usable = sum(1 for _ in rows)
+    except DataError as error:
+        return str(error)
+    if not rows.cut and usable == 0:
+        return f"{key}: no usable text in '{source.path}' (every row is blank or bad); give a file with usable rows"
     return None
 
 
@@ -101,13 +83,22 @@ def _line_upper_bound(path: str) -> int:
     return lines
 
 
-def _file_bound(spec: DataSpec, path: str, seq_len: int, fraction: float) -> tuple[int, int]:
-    """Upper bounds on (training, held-out) samples of a JSONL file: a token covers at least one byte."""
-    rows = _line_upper_bound(path)
+def _source_bound(spec: DataSpec, key: str, seq_len: int, fraction: float) -> tuple[int, int] | None:
+    """Upper bounds on (training, held-out) samples of a source: a token covers at least one byte of a JSONL
+    line or of the task's Arrow columns. None for a Hub dataset, which this offline check does not load."""
+    source = data_source(spec, key)
+    if source.kind == "hub":
+        return None
+    packed = spec.format in PACKED_FORMATS
+    if source.kind == "jsonl":
+        rows, size = _line_upper_bound(source.path), os.path.getsize(source.path) if packed else 0
+    else:
+        table = source.table()
+        rows, size = table.num_rows, table_bytes(table, list(source.task.columns)) if packed else 0
     held = val_count(rows, fraction)
-    if spec.format not in PACKED_FORMATS:
+    if not packed:
         return rows - held, held
-    tokens = os.path.getsize(path) + 2 * rows  # text bytes + bos/eos per row
+    tokens = size + 2 * rows  # text bytes + bos/eos per row
     return tokens // seq_len, (tokens // seq_len if held else 0)
 
 
@@ -138,10 +129,12 @@ def _batch_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
         train, val = _synthetic_bounds(spec, geo.seq_len, batch)
         where = f"data.num_docs={spec.num_docs}"
     else:
-        train, val = _file_bound(spec, spec.path, geo.seq_len, spec.val_fraction)
+        bound = _source_bound(spec, "data.path", geo.seq_len, spec.val_fraction)
+        train, val = bound if bound is not None else (batch, batch)  # unknown: the loader checks
         where = f"data.path '{spec.path}'"
     if spec.val_path is not None:
-        val = _file_bound(spec, spec.val_path, geo.seq_len, 0.0)[0]
+        bound = _source_bound(spec, "data.val_path", geo.seq_len, 0.0)
+        val = bound[0] if bound is not None else batch
     shape = (f"one global batch of {batch} = dp {dp} x schedule.n_microbatches {geo.n_microbatches} x "
              f"train.micro_batch_size {geo.micro_batch_size}")
     if train < batch:
@@ -166,10 +159,13 @@ def data_problem(cfg: Any, dp: int | None = None) -> str | None:
         problem = None if spec.tokenizer == EMBEDDED_TOKENIZER else _tokenizer_problem(spec)
         for key, path in (("data.path", spec.path), ("data.val_path", spec.val_path)):
             if problem is None and path is not None:
-                problem = _head_problem(spec, key, path)
+                problem = _head_problem(spec, key)
     if problem is None:
         dp = dp or optional_field(optional_field(cfg, "parallel"), "dp") or 1
-        problem = _batch_problem(spec, geo, int(dp))
+        try:
+            problem = _batch_problem(spec, geo, int(dp))
+        except DataError as error:  # a table that does not open
+            problem = str(error)
     return problem
 
 

@@ -1,0 +1,119 @@
+"""The row contract every data source shares: which columns a task reads, the check of one row, and the reader
+base that names a bad row or skips and counts it.
+
+A source (training/data/jsonl.py, training/data/tables.py) yields `(number, payload)` for each usable row in file
+order: the number names the row in messages ("line N" of a JSONL file, 1-based as editors count; "row N" of a
+table, 0-based as `dataset[N]` and pandas count), the payload is what the task encodes (a text, a conversation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.data.spec import DataError
+
+log = logging.getLogger("sluice")
+ROLES = ("system", "user", "assistant")
+
+
+def _text_problem(record: Any) -> str | None:
+    """Why a pretraining row has no usable text, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object with a \"text\" key"
+    if "text" not in record:
+        return "no \"text\" key"
+    text = record["text"]
+    if text is None:
+        return "\"text\" is null"
+    if not isinstance(text, str):
+        return f"\"text\" is a {type(text).__name__}, not a string"
+    return "\"text\" is empty" if not text else None
+
+
+def _chat_problem(record: Any) -> str | None:
+    """Why a chat row is not a usable MiniMind conversation, or None."""
+    if not isinstance(record, dict) or "conversations" not in record:
+        return "no \"conversations\" key"
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not turns:
+        return "\"conversations\" is not a non-empty list"
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+            role = turn.get("role") if isinstance(turn, dict) else None
+            return f"message {i} has role {role!r}; use one of {', '.join(ROLES)}"
+        if not isinstance(turn.get("content"), str):
+            return f"message {i} has no string \"content\""
+    if not any(t["role"] == "assistant" and t["content"] for t in turns):
+        return "no assistant message with content (nothing to learn)"
+    return None
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a task reads from a row: the columns it needs, why a row is unusable (or None), and its payload."""
+
+    columns: tuple[str, ...]
+    problem: Callable[[Any], str | None]
+    payload: Callable[[dict[str, Any]], Any]
+
+
+# The columns each task declares. A new task (a preference pair: "chosen" and "rejected") is one more entry.
+TASKS: dict[str, Task] = {
+    "text": Task(("text",), _text_problem, lambda row: row["text"]),
+    "chat": Task(("conversations",), _chat_problem, lambda row: row["conversations"]),
+}
+
+
+def read_row(record: Any, task: Task) -> tuple[Any, str | None]:
+    """(payload, problem): what `task` encodes of one row, or why the row is unusable."""
+    problem = task.problem(record)
+    return (None, problem) if problem is not None else (task.payload(record), None)
+
+
+class RowReader:
+    """The usable rows of one source as (number, payload); a bad row raises a DataError naming the source and the
+    row, or (with data.skip_bad_lines) is counted and skipped. Subclasses read the source (`__iter__`)."""
+
+    unit = "row"  # the word for one row in messages
+    progress_unit = "row"  # what `progress()` and `total` count (a JSONL file reports bytes)
+
+    def __init__(self, path: str | Path, key: str, task: Task, skip_bad_lines: bool, limit: int | None = None):
+        self.path, self.key, self.task, self.skip_bad_lines = path, key, task, skip_bad_lines
+        self.limit = limit  # stop after this many lines or rows (the pre-launch check reads the head only)
+        self.cut = False  # True once the limit stopped the reading before the end
+        self.skipped = 0
+        self.first_skipped: str | None = None
+        self.total: int | None = None
+
+    def where(self, number: int) -> str:
+        """The source and the row, as a message names them."""
+        return f"{self.path}: {self.unit} {number}"
+
+    def problem_line(self, number: int, problem: str) -> str:
+        """One line naming the bad row, what is wrong and the fix."""
+        return (f"{self.key}: {self.where(number)}: {problem}; fix or remove the {self.unit}, or set "
+                f"data.skip_bad_lines=true to skip bad {self.unit}s")
+
+    def reject(self, number: int, problem: str) -> None:
+        """A bad row: DataError naming source and row, or (with data.skip_bad_lines) counted and skipped."""
+        if not self.skip_bad_lines:
+            raise DataError(self.problem_line(number, problem))
+        self.skipped += 1
+        self.first_skipped = self.first_skipped or f"{self.unit} {number}: {problem}"
+
+    def progress(self) -> int:
+        """How far the reading is, in `progress_unit`s."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        raise NotImplementedError
+
+    def report(self) -> None:
+        """Print the skipped-row count once (called by the one process that read the source)."""
+        if self.skipped:
+            log.warning("data: skipped %d bad %s(s) of %s (data.skip_bad_lines=true); first: %s",
+                        self.skipped, self.unit, self.path, self.first_skipped)
