@@ -26,7 +26,11 @@ Group = dist.ProcessGroup | None
 
 @dataclass
 class Bucket:
-    """Parameters whose gradients are reduced together as one flat tensor over `groups`, in order."""
+    """Parameters whose gradients are reduced together as one flat tensor over `groups`, in order.
+
+    A bucket without a rider keeps its gradients as views of one persistent flat tensor (`storage`), as DDP's
+    `gradient_as_bucket_view` does: autograd accumulates into the views, the reduction runs on `storage` in place,
+    and nothing is copied in or out (the copies were 4% of a dp2 step on CPU)."""
 
     params: list[nn.Parameter]
     groups: tuple[Group, ...]
@@ -35,9 +39,33 @@ class Bucket:
     work: dist.Work | None = None
     rider: Callable[[], torch.Tensor] | None = None  # float64 values summed along (the step's loss sums)
     carried: torch.Tensor | None = None  # the rider's sum, after `unflatten`
+    storage: torch.Tensor | None = None  # the gradients' flat home between `attach_grads` and the step's end
+
+    def attach_grads(self) -> None:
+        """Zero the flat storage and make each parameter's gradient a view of its slice (before the first backward)."""
+        first = self.params[0]
+        if self.storage is None:
+            self.storage = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+        else:
+            self.storage.zero_()
+        for p, view in zip(self.params, self._views()):
+            p.grad = view
+
+    def _views(self) -> list[torch.Tensor]:
+        offset, views = 0, []
+        for p in self.params:
+            views.append(self.storage[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
 
     def flatten(self) -> torch.Tensor:
         """Every gradient in one tensor; a parameter without one contributes zeros, so ranks stay in step."""
+        if self.storage is not None and self.rider is None:
+            for p, view in zip(self.params, self._views()):
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():  # a gradient rebound by hand is copied
+                    view.copy_(p.grad) if p.grad is not None else view.zero_()
+                    p.grad = view
+            return self.storage
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
         if self.rider is None:
             return torch.cat(grads)
@@ -47,15 +75,16 @@ class Bucket:
 
     def unflatten(self) -> None:
         """Write the reduced values back into each parameter's gradient (and keep the rider's sum)."""
-        offset = 0
-        for p in self.params:
-            part = self.flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = part.to(p.dtype)
-            else:
-                p.grad.copy_(part)
-        self.carried = self.flat[offset:].clone() if self.rider is not None else None
+        if self.flat is not self.storage:  # a view bucket's gradients already hold the reduced values
+            offset = 0
+            for p in self.params:
+                part = self.flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = part.to(p.dtype)
+                else:
+                    p.grad.copy_(part)
+            self.carried = self.flat[offset:].clone() if self.rider is not None else None
         self.flat = self.work = None
 
 
@@ -145,8 +174,11 @@ class GradientSync:
         self.sums_launch_s: float | None = None  # when the pipeline sum of the loss sums started early
 
     def start_step(self) -> None:
-        """Forget the previous step's launches and timings."""
+        """Forget the previous step's launches and timings; give the buckets' gradients their flat homes."""
         self.launched, self.ready, self.armed, self.pp_sums = 0, set(), {}, None
+        for bucket in self.order:
+            if bucket.rider is None:  # the carrier travels in float64: its gradients cannot be views of it
+                bucket.attach_grads()
         self.forwards_left = self.forwards
         self.first_launch_s = self.last_backward_end_s = self.sums_launch_s = None
 

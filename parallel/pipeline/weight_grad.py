@@ -44,6 +44,7 @@ class WeightGradStore:
         finally:
             self.deferring = None
 
+    @torch.no_grad()  # as autograd's own accumulation: no graph behind a gradient (emulation's inputs require grad)
     def apply(self, microbatch: int) -> None:
         """W: compute and accumulate every weight gradient queued for `microbatch`, then free its tensors."""
         for work in self.pending.pop(microbatch):
