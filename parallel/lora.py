@@ -1,0 +1,231 @@
+"""LoRA: low-rank adapters on a built decoder chunk's linears, every other weight frozen.
+
+A pass like recompute: it runs on each pruned chunk after the TP and EP passes (and before recompute and compile),
+so it sees the linears TP made. A targeted linear keeps its class, its dense name and its weight; it gains two
+children, `lora_A` [rank, in] and `lora_B` [out, rank] (PEFT's names: `model.layers.0.self_attn.q_proj.lora_A.weight`),
+and an instance forward `base(x) + lora_B(lora_A(dropout(x))) * alpha / rank`. lora_A starts normal(0, 0.02), drawn
+per dense name from the seed, and lora_B at zero (MiniMind's train_lora), so step 0 computes the base model.
+
+TP slices an adapter the way its base linear is sliced. A colwise linear (output rows split, input replicated):
+lora_A whole, lora_B split by rows; the rank-sized activation enters the TP region, so its gradient is summed over TP
+and lora_A's gradient is whole on every rank. A rowwise linear (input columns split, output summed): lora_A split by
+columns, lora_B whole; the base's partial output and the adapter's partial rank-sized activation travel in the one
+all-reduce the base makes, and lora_B applies to the summed activation, so the adapter output is added once.
+
+The frozen base weights are out of every gradient path but the input's: no `.grad`, no bucket, no optimizer state.
+Under the I/W split the adapters' `F.linear`s are trainable and take the split like any other; a frozen weight's
+linear computes its input gradient only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.decoder import Decoder
+from parallel.expert import is_expert
+from parallel.grid import ParallelGrid
+from parallel.materialize import WeightSource, dense_shape
+from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, gather_from_tp_region,
+                             reduce_from_tp_region)
+from parallel.tensor_pass import local_block, plan_pattern
+
+LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+ADAPTERS = ("lora_A", "lora_B")
+INIT_STD = 0.02  # lora_A's initial standard deviation (MiniMind's train_lora)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on the decoder layers' linears (the run config's `lora.*`); rank 0 = off."""
+
+    rank: int = 0
+    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; None: alpha = rank (scale 1)
+    targets: tuple[str, ...] | None = None  # linear-name patterns; None: every square linear (MiniMind's choice)
+    dropout: float = 0.0  # on the adapters' input only
+    seed: int = 0  # lora_A's initial values are drawn per dense name from it (the same in every layout)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the dense parameter name `name` is a LoRA adapter's weight."""
+    return name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS
+
+
+def layer_linears(decoder: Decoder) -> list[tuple[str, nn.Module]]:
+    """(dense name, module) of every linear of the decoder's layers (adapters excluded)."""
+    prefix = decoder.plan.stack + "."
+    return [(n, m) for n, m in decoder.module.named_modules()
+            if n.startswith(prefix) and isinstance(m, LINEARS) and n.rpartition(".")[2] not in ADAPTERS]
+
+
+def matches(pattern: str, name: str) -> bool:
+    """A dotted pattern (`*` and shell wildcards within one component) matches the end of `name` (PEFT's suffix rule:
+    `q_proj` matches `model.layers.0.self_attn.q_proj`)."""
+    want, have = pattern.split("."), name.split(".")
+    return len(want) <= len(have) and all(fnmatch.fnmatchcase(h, w) for w, h in zip(want, have[-len(want):]))
+
+
+def targeted(name: str, module: nn.Module, spec: LoraSpec, tp: int = 1) -> bool:
+    """Whether `spec` puts an adapter on the linear `name`: a pattern matches it, or (no patterns) it is square."""
+    if spec.targets is None:
+        out_features, in_features = dense_shape(module.weight, tp)
+        return out_features == in_features
+    return any(matches(pattern, name) for pattern in spec.targets)
+
+
+def lora_targets(decoder: Decoder, spec: LoraSpec) -> list[str]:
+    """The dense names of the whole model's linears that `spec` adapts; ValueError naming the patterns and the
+    linears there are when none is (the pre-launch check)."""
+    linears = layer_linears(decoder)
+    found = [name for name, module in linears if targeted(name, module, spec)]
+    if found or not spec.enabled:
+        return found
+    kinds = {re.sub(r"\.\d+\.", ".*.", name.removeprefix(decoder.plan.stack + ".").split(".", 1)[1]):
+             "x".join(map(str, reversed(module.weight.shape))) for name, module in linears}
+    there = ", ".join(f"{kind} ({shape})" for kind, shape in kinds.items())
+    if spec.targets is None:
+        raise ValueError(f"lora.targets=null adapts the square linears (in == out) of the decoder layers, and this "
+                         f"model has none; name some in lora.targets (its linears, in x out: {there})")
+    raise ValueError(f"lora.targets={list(spec.targets)} matches no linear of the decoder layers; name some of "
+                     f"them (a pattern matches a name's end, `*` one component): {there}")
+
+
+def initial_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The dense initial value of adapter weight `name`: lora_A normal(0, 0.02) from a generator seeded by (seed,
+    name), lora_B zeros; the same whatever part of the model a rank builds."""
+    if name.endswith(".lora_B.weight"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * INIT_STD
+
+
+def with_adapters(source: WeightSource | None, spec: LoraSpec) -> WeightSource | None:
+    """`source` for the base weights, the adapters' initial values for theirs (no dense checkpoint holds them)."""
+    if source is None or not spec.enabled:
+        return source
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return initial_adapter(name, shape, spec.seed) if is_adapter(name) else source(name, shape)
+    return read
+
+
+def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
+    """Freeze every parameter of `decoder` (a chunk, after TP and EP) and give each targeted linear its adapters.
+
+    A chunk may hold no target (the patterns name another stage's layers): it then trains nothing itself."""
+    if not spec.enabled:
+        return decoder
+    styles = [(plan_pattern(key), style) for key, style in decoder.plan.tp_plan.items()]
+    targets = [(n, m) for n, m in layer_linears(decoder) if targeted(n, m, spec, grid.tp)]
+    for param in decoder.module.parameters():
+        param.requires_grad_(False)
+    for name, linear in targets:
+        style = next((s for pattern, s in styles if pattern.fullmatch(name)), None)
+        if grid.tp > 1 and style == "replicated_with_grad_allreduce":
+            raise ValueError(f"lora.targets: {name} is TP-replicated with a partial gradient; LoRA adapts colwise, "
+                             "rowwise and whole linears: leave it out of lora.targets")
+        _adapt(name, linear, spec, grid)
+    return decoder
+
+
+def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid) -> None:
+    """Give one linear its adapters, sliced as TP slices it, and the forward that adds them."""
+    out_features, in_features = dense_shape(linear.weight, grid.tp)
+    row, col = isinstance(linear, RowParallelLinear), isinstance(linear, ColumnParallelLinear)
+    for child, shape, dim in (("lora_A", (spec.rank, in_features), 1 if row else None),
+                              ("lora_B", (out_features, spec.rank), 0 if col else None)):
+        weight = _adapter_weight(f"{name}.{child}.weight", shape, dim, linear.weight, spec.seed, grid)
+        holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        holder.weight = weight
+        setattr(linear, child, holder)
+    if "forward" in vars(linear):
+        raise RuntimeError(f"{name} already has a patched forward: apply_lora runs once, before recompute and compile")
+    linear.forward = (_RowAdapted if row else _Adapted)(linear, spec.scale, spec.dropout, grid.tp_group if col or row
+                                                       else None)
+
+
+def _adapter_weight(name: str, shape: tuple[int, int], dim: int | None, base: nn.Parameter, seed: int,
+                    grid: ParallelGrid) -> nn.Parameter:
+    """This rank's block of one adapter weight: on the meta device beside a meta base (materialised later from
+    `with_adapters`), else its initial value; TP-marked when sliced, EP-marked beside an EP-split expert."""
+    local = list(shape)
+    if dim is not None:
+        local[dim] //= grid.tp
+    if base.is_meta:
+        tensor = torch.empty(local, dtype=base.dtype, device="meta")
+    else:
+        dense = initial_adapter(name, shape, seed)
+        tensor = local_block(dense, grid.tp_rank, grid.tp, dim) if dim is not None else dense
+        tensor = tensor.to(device=base.device, dtype=base.dtype).contiguous()
+    weight = nn.Parameter(tensor)
+    if dim is not None:
+        weight.tensor_parallel, weight.partition_dim = True, dim
+    if is_expert(base):
+        weight.expert_parallel = True
+    return weight
+
+
+class _Adapted:
+    """A whole or colwise linear's forward plus its adapter (a class, not a closure, so deepcopy rebinds it)."""
+
+    def __init__(self, linear: nn.Module, scale: float, dropout: float, group):
+        self.linear, self.scale, self.dropout, self.group = linear, scale, dropout, group
+        self.base: Callable[[torch.Tensor], torch.Tensor] = type(linear).forward
+
+    def low_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """lora_A(dropout(x)): the rank-sized activation (partial over TP for a rowwise linear)."""
+        m = self.linear
+        return F.linear(F.dropout(x, self.dropout, m.training) if self.dropout else x, m.lora_A.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.linear
+        h = self.low_rank(x)
+        if self.group is not None:  # colwise: lora_B's rows are split, so h's gradient is partial on each rank
+            h = copy_to_tp_region(h, self.group)
+        out = F.linear(h, m.lora_B.weight)
+        if self.group is not None and m.gather_output:
+            out = gather_from_tp_region(out, self.group)
+        return self.base(m, x) + out * self.scale
+
+
+class _RowAdapted(_Adapted):
+    """A rowwise linear's forward: base and adapter partial sums reduced in one all-reduce, then lora_B."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.linear
+        partial, h = F.linear(x, m.weight), self.low_rank(x)
+        both = reduce_from_tp_region(torch.cat([partial, h.to(partial.dtype)], dim=-1), self.group)
+        y, h = both.split([partial.shape[-1], h.shape[-1]], dim=-1)
+        y = y if m.bias is None else y + m.bias
+        return y + F.linear(h, m.lora_B.weight) * self.scale
+
+
+def adapter_pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Linear name -> (lora_A, lora_B) of every adapter in a dense state_dict."""
+    return {name[:-len(".lora_A.weight")]: (tensor, state[name.replace(".lora_A.", ".lora_B.")])
+            for name, tensor in state.items() if name.endswith(".lora_A.weight")}
+
+
+def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A dense state_dict without adapters: each adapted weight W becomes W + (lora_B @ lora_A) * scale (computed in
+    float64, rounded once to W's dtype)."""
+    merged = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
+    for linear, (a, b) in adapter_pairs(state).items():
+        weight = merged[f"{linear}.weight"]
+        merged[f"{linear}.weight"] = (weight.double() + (b.double() @ a.double()) * scale).to(weight.dtype)
+    return merged
