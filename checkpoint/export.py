@@ -1,7 +1,8 @@
 """A trained model out: training checkpoint -> dense weights -> a self-contained HF folder or a MiniMind .pth.
 
 transformers' own families (Llama, Qwen3, Qwen3-MoE) export as plain folders that load without custom code;
-MiniMind's folder carries its modeling files (`trust_remote_code=True`)."""
+MiniMind's folder carries its modeling files (`trust_remote_code=True`). A LoRA checkpoint exports its adapters merged
+into the base weights (W + lora_B @ lora_A * alpha / rank), or, `adapters_only`, as a PEFT folder."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch import nn
 
 import minimind
+from checkpoint.adapters import save_adapters
 from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
 from checkpoint.safe_reader import SafeReader
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
 from models import build_model as build_module, config_from_record, native
 from parallel.decoder import DecoderPlan
+from parallel.lora import merge_adapters
 
 # The model's own source files travel with the weights, so `trust_remote_code=True` needs no Sluice install.
 MODELING_FILES = ("config.py", "model.py")
@@ -112,9 +115,20 @@ def save_pth(model: nn.Module, out: str | Path) -> Path:
     return path
 
 
-def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf") -> Path:
-    """Export the training checkpoint at `path` (or the newest in a run dir) as an HF folder or a .pth."""
+def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapters_only: bool = False) -> Path:
+    """Export the training checkpoint at `path` (or the newest in a run dir) as an HF folder or a .pth; a LoRA
+    checkpoint's adapters merged into the weights, or alone as a PEFT folder (`adapters_only`)."""
     state, meta = read_training_weights(path)
+    lora = meta.get("lora")
+    if adapters_only:
+        if lora is None:
+            raise CheckpointError(f"--adapters-only: checkpoint {locate(path)} was trained without LoRA (lora.rank=0) "
+                                  "and holds no adapters; drop --adapters-only to export its weights")
+        if fmt != "hf":
+            raise CheckpointError("--adapters-only writes a PEFT folder; drop --format pth")
+        return save_adapters(state, lora, out)
+    if lora is not None:
+        state = merge_adapters(state, lora["alpha"] / lora["rank"])
     model = build_model(meta["model"], state)
     if fmt == "pth":
         return save_pth(model, out)

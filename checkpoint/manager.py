@@ -94,6 +94,19 @@ def model_mismatch(path: Path, saved: dict[str, Any], current: dict[str, Any],
     return None
 
 
+LORA_CHECKED = ("rank", "alpha", "targets", "dropout")  # what a resumed run must share (not the base's path)
+
+
+def lora_mismatch(path: Path, saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
+    """One line naming the first LoRA setting where the checkpoint and this run differ (no record: lora.rank=0)."""
+    saved, current = saved or {"rank": 0}, current or {"rank": 0}
+    for key in LORA_CHECKED:
+        if saved.get(key) != current.get(key):
+            return (f"checkpoint {path} was written with lora.{key}={saved.get(key)} but this run has "
+                    f"lora.{key}={current.get(key)}; use the checkpoint's lora settings or checkpoint.resume=none")
+    return None
+
+
 def resolve_resume(resume: str, directory: Path) -> Path | None:
     """The checkpoint `resume` names: None for `none` or an `auto` without any; raise for a bad path."""
     if resume in ("none", "", None):
@@ -112,7 +125,7 @@ def resolve_resume(resume: str, directory: Path) -> Path | None:
 
 
 def check_resume(resume: str | None, directory: Path | None, model: dict[str, Any],
-                 settable: tuple[str, ...] = ()) -> str | None:
+                 settable: tuple[str, ...] = (), lora: dict[str, Any] | None = None) -> str | None:
     """Pre-launch check of checkpoint.resume: a one-line problem, or None (auto without a dir is checked later)."""
     if resume in (None, "none") or (resume == "auto" and directory is None):
         return None
@@ -121,7 +134,9 @@ def check_resume(resume: str | None, directory: Path | None, model: dict[str, An
         if path is None:
             return None
         read_keys(path)
-        return model_mismatch(path, read_meta(path).get("model", {}), model, settable)
+        meta = read_meta(path)
+        return model_mismatch(path, meta.get("model", {}), model, settable) or lora_mismatch(path, meta.get("lora"),
+                                                                                              lora)
     except CheckpointError as error:
         return str(error)
 
@@ -172,7 +187,8 @@ class CheckpointManager:
                 self._say(f"no complete checkpoint in {self.spec.dir}: starting fresh")
             return 0
         meta = read_meta(path)
-        problem = model_mismatch(path, meta.get("model", {}), self.meta.get("model", {}), self.spec.model_keys)
+        problem = model_mismatch(path, meta.get("model", {}), self.meta.get("model", {}), self.spec.model_keys) \
+            or lora_mismatch(path, meta.get("lora"), self.meta.get("lora"))
         if problem:
             raise CheckpointError(problem)
         start = time.perf_counter()

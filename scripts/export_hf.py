@@ -1,11 +1,13 @@
 """Export a trained model: a self-contained Hugging Face folder (default) or a MiniMind .pth.
 
 Usage:
-  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|pth] [--force]
+  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|pth] [--adapters-only] [--force]
   python scripts/export_hf.py DENSE.pth|DENSE.safetensors|HF_DIR OUT [--format hf|pth] [--tokenizer DIR] [model=...]
 
 A training checkpoint (a run directory, its checkpoints/ folder or one step_<N>/) carries its model config and
 tokenizer. A dense file does not: give the model with Hydra overrides (e.g. model=tiny) and --tokenizer.
+A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone as a PEFT
+folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`.
 OUT must be new (or an empty folder): --force writes into an existing one, replacing files of the same name.
 The folder loads anywhere with `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`.
 """
@@ -69,14 +71,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--format", choices=("hf", "pth"), default="hf")
     parser.add_argument("--tokenizer", help="tokenizer folder (dense sources only)")
     parser.add_argument("--force", action="store_true", help="write into an existing, non-empty OUT")
+    parser.add_argument("--adapters-only", action="store_true",
+                        help="a LoRA checkpoint's adapters alone, as a PEFT folder (training checkpoints only)")
     args, overrides = parser.parse_known_args(argv)
     try:
         check_paths(Path(args.source), Path(args.out), args.format, args.force)
         if (checkpoint := find_checkpoint(Path(args.source))) is not None:
             if overrides or args.tokenizer:
                 parser.error("a training checkpoint carries its model and tokenizer: drop the overrides")
-            out = export_checkpoint(checkpoint, args.out, args.format)
+            out = export_checkpoint(checkpoint, args.out, args.format, args.adapters_only)
             print(f"exported step {read_meta(checkpoint)['step']} ({checkpoint})")
+        elif args.adapters_only:
+            parser.error("--adapters-only exports a LoRA run's training checkpoint; dense weights hold no adapters")
         else:
             out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides)
     except CheckpointError as error:
