@@ -66,6 +66,9 @@ def _dp2_pp2_worker(rank: int, world_size: int, bucket_mb: float) -> dict:
     with counting_collectives(calls):
         result = engine.step(stamped(replicas[grid.dp_rank], tokens))
     grads = {n: p.grad.clone() for n, p in engine.named_parameters().items()}
+    # Every bucket but the float64 carrier reduces its gradients where they live: views of its flat storage.
+    in_place = all(p.grad.untyped_storage().data_ptr() == b.storage.untyped_storage().data_ptr()
+                   for b in engine.sync.order if b is not engine.sync.carrier for p in b.params)
     for p in engine.parameters():
         p.grad = None
     unstamped = engine.step(replicas[grid.dp_rank])  # the token count by a DP all-reduce instead
@@ -76,7 +79,7 @@ def _dp2_pp2_worker(rank: int, world_size: int, bucket_mb: float) -> dict:
               "dp_buckets": sum(grid.dp_group in b.groups for b in sync.order),
               "overlap": sync.first_launch_s < sync.last_backward_end_s,
               "loss": result.loss, "unstamped_loss": unstamped.loss, "reference_loss": reference.loss,
-              "tokens": (result.tokens, tokens), "same_grads": all(torch.equal(g, engine.named_parameters()[n].grad)
+              "tokens": (result.tokens, tokens), "in_place": in_place, "same_grads": all(torch.equal(g, engine.named_parameters()[n].grad)
                                                                    for n, g in grads.items())}
     # A dropped engine is collected with its parameters and grid: the bucket hooks it registers must not tie it
     # to its parameters through C++ (a second Trainer in one process would otherwise keep the first alive).
@@ -96,6 +99,7 @@ def test_a_step_issues_no_dp_collective_but_its_buckets_and_they_start_inside_th
         assert r["world_calls"] == 0 and r["dp_calls"] == r["dp_buckets"] <= r["buckets"], (rank, r)
         assert r["overlap"], f"rank {rank}: the first DP reduction started only after the last backward ended"
         assert r["tokens"][0] == r["tokens"][1], r
+        assert r["in_place"], f"rank {rank}: a bucket copied its gradients instead of reducing them as views"
         # The numbers: the stamped count gives bit for bit what the counting all-reduce gives, and both the
         # loss of one process accumulating over both replicas' micro-batches.
         assert r["same_grads"] and r["loss"] == r["unstamped_loss"], r
