@@ -32,6 +32,9 @@ class ExpertLoad:
     def _counter(self, layer: int, choices):
         counts = self.counts
 
+        # Eager even inside a compiled layer: the layers share one compiled graph, which would bake in the first
+        # layer's row, so every later layer's counts landed there (train.compile reported a wrong imbalance).
+        @torch.compiler.disable
         def count(module: nn.Module, _inputs, output) -> None:
             # The step's forwards only: validation runs without grad, recompute inside a backward (a graph task).
             if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:

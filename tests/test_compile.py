@@ -62,13 +62,16 @@ def test_a_compiled_layout_equals_one_eager_process(compiled, case, tmp_path):
 
 
 def test_one_compiled_process_equals_eager_and_keeps_the_dense_names(tmp_path, caplog):
+    """MoE: its layers share one compiled graph, and each must still count its own router's load (the logged
+    expert_imbalance is compared too)."""
     import logging
 
     from parallel.grid import ParallelGrid
 
     single = ParallelGrid.single(torch.device("cpu"))
-    eager = run_training(compose_run_config([*STEPS, *TINY], tmp_path / "cache"), single, tmp_path / "eager")
-    cfg = compose_run_config([*STEPS, *TINY, COMPILED], tmp_path / "cache")
+    moe = ["model=tiny-moe"]
+    eager = run_training(compose_run_config([*STEPS, *moe], tmp_path / "cache"), single, tmp_path / "eager")
+    cfg = compose_run_config([*STEPS, *moe, COMPILED], tmp_path / "cache")
     with caplog.at_level(logging.INFO, logger="sluice"):
         got = run_training(cfg, single, tmp_path / "compiled")
     assert got["params"].keys() == eager["params"].keys()  # compiled in place: no `_orig_mod.` in any name
