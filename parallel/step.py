@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +27,16 @@ def target_counts(labels: torch.Tensor) -> torch.Tensor:
 class MicroBatch:
     """One micro-batch: token ids and (unshifted) labels of the same shape.
 
-    `global_tokens` is the label-token count of the whole global step this micro-batch belongs to (every DP
-    replica's micro-batches), when the data layer knows it; with it the engine needs no collective to scale
-    the loss (like transformers' `num_items_in_batch`). Every micro-batch of a step carries the same value."""
+    `global_tokens` is what the loss of the whole global step this micro-batch belongs to (every DP replica's
+    micro-batches) is a mean over, when the data layer knows it: its label tokens (its preference pairs under DPO);
+    with it the engine needs no collective to scale the loss (like transformers' `num_items_in_batch`). Every
+    micro-batch of a step carries the same value. `ref_logps` holds, per row, the reference model's summed
+    log-probability of its labels (preference pairs only: rows 2i chosen, 2i+1 rejected)."""
 
     input_ids: torch.Tensor  # [B, S] long
     labels: torch.Tensor  # [B, S] long, -100 = ignored, NOT shifted (the model shifts)
     global_tokens: int | None = None
+    ref_logps: torch.Tensor | None = None  # [B] float64, or None
 
     def label_tokens(self) -> torch.Tensor:
         """Number of labels that enter the shifted loss (position 0 is never a target), as a tensor."""
@@ -50,8 +53,9 @@ class StepResult:
 
     loss: float  # token-weighted mean LM loss over the global batch
     aux_loss: float  # MoE load-balancing loss, mean over the global batch's micro-batches
-    tokens: int  # label tokens in the global batch
+    tokens: int  # label tokens in the global batch (preference pairs under DPO): what the loss is a mean over
     trace: Any = None  # with `trace=True`: every rank's timed actions on global rank 0, else None
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own means (DPO: rewards, accuracy)
 
 
 class Engine(Protocol):
@@ -60,6 +64,8 @@ class Engine(Protocol):
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult: ...
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult: ...
+
+    def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor: ...
 
     def named_parameters(self) -> dict[str, nn.Parameter]: ...
 
@@ -81,6 +87,49 @@ def shifted_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
     return token_loss(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).sum()
 
 
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor,
+                   token_loss: TokenLoss = dense_token_loss) -> torch.Tensor:
+    """Per row of [B, S] labels: the summed log-probability of its labels (shifted, -100 skipped), float32 [B]."""
+    return -token_loss(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).view(labels.shape[0], -1).sum(dim=1)
+
+
+class Objective(Protocol):
+    """What the last stage makes of one micro-batch's logits, and what the step's loss is a mean over.
+
+    A call returns the loss sum that backward starts from (the engine scales it by 1 / the global count) and the
+    micro-batch's detached sums, `width` of them, entry 0 the loss sum; the step adds them up over micro-batches,
+    stages and DP replicas in float64, and `metrics` turns the totals into the objective's logged means."""
+
+    width: int
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None,
+                 token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def count(self, micro_batch: MicroBatch) -> torch.Tensor: ...
+
+    def metrics(self, sums: list[float], count: int) -> dict[str, float]: ...
+
+
+class LanguageModelLoss:
+    """Next-token cross-entropy, a mean over the global batch's label tokens (pretraining and SFT)."""
+
+    width: ClassVar[int] = 1
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None,
+                 token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = shifted_loss_sum(logits, labels, token_loss)
+        return loss_sum, loss_sum.detach().view(1)
+
+    def count(self, micro_batch: MicroBatch) -> torch.Tensor:
+        return micro_batch.label_tokens()
+
+    def metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        return {}
+
+
+LANGUAGE_MODEL = LanguageModelLoss()
+
+
 def autocast(device: torch.device, dtype: torch.dtype):
     """bf16 autocast on the compute device, or nothing for fp32."""
     if dtype == torch.float32:
@@ -91,11 +140,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
 class LocalEngine:
     """One process, one whole model: gradient accumulation over the step's micro-batches."""
 
-    def __init__(self, decoder: Decoder, device: torch.device, dtype: torch.dtype):
+    def __init__(self, decoder: Decoder, device: torch.device, dtype: torch.dtype,
+                 objective: Objective = LANGUAGE_MODEL):
         self.decoder = decoder
         self.model = decoder.module
         self.device = device
         self.dtype = dtype
+        self.objective = objective
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -110,32 +161,52 @@ class LocalEngine:
         """The model pieces this process runs: here the whole decoder."""
         return [self.decoder]
 
+    def _loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        ref = None if mb.ref_logps is None else mb.ref_logps.to(self.device)
+        return self.objective(logits, mb.labels.to(self.device), ref, dense_token_loss)
+
     @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """Forward-only token-weighted mean loss over the micro-batches (model in eval mode)."""
+        """Forward-only loss over the micro-batches (model in eval mode), a mean over the objective's count."""
         self.model.eval()
         try:
-            sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, label tokens
+            sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
             for mb in micro_batches:
                 with autocast(self.device, self.dtype):
                     logits, _ = self.decoder(input_ids=mb.input_ids.to(self.device))
-                labels = mb.labels.to(self.device)
-                sums += torch.stack([shifted_loss_sum(logits, labels).double(), mb.label_tokens().double()])
+                sums += self._loss(logits, mb)[1].double()
         finally:
             self.model.train()
-        loss_sum, tokens = sums.tolist()
-        return StepResult(loss_sum / max(tokens, 1), 0.0, int(tokens))
+        count = sum(int(self.objective.count(mb)) for mb in micro_batches)
+        values = sums.tolist()
+        return StepResult(values[0] / max(count, 1), 0.0, count, metrics=self.objective.metrics(values, count))
+
+    @torch.no_grad()
+    def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only (eval mode): each row's summed label log-probability, micro-batch after micro-batch, float64."""
+        self.model.eval()
+        try:
+            rows = []
+            for mb in micro_batches:
+                with autocast(self.device, self.dtype):
+                    logits, _ = self.decoder(input_ids=mb.input_ids.to(self.device))
+                rows.append(sequence_logps(logits, mb.labels.to(self.device)).double())
+        finally:
+            self.model.train()
+        return torch.cat(rows).cpu()
 
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult:
         """Accumulate gradients over the micro-batches; `trace` has nothing to time in one process."""
-        tokens = sum(mb.num_label_tokens() for mb in micro_batches)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss, aux: read once per step
+        count = sum(int(self.objective.count(mb)) for mb in micro_batches)
+        width = self.objective.width
+        sums = torch.zeros(width + 1, dtype=torch.float64, device=self.device)  # the objective's, aux: read once
         for mb in micro_batches:
             with autocast(self.device, self.dtype):
                 logits, aux = self.decoder(input_ids=mb.input_ids.to(self.device))
-            ce = shifted_loss_sum(logits, mb.labels.to(self.device))
+            loss_sum, parts = self._loss(logits, mb)
             del logits  # they die with the backward, not when the next forward rebinds the name (peak memory)
-            (ce / max(tokens, 1) + aux / len(micro_batches)).backward()
-            sums += torch.stack([ce.detach(), aux.detach()]).double()
-        loss_sum, aux_sum = sums.tolist()
-        return StepResult(loss_sum / max(tokens, 1), aux_sum / len(micro_batches), tokens)
+            (loss_sum / max(count, 1) + aux / len(micro_batches)).backward()
+            sums += torch.cat([parts, aux.detach().view(1)]).double()
+        *values, aux_sum = sums.tolist()
+        return StepResult(values[0] / max(count, 1), aux_sum / len(micro_batches), count,
+                          metrics=self.objective.metrics(values, count))
