@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 from training.config import register_schema  # noqa: E402
-from training.data import DataError, build_splits, build_tokenizer, data_spec, geometry  # noqa: E402
+from training.data import DataError, build_splits, build_tokenizer, geometry, run_data_spec  # noqa: E402
 from training.data.build import source_folder  # noqa: E402
 from training.data.validate import spec_problem  # noqa: E402
 
@@ -34,7 +34,7 @@ def prepare(overrides: list[str]) -> list[str]:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    spec, geo = data_spec(cfg.data), geometry(cfg)
+    spec, geo = run_data_spec(cfg), geometry(cfg)
     problem = spec_problem(spec)
     if problem is not None:
         raise DataError(problem)

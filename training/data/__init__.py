@@ -6,10 +6,11 @@ The trainer needs `build_data(cfg, dp_rank, dp_size) -> (StepBatches, tokenizer)
 `build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `data_problem(cfg)`.
 The sample order is a property of the *global* batch, never of the layout (see `StepBatches`).
 
-Files, one concept each: spec (typed config, DataError), corpus, tokenizer, rows (the columns each task reads, row
-checks, the reader base), jsonl and tables (the two readers), sources (what data.path names), encode (documents
--> ids, chat masks), cache (memory-mapped token cache), samples (packed / padded), split (held-out documents),
-stream (steps, DP sharding, resume position), validate (pre-launch), build (entry points).
+Files, one concept each: spec (typed config, DataError), corpus, pair_corpus (the embedded DPO pairs), tokenizer,
+rows (the columns each task reads, row checks, the reader base), jsonl and tables (the two readers), sources (what
+data.path names), encode (documents -> ids, chat masks), cache (memory-mapped token cache), samples (packed /
+padded), pairs (DPO pairs as samples and steps), split (held-out documents), stream (steps, DP sharding, resume
+position), validate (pre-launch), build (entry points).
 """
 
 from parallel.step import IGNORE_INDEX, MicroBatch
@@ -18,7 +19,7 @@ from training.data.validate import data_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents, encode_conversations, encode_texts
 from training.data.samples import PackedSamples, PaddedSamples, TensorSamples
-from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry
+from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, run_data_spec
 from training.data.split import split_documents
 from training.data.stream import StepBatches
 from training.data.tokenizer import (
@@ -38,5 +39,6 @@ __all__ = [
     "Geometry", "MicroBatch", "PackedSamples", "PaddedSamples", "StepBatches", "TensorSamples", "build_data",
     "build_splits", "build_tokenizer", "build_val_batches", "data_problem", "data_spec", "encode_conversations",
     "encode_texts", "geometry", "load_tokenizer", "load_tokenizer_vocab_size", "save_atomically",
-    "source_documents", "split_documents", "synthetic_corpus", "synthetic_tokenizer_dir", "train_bpe_tokenizer",
+    "run_data_spec", "source_documents", "split_documents", "synthetic_corpus", "synthetic_tokenizer_dir",
+    "train_bpe_tokenizer",
 ]

@@ -15,9 +15,11 @@ from training.data.cache import cache_folder, cached_documents, write_cache
 from training.data.validate import spec_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents
+from training.data.pair_corpus import synthetic_pairs
+from training.data.pairs import PairBatches, PairSamples, pair_documents
 from training.data.samples import Samples, make_samples, unlabeled_share
 from training.data.sources import Source, data_source
-from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, section
+from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, run_data_spec, section
 from training.data.split import split_documents
 from training.data.stream import StepBatches
 from training.data.tokenizer import CORPUS_VERSION, build_tokenizer, tokenizer_vocab_size
@@ -44,10 +46,11 @@ def source_folder(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase,
     """The token-cache folder of `key` ("data.path", "data.val_path" or the synthetic corpus)."""
     if spec.name == "synthetic":
         identity = {"synthetic": CORPUS_VERSION, "num_docs": spec.num_docs, "seed": spec.seed}
-        return cache_folder(spec.cache_dir, f"synthetic-seed{spec.seed}-docs{spec.num_docs}", identity,
-                            tokenizer, False)
+        kind = "pairs" if spec.preference else "seed"
+        return cache_folder(spec.cache_dir, f"synthetic-{kind}{spec.seed}-docs{spec.num_docs}", identity,
+                            tokenizer, spec.preference, spec.preference)
     source = source or data_source(spec, key)
-    return cache_folder(spec.cache_dir, source.label(), source.identity(), tokenizer, spec.chat)
+    return cache_folder(spec.cache_dir, source.label(), source.identity(), tokenizer, spec.chat, spec.preference)
 
 
 def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase, verbose: bool) -> Documents:
@@ -56,9 +59,12 @@ def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBas
         folder = source_folder(spec, key, tokenizer)
 
         def build() -> None:
-            corpus = synthetic_corpus(spec.num_docs, spec.seed)
-            write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, False,
-                        total=len(corpus) if verbose else None)
+            if spec.preference:  # the embedded DPO pairs: one per document of data.num_docs
+                corpus = [(row["chosen"], row["rejected"]) for row in synthetic_pairs(spec.num_docs, spec.seed)]
+            else:
+                corpus = synthetic_corpus(spec.num_docs, spec.seed)
+            write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, spec.preference,
+                        total=len(corpus) if verbose else None, pairs=spec.preference)
     else:
         source = data_source(spec, key)
         folder = source_folder(spec, key, tokenizer, source)
@@ -67,7 +73,7 @@ def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBas
             rows = source.reader()
             write_cache(folder, rows, rows.reject, tokenizer, spec.chat, progress=rows.progress,
                         total=rows.total if verbose else None, skipped=lambda: rows.skipped,
-                        unit=rows.progress_unit)
+                        unit=rows.progress_unit, pairs=spec.preference)
             rows.report()
     documents = cached_documents(folder, build)
     if len(documents) == 0:
@@ -78,23 +84,27 @@ def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBas
 
 
 def build_splits(spec: DataSpec, geo: Geometry, tokenizer: PreTrainedTokenizerBase, verbose: bool) -> Splits:
-    """Training and held-out samples: data.val_path, or data.val_fraction of the training documents."""
+    """Training and held-out samples: data.val_path, or data.val_fraction of the training documents (of the
+    pairs under DPO: a pair is held out whole)."""
     docs = source_documents(spec, "data.path", tokenizer, verbose)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     def samples(documents: Documents, ids: np.ndarray | None) -> Samples:
+        if spec.preference:
+            return PairSamples(make_samples(documents, spec.format, geo.seq_len, pad, eos, pair_documents(ids)))
         return make_samples(documents, spec.format, geo.seq_len, pad, eos, ids)
 
     if spec.val_path is not None:
         val_docs = source_documents(spec, "data.val_path", tokenizer, verbose)
         return Splits(samples(docs, None), samples(val_docs, None), docs.skipped_lines + val_docs.skipped_lines)
-    train_ids, val_ids = split_documents(len(docs), spec.val_fraction, spec.seed)
+    units = len(docs) // 2 if spec.preference else len(docs)  # documents, or pairs of them
+    train_ids, val_ids = split_documents(units, spec.val_fraction, spec.seed)
     val = samples(docs, val_ids) if len(val_ids) else None
     return Splits(samples(docs, train_ids), val, docs.skipped_lines)
 
 
 def _prepare(cfg: Any, verbose: bool) -> tuple[DataSpec, Geometry, PreTrainedTokenizerBase, Splits]:
-    spec, geo = data_spec(section(cfg, "data")), geometry(cfg)
+    spec, geo = run_data_spec(cfg), geometry(cfg)
     problem = spec_problem(spec)
     if problem is not None:
         raise DataError(problem)
@@ -103,7 +113,7 @@ def _prepare(cfg: Any, verbose: bool) -> tuple[DataSpec, Geometry, PreTrainedTok
     tokenizer = build_tokenizer(spec)
     splits = build_splits(spec, geo, tokenizer, verbose)
     if spec.chat:
-        share, looked_at = unlabeled_share(splits.train)
+        share, looked_at = unlabeled_share(splits.train.rows if spec.preference else splits.train)
         if share > MAX_UNLABELED_SHARE:
             raise DataError(f"data.path: in {share:.0%} of the chat samples ({looked_at} checked) every assistant "
                             f"token lies beyond train.seq_len={geo.seq_len}, so they would train on nothing; raise "
@@ -117,8 +127,9 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
 
     `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
     spec, geo, tokenizer, splits = _prepare(cfg, verbose)
-    stream = StepBatches(splits.train, geo.micro_batch_size, geo.n_microbatches, dp_rank, dp_size, geo.seed,
-                         skipped_lines=splits.skipped_lines, shuffle=spec.shuffle)
+    kind = PairBatches if spec.preference else StepBatches  # pairs: the DPO reference log-probabilities ride along
+    stream = kind(splits.train, geo.samples_per_micro_batch, geo.n_microbatches, dp_rank, dp_size, geo.seed,
+                  skipped_lines=splits.skipped_lines, shuffle=spec.shuffle)
     return stream, tokenizer
 
 
@@ -126,23 +137,25 @@ def build_val_batches(cfg: Any, dp_rank: int, dp_size: int, n_batches: int) -> l
     """Up to `n_batches` evaluation steps of held-out micro-batches for this DP replica.
 
     Same contract as training without shuffling: eval step k covers held-out samples [k*G, (k+1)*G) in order,
-    replica d takes [k*G + d*M, k*G + (d+1)*M); so every layout with the same global batch sees the same set."""
+    replica d takes [k*G + d*M, k*G + (d+1)*M); so every layout with the same global batch sees the same set.
+    (Samples are pairs under DPO: a micro-batch holds micro_batch_size / 2 of them.)"""
     _, geo, _, splits = _prepare(cfg, verbose=False)
     if splits.val is None:
         raise DataError("validation needs a held-out split; set data.val_path=<file> or data.val_fraction>0")
-    replica = geo.n_microbatches * geo.micro_batch_size
+    replica = geo.n_microbatches * geo.samples_per_micro_batch
     total = geo.global_batch(dp_size)
     available = len(splits.val) // total
     if available == 0:
-        raise DataError(f"the held-out split has {len(splits.val)} sequences, fewer than one global batch of "
+        unit = "pairs" if geo.rows_per_sample == 2 else "sequences"
+        raise DataError(f"the held-out split has {len(splits.val)} {unit}, fewer than one global batch of "
                         f"{total}; raise data.val_fraction or give a larger data.val_path")
     steps = []
     for k in range(min(n_batches, available)):
         start = k * total + dp_rank * replica
         input_ids, labels = splits.val.take(torch.arange(start, start + replica))
-        b = geo.micro_batch_size
+        b = geo.micro_batch_size  # sequences
         tokens = int(splits.val.label_counts(torch.arange(k * total, (k + 1) * total)).sum())  # no collective
-        steps.append([MicroBatch(input_ids[i:i + b], labels[i:i + b], tokens) for i in range(0, replica, b)])
+        steps.append([MicroBatch(input_ids[i:i + b], labels[i:i + b], tokens) for i in range(0, len(input_ids), b)])
     return steps
 
 

@@ -1,7 +1,8 @@
 """The token cache: a source tokenised once into memory-mapped files, built by one process, read lazily by all.
 
 Layout of one cache folder: `tokens.bin` (uint16/uint32, every document concatenated), `offsets.bin` (int64,
-documents + 1), `mask.bin` (uint8 assistant-label mask, chat only) and `meta.json`. The key hashes the source
+documents + 1), `mask.bin` (uint8 assistant-label mask, chat only) and `meta.json`. A DPO row is two documents side
+by side: its chosen conversation, then its rejected one. The key hashes the source
 identity, the tokenizer and the reading rules, so a changed file or tokenizer gets a new folder.
 """
 
@@ -27,13 +28,15 @@ from training.data.tokenizer import fingerprint
 CACHE_VERSION = 1
 BATCH_ROWS = 1024
 BATCH_CHARS = 4 << 20  # text per tokenizer call: bounds memory, keeps the tokenizer's threads busy
-Rows = Iterable[tuple[int, Any]]  # (line or row number, payload: a text or a conversation)
+Rows = Iterable[tuple[int, Any]]  # (line or row number, payload: a text, a conversation or a pair of them)
 
 
 def cache_folder(cache_dir: str | Path, label: str, identity: dict[str, Any],
-                 tokenizer: PreTrainedTokenizerBase, chat: bool) -> Path:
+                 tokenizer: PreTrainedTokenizerBase, chat: bool, pairs: bool = False) -> Path:
     """Where the tokens of `identity` (the source and its reading rules) under `tokenizer` are cached."""
     key = {"version": CACHE_VERSION, "source": identity, "chat": chat, "tokenizer": fingerprint(tokenizer)}
+    if pairs:  # only then: the keys of text and chat caches stay what they were
+        key["pairs"] = True
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir) / "tokens" / f"{label}-{digest}"
 
@@ -53,8 +56,33 @@ def folder_identity(path: str | Path) -> dict[str, Any]:
 
 
 def _size(payload: Any) -> int:
-    """Characters of a text or a conversation."""
-    return len(payload) if isinstance(payload, str) else sum(len(str(t.get("content", ""))) for t in payload)
+    """Characters of a text, a conversation or a pair of conversations."""
+    if isinstance(payload, str):
+        return len(payload)
+    if isinstance(payload, tuple):
+        return sum(_size(part) for part in payload)
+    return sum(len(str(t.get("content", ""))) for t in payload)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, payloads: list[Any], chat: bool, pairs: bool
+            ) -> list[list[tuple[np.ndarray, np.ndarray | None]]]:
+    """Per row, its documents as (ids, label mask or None): one, or a pair's chosen and rejected."""
+    if pairs:
+        encoded = encode_conversations(tokenizer, [c for pair in payloads for c in pair])
+        return [[chosen, rejected] for chosen, rejected in zip(encoded[0::2], encoded[1::2])]
+    if chat:
+        return [[doc] for doc in encode_conversations(tokenizer, payloads)]
+    return [[(ids, None)] for ids in encode_texts(tokenizer, payloads)]
+
+
+def _unusable(docs: list[tuple[np.ndarray, np.ndarray | None]], chat: bool, pairs: bool) -> str | None:
+    """Why a row's documents cannot train (no tokens, or a conversation without assistant tokens), or None."""
+    for which, (ids, labels) in zip(("chosen", "rejected") if pairs else ("",), docs):
+        if len(ids) == 0 or (labels is not None and not labels.any()):
+            if pairs:
+                return f"the {which} conversation has no assistant tokens after the chat template"
+            return "no assistant tokens after the chat template" if chat else "no tokens after tokenisation"
+    return None
 
 
 def _batches(rows: Rows) -> Iterator[list[tuple[int, Any]]]:
@@ -72,9 +100,11 @@ def _batches(rows: Rows) -> Iterator[list[tuple[int, Any]]]:
 
 def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
                 tokenizer: PreTrainedTokenizerBase, chat: bool, progress: Callable[[], int] | None = None,
-                total: int | None = None, skipped: Callable[[], int] = lambda: 0, unit: str = "doc") -> None:
+                total: int | None = None, skipped: Callable[[], int] = lambda: 0, unit: str = "doc",
+                pairs: bool = False) -> None:
     """Tokenise `rows` into `folder` batch by batch (memory bounded by one batch), then rename it into place;
-    the bar shows `progress()` of `total` `unit`s (bytes of a JSONL file, rows of a table), or rows counted."""
+    the bar shows `progress()` of `total` `unit`s (bytes of a JSONL file, rows of a table), or rows counted.
+    With `pairs` each row is a (chosen, rejected) pair of conversations, kept as two documents or not at all."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     dtype, lengths = token_dtype(len(tokenizer)), [np.zeros(1, np.int64)]
@@ -83,19 +113,18 @@ def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
     try:
         with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "mask.bin", "wb") as mask:
             for batch in _batches(rows):
-                payloads = [payload for _, payload in batch]
-                encoded = encode_conversations(tokenizer, payloads) if chat else \
-                    [(ids, None) for ids in encode_texts(tokenizer, payloads)]
+                encoded = _encode(tokenizer, [payload for _, payload in batch], chat, pairs)
                 kept = []
-                for (line, _), (ids, labels) in zip(batch, encoded):
-                    if len(ids) == 0 or (labels is not None and not labels.any()):
-                        reject(line, "no assistant tokens after the chat template" if chat else
-                               "no tokens after tokenisation")
+                for (line, _), docs in zip(batch, encoded):
+                    problem = _unusable(docs, chat, pairs)
+                    if problem is not None:
+                        reject(line, problem)
                         continue
-                    ids.astype(dtype).tofile(tokens)
-                    if labels is not None:
-                        labels.tofile(mask)
-                    kept.append(len(ids))
+                    for ids, labels in docs:
+                        ids.astype(dtype).tofile(tokens)
+                        if labels is not None:
+                            labels.tofile(mask)
+                        kept.append(len(ids))
                 lengths.append(np.asarray(kept, np.int64))
                 bar.update(progress() - bar.n if progress else len(batch))
         offsets = np.cumsum(np.concatenate(lengths)).astype(np.int64)

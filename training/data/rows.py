@@ -38,9 +38,24 @@ def _chat_problem(record: Any) -> str | None:
     """Why a chat row is not a usable MiniMind conversation, or None."""
     if not isinstance(record, dict) or "conversations" not in record:
         return "no \"conversations\" key"
-    turns = record["conversations"]
+    return _conversation_problem(record["conversations"], "conversations")
+
+
+def _pair_problem(record: Any) -> str | None:
+    """Why a preference row is not a usable MiniMind DPO pair (two conversations, `chosen` and `rejected`), or None."""
+    for column in ("chosen", "rejected"):
+        if not isinstance(record, dict) or column not in record:
+            return f"no \"{column}\" key (a DPO row holds \"chosen\" and \"rejected\" conversations)"
+        problem = _conversation_problem(record[column], column)
+        if problem is not None:
+            return problem if problem.startswith(f"\"{column}\"") else f"\"{column}\": {problem}"
+    return None
+
+
+def _conversation_problem(turns: Any, column: str) -> str | None:
+    """Why a list of {role, content} messages is not a conversation to learn from, or None."""
     if not isinstance(turns, list) or not turns:
-        return "\"conversations\" is not a non-empty list"
+        return f"\"{column}\" is not a non-empty list"
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or turn.get("role") not in ROLES:
             role = turn.get("role") if isinstance(turn, dict) else None
@@ -61,10 +76,11 @@ class Task:
     payload: Callable[[dict[str, Any]], Any]
 
 
-# The columns each task declares. A new task (a preference pair: "chosen" and "rejected") is one more entry.
+# The columns each task declares; a DPO row's payload is its (chosen, rejected) pair of conversations.
 TASKS: dict[str, Task] = {
     "text": Task(("text",), _text_problem, lambda row: row["text"]),
     "chat": Task(("conversations",), _chat_problem, lambda row: row["conversations"]),
+    "dpo": Task(("chosen", "rejected"), _pair_problem, lambda row: (row["chosen"], row["rejected"])),
 }
 
 

@@ -40,16 +40,19 @@ def source_kind(path: str) -> str | None:
     return None
 
 
-def source_hint(key: str, chat: bool) -> str:
+def source_hint(key: str, chat: bool, pairs: bool = False) -> str:
     """The fix for a missing or unusable source."""
+    if pairs:
+        return (f"pass {key}=<a MiniMind DPO (dpo.jsonl) file, or a .parquet / .arrow file or save_to_disk folder "
+                "with \"chosen\" and \"rejected\" columns>")
     column = "conversations" if chat else "text"
     return (f"pass {key}=<a MiniMind {'SFT (conversations)' if chat else 'pretraining'} .jsonl file, or a .parquet / "
             f".arrow file or save_to_disk folder with a \"{column}\" column>")
 
 
-def source_problem(key: str, path: str | None, chat: bool) -> str | None:
+def source_problem(key: str, path: str | None, chat: bool, pairs: bool = False) -> str | None:
     """A source that is not set, does not exist, is empty, or is a folder `save_to_disk` did not write."""
-    hint = source_hint(key, chat)
+    hint = source_hint(key, chat, pairs)
     if path is None:
         return f"{key}: not set; {hint}"
     kind = source_kind(path)
@@ -84,7 +87,8 @@ class Source:
                 table = open_table(self.kind, self.path)
             except DataError as error:
                 raise DataError(f"{self.key}: {error}") from None
-            problem = missing_columns(table, self.key, self.task, self.spec.format)
+            reader = "train.task=dpo" if self.spec.preference else f"data.format={self.spec.format}"
+            problem = missing_columns(table, self.key, self.task, reader)
             if problem is not None:
                 raise DataError(problem)
             self._table = table
@@ -115,7 +119,7 @@ class Source:
 def data_source(spec: DataSpec, key: str) -> Source:
     """The source of `key` ("data.path" or "data.val_path"); its problems are one DataError line."""
     path = spec.path if key == "data.path" else spec.val_path
-    problem = source_problem(key, path, spec.chat)
+    problem = source_problem(key, path, spec.chat, spec.preference)
     if problem is not None:
         raise DataError(problem)
     return Source(spec, key, path, source_kind(path))

@@ -9,6 +9,7 @@ from typing import Any
 NAMES = ("synthetic", "jsonl")
 FORMATS = ("packed", "padded", "chat", "chat_packed")  # chat: MiniMind conversations
 PACKED_FORMATS = ("packed", "chat_packed")
+TRAIN_TASKS = ("pretrain", "sft", "dpo")  # train.task
 
 
 class DataError(ValueError):
@@ -17,7 +18,8 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """The `data` config section; its defaults live only in the config schema (training/config/schema.py)."""
+    """The `data` config section and the run's train.task; defaults live only in the config schema
+    (training/config/schema.py), but for `train_task` outside a run config (tests, scripts): pretraining."""
 
     name: str
     path: str | None
@@ -32,16 +34,22 @@ class DataSpec:
     val_fraction: float
     skip_bad_lines: bool
     max_line_bytes: int
+    train_task: str = "pretrain"  # train.task: "dpo" reads preference pairs
 
     @property
     def chat(self) -> bool:
-        """True when rows are MiniMind conversations rendered with the chat template."""
+        """True when rows are MiniMind conversations rendered with the chat template (pairs of them under DPO)."""
         return self.format.startswith("chat")
+
+    @property
+    def preference(self) -> bool:
+        """True when each row is a DPO pair: a chosen and a rejected conversation, two samples side by side."""
+        return self.train_task == "dpo"
 
     @property
     def task(self) -> str:
         """The task whose columns each row must hold (a key of training.data.rows.TASKS)."""
-        return "chat" if self.chat else "text"
+        return "dpo" if self.preference else "chat" if self.chat else "text"
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,16 @@ class Geometry:
     micro_batch_size: int
     n_microbatches: int
     seed: int  # shuffles the sample order (train.seed)
+    rows_per_sample: int = 1  # sequences of one sample: 2 for a preference pair (chosen, rejected)
+
+    @property
+    def samples_per_micro_batch(self) -> int:
+        """Samples (pairs under DPO) in one micro-batch of micro_batch_size sequences."""
+        return self.micro_batch_size // self.rows_per_sample
 
     def global_batch(self, dp: int) -> int:
-        """Sequences in one global batch for `dp` replicas."""
-        return dp * self.n_microbatches * self.micro_batch_size
+        """Samples (sequences; pairs under DPO) in one global batch for `dp` replicas."""
+        return dp * self.n_microbatches * self.samples_per_micro_batch
 
 
 def _field(node: Any, key: str, section: str) -> Any:
@@ -79,11 +93,23 @@ def optional_field(node: Any, key: str) -> Any:
         return None
 
 
-def data_spec(node: Any) -> DataSpec:
-    """A DataSpec from the `data` section (a DictConfig, a dict or an object); a DataSpec passes through."""
+def data_spec(node: Any, train_task: str = "pretrain") -> DataSpec:
+    """A DataSpec from the `data` section (a DictConfig, a dict or an object) and the run's train.task; a DataSpec
+    passes through."""
     if isinstance(node, DataSpec):
         return node
-    return DataSpec(**{f.name: _field(node, f.name, "data") for f in fields(DataSpec)})
+    return DataSpec(**{f.name: _field(node, f.name, "data") for f in fields(DataSpec) if f.name != "train_task"},
+                    train_task=train_task)
+
+
+def train_task(cfg: Any) -> str:
+    """The run's train.task (pretraining where a config has none: tests, older configs)."""
+    return optional_field(optional_field(cfg, "train"), "task") or "pretrain"
+
+
+def run_data_spec(cfg: Any) -> DataSpec:
+    """The DataSpec of a whole run config: its `data` section read for its train.task."""
+    return data_spec(section(cfg, "data"), train_task(cfg))
 
 
 def geometry(cfg: Any) -> Geometry:
@@ -94,4 +120,5 @@ def geometry(cfg: Any) -> Geometry:
         micro_batch_size=int(_field(train, "micro_batch_size", "train")),
         n_microbatches=int(_field(schedule, "n_microbatches", "schedule")),
         seed=int(_field(train, "seed", "train")),
+        rows_per_sample=2 if train_task(cfg) == "dpo" else 1,
     )

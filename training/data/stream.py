@@ -20,7 +20,8 @@ class StepBatches:
     global position p (samples consumed so far) consumes [p, p + G) with G = dp_size * n_microbatches *
     micro_batch_size; replica d takes [p + d*M, p + (d+1)*M) with M = n_microbatches * micro_batch_size, split
     in order into micro-batches. The position counts samples, not steps, so a resume with another DP size or
-    micro-batch split continues at the same sample.
+    micro-batch split continues at the same sample. A sample may be several sequences (a preference pair is two,
+    side by side): `micro_batch_size` counts samples, and a micro-batch holds its samples' sequences in order.
     """
 
     def __init__(self, samples: Samples, micro_batch_size: int, n_microbatches: int, dp_rank: int = 0,
@@ -77,9 +78,8 @@ class StepBatches:
     def batch_at(self, position: int) -> list[MicroBatch]:
         """This replica's micro-batches of the step starting at global `position` (does not move the stream)."""
         input_ids, labels = self.samples.take(self.indices_at(position))
-        b, tokens = self.micro_batch_size, self.global_tokens_at(position)
-        return [MicroBatch(input_ids[i : i + b], labels[i : i + b], tokens)
-                for i in range(0, self.replica_batch_size, b)]
+        b, tokens = len(input_ids) // self.n_microbatches, self.global_tokens_at(position)  # sequences per micro-batch
+        return [MicroBatch(input_ids[i : i + b], labels[i : i + b], tokens) for i in range(0, len(input_ids), b)]
 
     def batch(self, step: int) -> list[MicroBatch]:
         """This replica's micro-batches of `step` counted from the start of the stream (random access)."""

@@ -135,16 +135,17 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def missing_columns(table: Table, key: str, task: Task, fmt: str) -> str | None:
-    """One line naming the file, the columns it lacks for the task and the columns it has, or None."""
+def missing_columns(table: Table, key: str, task: Task, reader: str) -> str | None:
+    """One line naming the file, the columns it lacks for the task (`reader`: the setting that reads them, such as
+    `data.format=chat`) and the columns it has, or None."""
     missing = [c for c in task.columns if c not in table.columns]
     if not missing:
         return None
     lacks = ", ".join(f'"{c}"' for c in missing)
     found = ", ".join(f'"{c}"' for c in table.columns) or "none"
     return (f"{key}: {table.path} has no column{'s' if len(missing) > 1 else ''} {lacks} (its columns: {found}), "
-            f"which data.format={fmt} reads; "
-            "rename the column or choose the data.format of this data")
+            f"which {reader} reads; "
+            f"rename the column or choose the {reader.split('=')[0]} of this data")
 
 
 class TableRows(RowReader):

@@ -11,7 +11,8 @@ import numpy as np
 
 from training.data.corpus import MIN_DOCUMENT_WORDS, synthetic_corpus
 from training.data.sources import data_source, source_problem
-from training.data.spec import FORMATS, NAMES, DataError, DataSpec, Geometry, PACKED_FORMATS, data_spec, geometry, optional_field, section
+from training.data.spec import (FORMATS, NAMES, PACKED_FORMATS, DataError, DataSpec, Geometry, geometry, optional_field,
+                                run_data_spec)
 from training.data.split import split_documents, val_count
 from training.data.tables import table_bytes
 from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
@@ -32,19 +33,25 @@ def spec_problem(spec: DataSpec) -> str | None:
         return f"data.max_line_bytes={spec.max_line_bytes} must be positive"
     if spec.val_path is not None and spec.val_fraction > 0:
         return "data.val_path and data.val_fraction are both set; hold out a separate file or a fraction, not both"
+    if spec.preference and spec.format != "chat":
+        return (f"train.task=dpo reads chosen/rejected conversations, each padded to one sample; set data.format=chat "
+                f"(here data.format={spec.format})")
+    if spec.train_task == "sft" and not spec.chat:
+        return (f"train.task=sft trains on conversations; set data.format=chat or chat_packed (here data.format="
+                f"{spec.format}), or train.task=pretrain for text")
     if spec.name == "synthetic":
-        if spec.chat:
+        if spec.chat and not spec.preference:  # the embedded data has texts and DPO pairs, no SFT conversations
             return f"data.format={spec.format} reads MiniMind conversations; use data=jsonl data.path=<sft .jsonl>"
         if spec.num_docs < 1:
             return "data.num_docs: must be >= 1"
         if spec.vocab_size < 256 + len(SPECIAL_TOKENS):
             return f"data.vocab_size: must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + 3 special tokens)"
     else:
-        problem = source_problem("data.path", spec.path, spec.chat)
+        problem = source_problem("data.path", spec.path, spec.chat, spec.preference)
         if problem is not None:
             return problem
     if spec.val_path is not None:
-        problem = source_problem("data.val_path", spec.val_path, spec.chat)
+        problem = source_problem("data.val_path", spec.val_path, spec.chat, spec.preference)
         if problem is not None:
             return problem
     if spec.name == "jsonl" and spec.tokenizer != EMBEDDED_TOKENIZER:
@@ -135,13 +142,15 @@ def _batch_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
     if spec.val_path is not None:
         bound = _source_bound(spec, "data.val_path", geo.seq_len, 0.0)
         val = bound[0] if bound is not None else batch
+    pairs = geo.rows_per_sample == 2
+    unit = "pairs" if pairs else f"sequences of {geo.seq_len} tokens"
     shape = (f"one global batch of {batch} = dp {dp} x schedule.n_microbatches {geo.n_microbatches} x "
-             f"train.micro_batch_size {geo.micro_batch_size}")
+             f"train.micro_batch_size {geo.micro_batch_size}" + (" / 2 (a pair is two sequences)" if pairs else ""))
     if train < batch:
-        return (f"data: {where} gives at most {train} training sequences of {geo.seq_len} tokens, fewer than "
+        return (f"data: {where} gives at most {train} training {unit}, fewer than "
                 f"{shape}; use more data, a shorter train.seq_len or a smaller batch")
     if (spec.val_path is not None or spec.val_fraction > 0) and val < batch:
-        return (f"data: the held-out split gives at most {val} sequences of {geo.seq_len} tokens, fewer than "
+        return (f"data: the held-out split gives at most {val} {unit}, fewer than "
                 f"{shape}; raise data.val_fraction or give a larger data.val_path")
     return None
 
@@ -149,12 +158,15 @@ def _batch_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
 def data_problem(cfg: Any, dp: int | None = None) -> str | None:
     """One line for the first problem of the run's data, or None. `dp` defaults to parallel.dp (or 1)."""
     try:
-        spec, geo = data_spec(section(cfg, "data")), geometry(cfg)
+        spec, geo = run_data_spec(cfg), geometry(cfg)
     except DataError as error:
         return str(error)
     problem = spec_problem(spec)
     if problem is None and geo.seq_len < 2:
         problem = f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens"
+    if problem is None and geo.micro_batch_size % geo.rows_per_sample:
+        problem = (f"train.micro_batch_size={geo.micro_batch_size} is odd, and under train.task=dpo a micro-batch "
+                   "holds whole chosen/rejected pairs (two sequences each); use an even size")
     if problem is None and spec.name == "jsonl":
         problem = None if spec.tokenizer == EMBEDDED_TOKENIZER else _tokenizer_problem(spec)
         for key, path in (("data.path", spec.path), ("data.val_path", spec.val_path)):

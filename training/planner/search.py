@@ -109,10 +109,12 @@ def schedule_choices(pp: int) -> list[tuple[str, int]]:
 
 
 def micro_batch_sizes(cfg: DictConfig, per_replica: int) -> list[int]:
-    """The config's micro-batch size and its halves that divide a replica's share of the global batch."""
+    """The config's micro-batch size and its halves that divide a replica's share of the global batch (even ones
+    under train.task=dpo: a micro-batch holds whole pairs)."""
     b0 = cfg.train.micro_batch_size
     sizes = [b0 // k for k in MICRO_BATCH_DIVISORS if b0 % k == 0]
-    return [b for b in sizes if per_replica % b == 0]
+    pairs = OmegaConf.select(cfg, "train.task") == "dpo"
+    return [b for b in sizes if per_replica % b == 0 and not (pairs and b % 2)]
 
 
 def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
