@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.distributed import TrainingState
 from checkpoint.manager import CheckpointManager
@@ -80,16 +80,25 @@ class Trainer:
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)
+        self.dpo = OmegaConf.select(cfg, "train.task") == "dpo"
+        if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
+            from training.preference import prepare_reference
+
+            prepare_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
         state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
         self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,
                                              checkpoint_meta(cfg, grid), self.tokenizer)
 
     def evaluate(self) -> dict[str, float]:
-        """`val_loss` (token-weighted over the held-out batches, forward only) and `val_ppl`."""
+        """`val_loss` (token-weighted over the held-out batches, forward only) and `val_ppl`; under DPO the DPO loss
+        and `val_reward_*` (means over the held-out pairs) instead of a perplexity."""
         results = [self.engine.evaluate(micro_batches) for micro_batches in self.val_batches]
         tokens = sum(r.tokens for r in results)
         loss = sum(r.loss * r.tokens for r in results) / max(tokens, 1)
+        if self.dpo:
+            means = {k: sum(r.metrics[k] * r.tokens for r in results) / max(tokens, 1) for k in results[0].metrics}
+            return {"val_loss": loss, **{f"val_{k}": v for k, v in means.items()}}
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0))}
 
     def fit(self, on_step: Callable[[int], None] | None = None,
@@ -142,8 +151,8 @@ class Trainer:
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
                     # Only a logged step builds its record (and pays the trace files and the memory collective).
                     record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
-                              "tokens": result.tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                              "skipped_steps": guard.skipped}
+                              "pairs" if self.dpo else "tokens": result.tokens, "tokens_per_s": tokens_per_s,
+                              "step_time_s": step_time, "skipped_steps": guard.skipped, **result.metrics}
                     if result.trace is not None:
                         from parallel.pipeline.trace_files import write_trace
 
