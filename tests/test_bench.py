@@ -77,6 +77,9 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert experts["ep4_s"] > 0 and experts["ep1_s"] > 0
     for name, row in r["data_parallel"]["rows"].items():  # the same model, data and optimizer on both sides
         assert row["losses_equal"] is True and row["sluice_s"] > 0 and row["peak_mib"]["torch"] > 0, (name, row)
+    tp = r["tensor_parallel"]  # Sluice's TP layers and DTensor's on the same plan: the same losses, step after step
+    assert tp["losses_equal"] is True and tp["last_losses_close"] is True, (tp["first_loss"], tp["last_loss"])
+    assert tp["sluice_s"] > 0 and tp["torch_s"] > 0 and len(tp["peak_mib_by_rank"]["torch"]) == 2
     assert r["recompute"]["losses_equal"] is True, r["recompute"]["rows"]
     assert all(row["peak_mib"] > 0 and row["step_s"] > 0 for row in r["recompute"]["rows"].values())
     compiled = r["compiled"]["rows"][0]  # a compiled layer trains with eager's first loss
@@ -86,6 +89,7 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert "## Expert parallelism: ep=4 against replicated experts (dp=4)" in page
     assert "## Compiled layers: `train.compile=true` against eager" in page
     assert "## Data parallelism against DistributedDataParallel (dp=2)" in page
+    assert "## Tensor parallelism against DTensor `parallelize_module` (tp=2)" in page
     assert "## Recomputation against `torch.utils.checkpoint`" in page
     assert all(f"| {name} |" in page for name in SLEEP)
 

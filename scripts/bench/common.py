@@ -168,6 +168,8 @@ def timed(step: Callable[[], Any]) -> tuple[float, float, Any]:
     out = step()
     spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
     if dist.is_initialized():
+        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+            spent = spent.to(torch.device("cuda", torch.cuda.current_device()))
         wall, cpu_sum = spent.clone(), spent.clone()
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         dist.all_reduce(cpu_sum)

@@ -52,7 +52,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
     if run:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r) + _transport(r) + _experts(r)
-    lines += _data_parallel(r) + _recompute(r) + _compiled(r)
+    lines += _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + _compiled(r)
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -100,6 +100,13 @@ def _acceptance(r: dict) -> list[str]:
         rows.append((f"Sluice {name} at most 1.00x {peer} in step time and peak memory, equal losses",
                      f"step {row['sluice_over_torch']:.3f}, memory {row['memory_over_torch']:.3f}",
                      row["sluice_over_torch"] <= 1.0 and row["memory_over_torch"] <= 1.0 and row["losses_equal"]))
+    if "tensor_parallel" in r:
+        t = r["tensor_parallel"]
+        rows.append((f"Sluice tp{t['tp']} at most 1.00x DTensor `parallelize_module` + `loss_parallel` in step time "
+                     "and peak memory, equal losses",
+                     f"step {t['sluice_over_torch']:.3f}, memory {_ratio(t['memory_over_torch'])}",
+                     t["sluice_over_torch"] <= 1.0 and t["memory_over_torch"] is not None
+                     and t["memory_over_torch"] <= 1.0 and t["losses_equal"] and t["last_losses_close"]))
     if "recompute" in r:
         c = r["recompute"]
         rows.append(("`train.recompute=full` at most 1.00x `torch.utils.checkpoint` per layer in step time and peak "
@@ -253,6 +260,42 @@ def _data_parallel(r: dict) -> list[str]:
                    f"{row['sluice_over_torch']:.3f} | {row['sluice_wins']} of {row['rounds']} | "
                    f"{row['peak_mib']['sluice']:.1f} | {row['peak_mib']['torch']:.1f} | {row['memory_over_torch']:.3f} |")
     return out + [""]
+
+
+def _tensor_parallel(r: dict) -> list[str]:
+    t = r.get("tensor_parallel")
+    if not t:
+        return []
+    s, tp = t["setup"], t["tp"]
+    backend = "NCCL on CUDA" if t["device"] == "cuda" else "gloo on the CPU"
+    memory = "peak allocated device memory" if t["device"] == "cuda" else "peak resident set (glibc returning " \
+        "freed memory at once)"
+    return [f"## Tensor parallelism against DTensor `parallelize_module` (tp={tp})", "",
+            f"MiniMind with untied embedding and head, {s['layers']} layers, hidden {s['hidden']}, vocab 6400, seq "
+            f"{s['seq']}, micro-batch size {s['micro_batch_size']}, {s['microbatches']} micro-batches; fp32, {backend} "
+            "(`scripts/bench/tensor_parallel.py`). Sluice's step is its engine's (column/row/vocab-parallel layers, "
+            "vocab-parallel cross-entropy) with its clipping and AdamW; torch's applies `parallelize_module` with the "
+            "same split (q/k/v, gate, up `ColwiseParallel`; o, down `RowwiseParallel`; the embedding "
+            "`RowwiseParallel(input_layouts=Replicate())`; the head `ColwiseParallel(output_layouts=Shard(-1))` with "
+            "the loss under `loss_parallel()`; the per-head q/k norms `SequenceParallel` on the head dim), "
+            f"accumulates, clips (max norm {t['grad_clip']} on both sides) and steps AdamW. Step times alternate in "
+            f"the same processes ({s['rounds']} rounds after {s['warmup']} warm-up). Peak memory is each variant "
+            f"alone in fresh processes: the fullest rank's {memory} over three steps, above what it held before "
+            "building the model. The peak of the build itself is given apart: both sides build the dense model "
+            "first, and Sluice's engine shards a pruned deep copy of it (the trainer builds on the meta device "
+            "instead and never holds it).", "",
+            "| Sluice step (s) | torch step (s) | Sluice / torch | Sluice faster in | CPU s, Sluice / torch "
+            "| Sluice peak (MiB) | torch peak (MiB) | memory Sluice / torch |", "|---|---|---|---|---|---|---|---|",
+            f"| {t['sluice_s']:.3f} | {t['torch_s']:.3f} | {t['sluice_over_torch']:.3f} | {t['sluice_wins']} of "
+            f"{t['rounds']} | {t['sluice_cpu_s']:.3f} / {t['torch_cpu_s']:.3f} | {t['peak_mib']['sluice']:.1f} | "
+            f"{t['peak_mib']['torch']:.1f} | {_ratio(t['memory_over_torch'])} |", "",
+            f"Building alone peaked at {t['build_peak_mib']['sluice']:.1f} MiB (Sluice) and "
+            f"{t['build_peak_mib']['torch']:.1f} MiB (torch). "
+            f"First losses {t['first_loss']['sluice']:.6f} and {t['first_loss']['torch']:.6f} "
+            f"({'equal' if t['losses_equal'] else '**not equal**'} to {t['first_rtol']:g}); at step "
+            f"{t['steps_to_last']} (the same data every step) {t['last_loss']['sluice']:.6f} and "
+            f"{t['last_loss']['torch']:.6f} "
+            f"({'equal' if t['last_losses_close'] else '**not equal**'} to {t['last_rtol']:g}).", ""]
 
 
 def _recompute(r: dict) -> list[str]:

@@ -1,7 +1,8 @@
 """`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining, the single-process
 overhead, the transports' hop latency, expert parallelism against replicated experts, data parallelism against
-DDP (and ZeRO-1 against ZeroRedundancyOptimizer), recomputation against torch.utils.checkpoint and compiled layers
-against eager, one after the other; then bench/results.json and docs/benchmarks.md (tables, ratios, timelines).
+DDP (and ZeRO-1 against ZeroRedundancyOptimizer), tensor parallelism against DTensor's parallelize_module,
+recomputation against torch.utils.checkpoint and compiled layers against eager, one after the other; then
+bench/results.json and docs/benchmarks.md (tables, ratios, timelines).
 
     python scripts/bench/run_all.py [--smoke] [--results PATH] [--doc PATH] [--png-dir DIR]
 
@@ -22,7 +23,8 @@ from common import ROOT, RESULTS, update_results  # noqa: E402
 from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py", "recompute.py", "compiled.py")
+BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py",
+              "tensor_parallel.py", "recompute.py", "compiled.py")
 
 
 def run_benchmark(script: str, argv: list[str]) -> None:
