@@ -61,7 +61,8 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.write(step, record)
         log.info("step %d %s", step, " ".join(f"{k} {_short(v)}" for k, v in record.items()
-                                              if k in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s",
+                                              if k in ("loss", "val_loss", "reward_margin", "reward_accuracy",
+                                                       "val_reward_accuracy", "lr", "grad_norm", "tokens_per_s",
                                                        "tflops", "mfu")))
 
     def advance(self, steps: int, postfix: dict[str, Any]) -> None:
