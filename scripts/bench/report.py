@@ -31,6 +31,7 @@ costs whatever else the machine runs, so it separates framework work from a busy
   model exactly as Sluice prunes them (`prune_to_stage`), behind a one-tensor stage interface, with the same
   token-sum loss over the global token count (`scale_grads=False`) and the same tied-embedding gradient sum
   after the step. A step is forward + backward (+ that sum); the optimizer is the same for both and left out.
+  `--size default` repeats it at MiniMind-3's default size (hidden 768) at pp2 and pp4, over gloo only.
 - **Activation memory**: peak bytes alive at once per pipeline rank during one step: every tensor autograd
   saves for backward (saved-tensor hooks, each storage once) plus each stage's boundary output while a
   Python object still holds it. Sluice's deferred weight-gradient inputs (zero-bubble) are not counted.
@@ -51,8 +52,8 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
     run = r.get("run", {})
     if run:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
-    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _memory(r) + _overhead(r) + _transport(r) + _experts(r)
-    lines += _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + _compiled(r)
+    lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _full_size(r) + _memory(r) + _overhead(r)
+    lines += _transport(r) + _experts(r) + _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + _compiled(r)
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -77,6 +78,12 @@ def _acceptance(r: dict) -> list[str]:
                   and v["sluice_over_ideal"] > v["torch_over_ideal"]]
         rows.append((f"Sluice's ratio at or below torch's for every schedule (sleep, m={m})",
                      "behind on " + ", ".join(behind) if behind else "all", not behind))
+    full = {k: v for k, v in r.get("full_size", {}).items() if not k.startswith("setup")}
+    if full:
+        rows.append(("pipeline at the default size (pp2, pp4): Sluice at most 1.0x torch in step time and peak "
+                     "activations, equal losses", ", ".join(f"{k} {v['sluice_over_torch']:.3f}" for k, v in full.items()),
+                     all(v["sluice_over_torch"] <= 1.0 and v["losses_equal"]
+                         and max(v["sluice_peak_bytes"]) <= max(v["torch_peak_bytes"]) for v in full.values())))
     real = _schedules(r.get("real", {}))
     if real:
         rows.append(("real model: Sluice at most 1.0x torch, equal losses",
@@ -173,6 +180,27 @@ def _real(r: dict) -> list[str]:
                    f"{v['paired_diff_ms']:+.1f} | {v['sluice_wins']}/{v['rounds']} | "
                    f"{_ratio(v.get('sluice_shm_over_torch'))} | "
                    f"{v['sluice_cpu_s']:.3f} / {v['torch_cpu_s']:.3f} | {v['sluice_loss']:.6f} | "
+                   f"{v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
+    return out + [""]
+
+
+def _full_size(r: dict) -> list[str]:
+    """The pipeline at MiniMind-3's default size, pp2 and pp4, against torch.distributed.pipelining."""
+    full = {k: v for k, v in r.get("full_size", {}).items() if not k.startswith("setup")}
+    if not full:
+        return []
+    s = next(v for k, v in r["full_size"].items() if k.startswith("setup"))
+    out = ["## The pipeline at the default size: Sluice / torch.distributed.pipelining", "",
+           f"MiniMind-3 as it ships ({s.get('layers')} layers, hidden {s.get('hidden')}, vocab 6400), seq "
+           f"{s.get('seq')}, micro-batch size {s.get('micro_batch_size')}, 2 micro-batches per pipeline rank; "
+           f"{s.get('rounds')} measured steps per variant after {s.get('warmup')} warm-up, both over gloo "
+           "(`scripts/bench/vs_torch.py --size default --pp N`). Peak activation memory is the largest rank's.", "",
+           "| layout, schedule | Sluice (s) | torch (s) | Sluice / torch | Sluice faster | peak activations "
+           "Sluice / torch | Sluice loss | torch loss | equal |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in full.items():
+        peak = max(v["sluice_peak_bytes"]) / max(v["torch_peak_bytes"])
+        out.append(f"| {name} | {v['sluice_s']:.3f} | {v['torch_s']:.3f} | {v['sluice_over_torch']:.3f} | "
+                   f"{v['sluice_wins']}/{v['rounds']} | {peak:.3f} | {v['sluice_loss']:.6f} | "
                    f"{v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
     return out + [""]
 

@@ -23,8 +23,9 @@ from common import ROOT, RESULTS, update_results  # noqa: E402
 from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("schedules.py", "vs_torch.py", "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py",
-              "tensor_parallel.py", "recompute.py", "compiled.py")
+BENCHMARKS = ("schedules.py", "vs_torch.py", "vs_torch.py --size default --pp 2", "vs_torch.py --size default --pp 4",
+              "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py", "tensor_parallel.py", "recompute.py",
+              "compiled.py")
 
 
 def run_benchmark(script: str, argv: list[str]) -> None:
@@ -42,10 +43,11 @@ def main(argv: list[str]) -> Path:
     start = time.perf_counter()
     if args.results.exists():
         args.results.unlink()  # one run's figures only
-    for script in BENCHMARKS:
+    for entry in BENCHMARKS:
+        script, *own = entry.split()
         extra = ["--png-dir", str(args.png_dir)] if script == "schedules.py" else []
-        print(f"== {script}", flush=True)
-        run_benchmark(script, ["--results", str(args.results), *extra] + (["--smoke"] if args.smoke else []))
+        print(f"== {entry}", flush=True)
+        run_benchmark(script, [*own, "--results", str(args.results), *extra] + (["--smoke"] if args.smoke else []))
     update_results("run", {"command": "make bench" + (" ARGS=--smoke" if args.smoke else ""),
                             "wall_s": time.perf_counter() - start,
                             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, args.results)
