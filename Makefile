@@ -27,7 +27,7 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # Sleep schedules vs the simulator's ideal, the real model vs torch.distributed.pipelining, single-process
-# overhead, transport hop latency, EP, DP/ZeRO-1 vs DDP, recompute vs torch.utils.checkpoint, compiled layers
+# overhead, transport hop latency, EP, DP/ZeRO-1 vs DDP, TP vs DTensor, recompute vs torch.utils.checkpoint, compiled layers
 # (see scripts/bench/run_all.py): bench/results.json, docs/benchmarks.md, bench/timelines/*.png.
 bench: setup
 	$(PY) scripts/bench/run_all.py $(ARGS)

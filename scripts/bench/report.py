@@ -51,7 +51,9 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
     lines = ["# Benchmarks", "", f"Measured with `{command}` on {_machine(r)}.", ""]
     run = r.get("run", {})
     if run:
-        lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min.", ""]
+        took = ", ".join(f"{entry.removesuffix('.py')} {s:.0f} s" for entry, s in run.get("took_s", {}).items())
+        lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min"
+                  + (f" ({took})." if took else "."), ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _full_size(r) + _memory(r) + _overhead(r)
     lines += _transport(r) + _experts(r) + _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + _compiled(r)
     lines += ["## Method", "", METHOD]
