@@ -22,6 +22,7 @@ from parallel.decoder import Decoder
 from parallel.expert import is_expert
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
+from parallel.lora import apply_lora, with_adapters
 from parallel.materialize import WeightSource
 from parallel.pipeline.actions import Action, Kind, Lists, comm_peer
 from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
@@ -34,9 +35,10 @@ from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
 from parallel.compile import apply_compile
+from parallel.preference import RowLogps
 from parallel.recompute import apply_recompute
 from parallel.spec import EngineSpec
-from parallel.step import Engine, LocalEngine, MicroBatch, StepResult, TokenLoss, dense_token_loss
+from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult, TokenLoss, dense_token_loss
 from parallel.tensor import vocab_parallel_cross_entropy
 
 Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
@@ -48,8 +50,10 @@ def build_engine(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid,
 
     The decoder may be built on the meta device; then only this rank's parameters are materialised, from `weights`."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
-        place_(apply_compile(apply_recompute(decoder, spec.recompute), spec.compile), weights, grid)
-        return LocalEngine(decoder, grid.device, spec.dtype)
+        adapted = apply_lora(decoder, spec.lora, grid)
+        place_(apply_compile(apply_recompute(adapted, spec.recompute), spec.compile), with_adapters(weights, spec.lora),
+               grid)
+        return LocalEngine(decoder, grid.device, spec.dtype, spec.objective)
     return ParallelEngine(spec, decoder, grid, weights)
 
 
@@ -87,8 +91,10 @@ def choose_transport(spec: EngineSpec, pipeline: LoweredPipeline, grid: Parallel
     return P2PTransport(grid.rank, boundary, grid.device, spec.timeout_s), peer_of
 
 
-def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid) -> int | torch.Tensor:
-    """Label tokens of the global batch: the data layer's stamp as a host int, else a device tensor.
+def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid,
+                        count: Callable[[MicroBatch], torch.Tensor] = MicroBatch.label_tokens) -> int | torch.Tensor:
+    """Label tokens of the global batch (what `count` counts: preference pairs under DPO): the data layer's stamp as
+    a host int, else a device tensor.
 
     The data layer stamps the count on every micro-batch (it knows the whole global batch), so a training step
     needs no collective and no device op for it; unstamped micro-batches (tests, benchmarks) are counted with
@@ -96,7 +102,7 @@ def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid) -> 
     replicas take the same branch."""
     stamps = {mb.global_tokens for mb in micro_batches}
     if None in stamps:
-        local = torch.stack([mb.label_tokens() for mb in micro_batches]).sum()
+        local = torch.stack([count(mb) for mb in micro_batches]).sum()
         return all_reduce_(local.to(grid.device), grid.dp_group)
     if len(stamps) != 1:
         raise ValueError(f"the micro-batches of one step carry different global token counts {sorted(stamps)}")
@@ -113,6 +119,11 @@ def read_back(sums: torch.Tensor, tokens: int | torch.Tensor) -> list[float]:
     if isinstance(tokens, int):
         return [*sums.tolist(), tokens]
     return torch.cat([sums, tokens.double().view(1)]).tolist()
+
+
+def _trained(*params: nn.Parameter | None) -> bool:
+    """Whether the parameters this rank holds (None: not here) take gradients (a frozen tied pair needs no sum)."""
+    return any(p is not None and p.requires_grad for p in params)
 
 
 def final_backward_actions(lists: dict[int, list[Action]]) -> dict[int, Action]:
@@ -136,7 +147,9 @@ class ParallelEngine:
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
         self._lists = {r: list(self.pipeline.lowered[r]) for r in ranks}
-        how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights, spec.compile)
+        self.objective: Objective = spec.objective
+        how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights, spec.compile,
+                         spec.lora, spec.objective)
         self.stages_of: StagesByRank = build_stages(self.pipeline, decoder, grid, ranks, how)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)
@@ -176,16 +189,17 @@ class ParallelEngine:
 
         EP-split expert parameters reduce over the edp group (the DP ranks holding the same experts) instead: the
         all_to_all already brought every ep-group rank's tokens to an expert's holder, so its gradient there holds
-        their whole contribution, and the edp sum completes it to DP's without any rescaling."""
+        their whole contribution, and the edp sum completes it to DP's without any rescaling. Frozen parameters (the
+        base weights under LoRA) have no gradient and sit in no bucket."""
         grid, bucket_bytes = self.grid, int(self.spec.bucket_mb * 2**20)
-        copies = self.tied and self.first is not self.head
+        copies = self.tied and self.first is not self.head and _trained(self.first, self.head)
         local_tie = (self.first, self.head) if copies and self.emulated else None
         tied_here = {id(p) for p in (self.first, self.head) if copies and p is not None}
         owner = self._param_owners()
         buckets: dict[int, list[Bucket]] = {}
         for s in sorted(self.stages, key=lambda s: self._final_position(s)):
             params = [p for p in reversed(list(self.stages[s].module.parameters()))
-                      if owner[id(p)] == s and id(p) not in tied_here]
+                      if owner[id(p)] == s and id(p) not in tied_here and p.requires_grad]
             buckets[s] = []
             # Runs of consecutive dense or expert parameters keep the backward order of the buckets.
             for expert, run in itertools.groupby(params, key=is_expert):
@@ -199,9 +213,9 @@ class ParallelEngine:
         return GradientSync(buckets, final_backward_actions(self.lists), rider, local_tie, grid.dp_group)
 
     def _local_sums(self) -> torch.Tensor:
-        """This process's loss and aux sums of the step (float64, on the device)."""
-        return torch.stack([sum(s.loss_sum for s in self.stages.values()),
-                            sum(s.aux_sum for s in self.stages.values())])
+        """This process's objective sums (the loss sum first) and aux sum of the step (float64, on the device)."""
+        return torch.cat([sum(s.loss_sums for s in self.stages.values()),
+                          sum(s.aux_sum for s in self.stages.values()).view(1)])
 
     def _final_position(self, stage: int) -> int:
         """Where in its rank's list the stage's gradients become final."""
@@ -264,7 +278,7 @@ class ParallelEngine:
 
         With `trace`, every rank also times each of its actions and global rank 0 receives them all."""
         grid = self.grid
-        tokens = global_label_tokens(micro_batches, grid)
+        tokens = global_label_tokens(micro_batches, grid, self.objective.count)
         aux_scale = 1.0 / (len(micro_batches) * grid.dp)
         scales = StepScales(loss_scale=loss_scale_of(tokens), aux_scale=aux_scale, hooks=self.sync)
         for stage in self.stages.values():
@@ -279,8 +293,9 @@ class ParallelEngine:
                     None if records is None else records.setdefault(r, []))
         self.sync.finish()
         sums = self.sync.step_sums()  # the loss lives on the last stage, aux on every stage
-        loss_sum, aux_sum, count = read_back(sums, tokens)
-        result = StepResult(loss_sum / max(count, 1), aux_sum * aux_scale, int(count))
+        *values, aux_sum, count = read_back(sums, tokens)
+        result = StepResult(values[0] / max(count, 1), aux_sum * aux_scale, int(count),
+                            metrics=self.objective.metrics(values, int(count)))
         if records is not None:
             result.trace = self._gather(records, origin)
         return result
@@ -288,11 +303,33 @@ class ParallelEngine:
     @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches through the same stages, transport and runtime."""
+        tokens = global_label_tokens(micro_batches, self.grid, self.objective.count)
+        self._forward_only(micro_batches, self.objective)
+        sums = sum(s.loss_sums for s in self.stages.values())
+        sums = all_reduce_(all_reduce_(sums, self.grid.pp_group), self.grid.dp_group)
+        *values, count = read_back(sums, tokens)
+        count = int(count)
+        return StepResult(values[0] / max(count, 1), 0.0, count, metrics=self.objective.metrics(values, count))
+
+    @torch.no_grad()
+    def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only through the same stages, transport and runtime: each row's summed label log-probability, this
+        replica's micro-batches in order, float64 on every rank (DPO's reference pass)."""
+        rows = micro_batches[0].input_ids.shape[0]
+        self._forward_only(micro_batches, RowLogps(rows))
+        last = self.stages.get(self.pipeline.n_stages - 1)
+        # Forward-only lists run each stage's micro-batches in order: the last stage's parts are micro-batch k's.
+        parts = (torch.stack(last.loss_parts) if last is not None else
+                 torch.zeros(len(micro_batches), rows, dtype=torch.float64, device=self.grid.device))
+        return all_reduce_(parts, self.grid.pp_group).flatten().cpu()
+
+    def _forward_only(self, micro_batches: list[MicroBatch], objective: Objective) -> None:
+        """Every micro-batch through every stage in eval mode, no backward; the last stage's sums under `objective`."""
         grid, programs = self.grid, self._prepare(forward_only(self.pipeline, len(micro_batches)))
-        tokens = global_label_tokens(micro_batches, grid)
         for stage in self.stages.values():
             stage.reset()
             stage.module.eval()
+            stage.objective = objective
         try:
             scales = StepScales(loss_scale=1.0, aux_scale=0.0)
             if self.emulated:
@@ -303,10 +340,7 @@ class ParallelEngine:
         finally:
             for stage in self.stages.values():
                 stage.module.train()
-        loss_sum = all_reduce_(all_reduce_(sum(s.loss_sum for s in self.stages.values()), grid.pp_group),
-                               grid.dp_group)
-        loss_sum, count = read_back(loss_sum.view(1), tokens)
-        return StepResult(loss_sum / max(count, 1), 0.0, int(count))
+                stage.objective = self.objective
 
     def _trace_start(self, trace: bool) -> tuple[dict[int, list[Record]] | None, float]:
         """Empty records and a common time origin for every rank, when tracing."""

@@ -23,7 +23,6 @@ import fnmatch
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +32,7 @@ from parallel.decoder import Decoder
 from parallel.expert import is_expert
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, dense_shape
+from parallel.spec import LoraSpec
 from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, gather_from_tp_region,
                              reduce_from_tp_region)
 from parallel.tensor_pass import local_block, plan_pattern
@@ -40,25 +40,6 @@ from parallel.tensor_pass import local_block, plan_pattern
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 ADAPTERS = ("lora_A", "lora_B")
 INIT_STD = 0.02  # lora_A's initial standard deviation (MiniMind's train_lora)
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """Low-rank adapters on the decoder layers' linears (the run config's `lora.*`); rank 0 = off."""
-
-    rank: int = 0
-    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; None: alpha = rank (scale 1)
-    targets: tuple[str, ...] | None = None  # linear-name patterns; None: every square linear (MiniMind's choice)
-    dropout: float = 0.0  # on the adapters' input only
-    seed: int = 0  # lora_A's initial values are drawn per dense name from it (the same in every layout)
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return (self.alpha if self.alpha is not None else self.rank) / self.rank
 
 
 def is_adapter(name: str) -> bool:

@@ -9,7 +9,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
+from parallel.preference import PreferenceLoss
+from parallel.spec import LoraSpec
 from parallel.spec import EngineSpec, PipelineSpec
+from parallel.step import LANGUAGE_MODEL, Objective
 from training.config.schema import model_keys, schema_defaults
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -30,6 +33,31 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def lora_spec(cfg: DictConfig) -> LoraSpec:
+    """The adapters the config asks for (`lora.*`; the initial lora_A drawn from train.seed)."""
+    lora = cfg.lora
+    targets = tuple(lora.targets) if lora.targets is not None else None
+    return LoraSpec(rank=int(lora.rank), alpha=None if lora.alpha is None else float(lora.alpha), targets=targets,
+                    dropout=float(lora.dropout), seed=int(cfg.train.seed))
+
+
+def lora_record(cfg: DictConfig) -> dict | None:
+    """What a checkpoint records of the adapters (checked on resume, read by the export), or None without LoRA."""
+    spec = lora_spec(cfg)
+    if not spec.enabled:
+        return None
+    return {"rank": spec.rank, "alpha": spec.alpha if spec.alpha is not None else float(spec.rank),
+            "targets": list(spec.targets) if spec.targets is not None else None, "dropout": spec.dropout,
+            "base": cfg.checkpoint.load_dense}
+
+
+def objective(cfg: DictConfig) -> Objective:
+    """What the last stage computes (train.task): the LM loss (pretrain, sft), or the DPO loss over pairs (dpo)."""
+    if OmegaConf.select(cfg, "train.task") == "dpo":
+        return PreferenceLoss(beta=float(cfg.dpo.beta))
+    return LANGUAGE_MODEL
+
+
 # EngineSpec's runtime settings and the run-config keys they come from.
 ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate", "bucket_mb": "parallel.bucket_mb",
                "recompute": "train.recompute", "transport": "parallel.transport", "compile": "train.compile"}
@@ -38,7 +66,8 @@ ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate",
 def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
     """Everything the step engine of this run needs, resolved for the compute device."""
     return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
-                      seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device),
+                      seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device), lora=lora_spec(cfg),
+                      objective=objective(cfg),
                       **{field: OmegaConf.select(cfg, key) for field, key in ENGINE_KEYS.items()})
 
 
@@ -47,6 +76,10 @@ def default_engine_spec(pipeline: PipelineSpec, micro_batch_size: int, seq_len: 
     defaults = schema_defaults()
     settings = {field: defaults[key] for field, key in ENGINE_KEYS.items()}
     settings["dtype"] = resolve_dtype(defaults["train.dtype"], torch.device("cpu"))
+    settings["lora"] = lora_spec(OmegaConf.create({"lora": {k.split(".", 1)[1]: v for k, v in defaults.items()
+                                                            if k.startswith("lora.")},
+                                                   "train": {"seed": defaults["train.seed"]}}))
+    settings["objective"] = LANGUAGE_MODEL
     return EngineSpec(pipeline, micro_batch_size, seq_len, **{**settings, **changes})
 
 
@@ -67,4 +100,7 @@ def checkpoint_meta(cfg: DictConfig, grid) -> dict:
     p = cfg.parallel
     layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "vpp": p.vpp, "schedule": cfg.schedule.name,
               "n_microbatches": cfg.schedule.n_microbatches, "micro_batch_size": cfg.train.micro_batch_size}
-    return {"model": model, "layout": layout}
+    meta = {"model": model, "layout": layout}
+    if (lora := lora_record(cfg)) is not None:
+        meta["lora"] = lora
+    return meta

@@ -1,5 +1,5 @@
-"""Building this rank's stages from a pipeline: prune the dense decoder per stage, apply TP and EP, re-tie, wrap in
-Stage."""
+"""Building this rank's stages from a pipeline: prune the dense decoder per stage, apply TP, EP, LoRA, recompute and
+compile, re-tie, wrap in Stage."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ import torch
 from parallel.decoder import Decoder, set_parameter
 from parallel.expert import apply_expert_parallel
 from parallel.grid import ParallelGrid
+from parallel.lora import apply_lora, with_adapters
+from parallel.spec import LoraSpec
 from parallel.materialize import WeightSource, is_meta, materialize_
 from parallel.compile import apply_compile
 from parallel.recompute import apply_recompute
-from parallel.step import TokenLoss
+from parallel.step import LANGUAGE_MODEL, Objective, TokenLoss
 from parallel.tensor_pass import shard_modules, sync_replicated_grads
 
 from .actions import Kind
@@ -26,13 +28,16 @@ StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage inde
 
 @dataclass(frozen=True)
 class StageBuild:
-    """How each stage module is made: compute dtype, loss, recompute mode, where weights come from, compiled or not."""
+    """How each stage module is made: compute dtype, loss, recompute mode, where weights come from, compiled or not,
+    LoRA adapters or not."""
 
     dtype: torch.dtype
     token_loss: TokenLoss
     recompute: str  # none | full | selective
     weights: WeightSource | None = None  # required when the model is on the meta device
     compile: bool = False  # torch.compile each decoder layer
+    lora: LoraSpec = LoraSpec()  # rank 0: no adapters, every weight trained
+    objective: Objective = LANGUAGE_MODEL  # what the last stage computes from the logits
 
 
 def build_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
@@ -48,16 +53,18 @@ def _rank_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid
     spec, last = pipeline.spec, pipeline.n_stages - 1
     chunks = {s: decoder.prune(pipeline.partition[s], s == 0, s == last)
               for s in rank_stages(rank, spec.pp, spec.vpp, pipeline.placement)}
+    weights = with_adapters(how.weights, how.lora)
     for chunk in chunks.values():
         shard_modules(chunk, grid)
         apply_expert_parallel(chunk, grid)
+        apply_lora(chunk, how.lora, grid)
         apply_recompute(chunk, how.recompute)
         apply_compile(chunk, how.compile)
-        place_(chunk, how.weights, grid)
+        place_(chunk, weights, grid)
         sync_replicated_grads(chunk, grid)
     tie_within_rank(chunks, last)
     split = {a.stage for a in pipeline.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
-    return {s: Stage(chunk, s, pipeline.n_stages, grid.device, how.dtype, how.token_loss, s in split)
+    return {s: Stage(chunk, s, pipeline.n_stages, grid.device, how.dtype, how.token_loss, s in split, how.objective)
             for s, chunk in chunks.items()}
 
 

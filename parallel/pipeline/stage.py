@@ -8,7 +8,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from parallel.decoder import Decoder
-from parallel.step import TokenLoss, autocast, shifted_loss_sum
+from parallel.step import LANGUAGE_MODEL, Objective, TokenLoss, autocast
 
 from .weight_grad import SplitLinears, WeightGradStore
 
@@ -28,7 +28,7 @@ class Stage:
     """One pipeline stage (chunk) of the model on this rank: F, B, I and W for one micro-batch at a time."""
 
     def __init__(self, chunk: Decoder, index: int, n_stages: int, device: torch.device, dtype: torch.dtype,
-                 token_loss: TokenLoss, split_backward: bool = False):
+                 token_loss: TokenLoss, split_backward: bool = False, objective: Objective = LANGUAGE_MODEL):
         self.chunk = chunk
         self.module: nn.Module = chunk.module
         self.index = index
@@ -37,12 +37,13 @@ class Stage:
         self.device = device
         self.dtype = dtype
         self.token_loss = token_loss
+        self.objective = objective  # what the last stage computes from the logits (the LM loss, DPO's)
         # Only schedules with I/W pay for the function mode that routes linears through the split backward.
         self.weight_grads = WeightGradStore() if split_backward else None
         self.saved: dict[int, Saved] = {}
         self.peak_live = 0  # most micro-batches holding saved state at once during the step
-        # Each micro-batch's detached loss and aux sums, summed once when the step reads them: a forward then
-        # adds no op of its own on the critical path, and nothing syncs with the host per micro-batch.
+        # Each micro-batch's detached objective sums (the loss sum first) and aux sum, summed once when the step
+        # reads them: a forward then adds no op of its own on the critical path, and nothing syncs with the host.
         self.loss_parts: list[torch.Tensor] = []
         self.aux_parts: list[torch.Tensor] = []
 
@@ -57,9 +58,14 @@ class Stage:
         self.peak_live = 0
 
     @property
+    def loss_sums(self) -> torch.Tensor:
+        """The step's objective sums so far, [objective.width] (float64, on the device; zeros off the last stage)."""
+        return _sum64(self.loss_parts, self.device, self.objective.width)
+
+    @property
     def loss_sum(self) -> torch.Tensor:
-        """The step's LM loss sum so far (float64, on the device)."""
-        return _sum64(self.loss_parts, self.device)
+        """The step's loss sum so far (float64, on the device)."""
+        return self.loss_sums[0]
 
     @property
     def aux_sum(self) -> torch.Tensor:
@@ -71,10 +77,12 @@ class Stage:
         return len(self.saved) + (len(self.weight_grads.pending) if self.weight_grads is not None else 0)
 
     def forward(self, microbatch: int, inputs: torch.Tensor, labels: torch.Tensor | None,
-                loss_scale: torch.Tensor | float, aux_scale: float) -> torch.Tensor | None:
+                loss_scale: torch.Tensor | float, aux_scale: float,
+                ref_logps: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run this chunk on one micro-batch; return the boundary activation (None on the last stage).
 
-        With gradients off (evaluation) nothing is saved and only the loss sum is kept."""
+        The last stage's objective reads the labels (and a preference micro-batch's reference log-probabilities).
+        With gradients off (evaluation) nothing is saved and only the objective's sums are kept."""
         leaf = None
         split = SplitLinears(self.weight_grads) if self.weight_grads is not None else nullcontext()
         with autocast(self.device, self.dtype), split:
@@ -85,17 +93,18 @@ class Stage:
                 leaf = inputs.detach().requires_grad_(True)
                 hidden, aux = self.chunk(hidden=leaf)
             if self.is_last:  # the last chunk ends in the head: `hidden` holds the logits
-                loss_sum = shifted_loss_sum(hidden, labels, self.token_loss)
+                ref = None if ref_logps is None else ref_logps.to(self.device)
+                loss_sum, sums = self.objective(hidden, labels, ref, self.token_loss)
         if not torch.is_grad_enabled():
             if self.is_last:
-                self.loss_parts.append(loss_sum)
+                self.loss_parts.append(sums)
             return None if self.is_last else hidden
         self.aux_parts.append(aux.detach())
         # Backward starts at the scalars themselves, seeded with their scale: the gradient a multiply by the
         # scale would have passed down, bit for bit, without the multiply.
         scalars, seeds = ([aux], [_seed(aux_scale, aux)]) if aux.requires_grad else ([], [])
         if self.is_last:
-            self.loss_parts.append(loss_sum.detach())
+            self.loss_parts.append(sums)
             self._save(microbatch, leaf, [loss_sum, *scalars], [_seed(loss_scale, loss_sum), *seeds])
             return None
         self._save(microbatch, leaf, [hidden, *scalars], [None, *seeds])
@@ -103,7 +112,9 @@ class Stage:
 
     def _save(self, microbatch: int, leaf: torch.Tensor | None, outputs: list[torch.Tensor],
               seeds: list[torch.Tensor | None]) -> None:
-        self.saved[microbatch] = Saved(leaf, [get_gradient_edge(o) for o in outputs], seeds)
+        # A first stage that trains nothing (LoRA adapters only on later stages' layers) has no graph to start from.
+        kept = [(o, s) for o, s in zip(outputs, seeds) if o.requires_grad]
+        self.saved[microbatch] = Saved(leaf, [get_gradient_edge(o) for o, _ in kept], [s for _, s in kept])
         self.peak_live = max(self.peak_live, self.live())
 
     def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,7 +135,8 @@ class Stage:
     def _backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         saved = self.saved.pop(microbatch)
         seeds = [grad_output if s is None else s for s in saved.seeds]
-        torch.autograd.backward(saved.edges, seeds)
+        if saved.edges:
+            torch.autograd.backward(saved.edges, seeds)
         return None if saved.inputs is None else saved.inputs.grad
 
 
@@ -135,9 +147,9 @@ def _seed(scale: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, scale)
 
 
-def _sum64(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum in float64, in order (the same rounding as adding each part as it came)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+def _sum64(parts: list[torch.Tensor], device: torch.device, width: int | None = None) -> torch.Tensor:
+    """Sum in float64, in order (the same rounding as adding each part as it came); [width], or a scalar."""
+    total = torch.zeros(() if width is None else (width,), dtype=torch.float64, device=device)
     for part in parts:
         total += part.double()
     return total

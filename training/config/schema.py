@@ -145,8 +145,14 @@ class ScheduleSchema:
 class TrainSchema:
     """Loop settings: steps, batch geometry, seed, precision, clipping, logging cadence."""
 
+    task: str = key(
+        "pretrain", "what the run trains: `pretrain` and `sft` the next-token loss on `data.format`'s samples (`sft`: "
+        "conversations, a chat format), `dpo` the DPO loss on MiniMind `dpo.jsonl` pairs (`chosen` / `rejected` "
+        "conversations, `data.format=chat`; the reference is the starting weights; "
+        "[concepts](concepts.md#dpo))", one_of("pretrain", "sft", "dpo"))
     steps: int = key(1000, "optimizer steps", positive)
-    micro_batch_size: int = key(8, "sequences per micro-batch", positive)
+    micro_batch_size: int = key(8, "sequences per micro-batch (under `train.task=dpo` an even number: whole pairs)",
+                                positive)
     global_batch_size: Optional[int] = key(
         None, "sequences per optimizer step across DP; when set, `schedule.n_microbatches` = `global_batch_size / "
         "(dp * micro_batch_size)` (it must divide)", optional(positive))
@@ -198,15 +204,18 @@ class OptimSchema:
 class DataSchema:
     """Where training text comes from and how it becomes fixed-length samples."""
 
-    name: str = key(MISSING, "the data source (the preset sets it)", one_of("synthetic", "jsonl"))
-    path: Optional[str] = key(None, "JSONL file, one `{\"text\": ...}` per line (`data=jsonl`)",
-                              read_when=JSONL_ONLY)  # the file itself: training.data.data_problem
+    name: str = key(MISSING, "the data source (the preset sets it): `synthetic` (the embedded corpus) or `jsonl` "
+                    "(the rows of `data.path`)", one_of("synthetic", "jsonl"))
+    path: Optional[str] = key(
+        None, "the training rows (`data=jsonl`), the kind read from the path: a MiniMind JSONL file, a `.parquet` or "
+        "`.arrow` file, a `datasets` `save_to_disk` folder, or a Hub dataset `owner/name` (`owner/name:split`); "
+        "a `text` column, or `conversations` for the chat formats", read_when=JSONL_ONLY)  # its rows: data_problem
     tokenizer: Optional[str] = key(
         None, "a local tokenizer folder (for example MiniMind's) (`data=jsonl`), or `synthetic` for the embedded "
         "tokenizer (`data.vocab_size` tokens, with the chat template)", read_when=JSONL_ONLY)
     format: str = key(
         "packed", "`packed` (documents concatenated and cut to `seq_len`), `padded` (one document per sample, "
-        "MiniMind style; the `jsonl` preset's default) or `chat` (MiniMind's `conversations` JSONL, loss on assistant "
+        "MiniMind style; the `jsonl` preset's default) or `chat` (MiniMind's `conversations` rows, loss on assistant "
         "tokens only)", one_of("packed", "padded", "chat", "chat_packed"))
     num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
     seed: int = key(0, "seed of the synthetic corpus", at_least(0))
@@ -216,11 +225,11 @@ class DataSchema:
                           at_least(259), SYNTHETIC_ONLY)  # 256 bytes + 3 special tokens
     cache_dir: str = key(".cache/sluice", "where the synthetic corpus, its tokenizer and tokenised data are cached",
                          text)
-    val_path: Optional[str] = key(None, "held-out JSONL for validation", optional(text))
+    val_path: Optional[str] = key(None, "held-out rows for validation, of any kind `data.path` reads", optional(text))
     val_fraction: float = key(0.0, "fraction of the training data held out for validation (disjoint from training)",
                               fraction())
-    skip_bad_lines: bool = key(False, "skip (and count) unusable JSONL rows instead of stopping with the file and "
-                                      "line")
+    skip_bad_lines: bool = key(False, "skip (and count) unusable rows instead of stopping with the file and the "
+                                      "line (JSONL) or the 0-based row index (tables)")
     max_line_bytes: int = key(4 * MIB, "longest JSONL line accepted (4 MiB)", positive)
 
 
@@ -236,6 +245,33 @@ class CheckpointSchema:
     save_final: bool = key(True, "save a training checkpoint at the end")
     load_dense: Optional[str] = key(
         None, "initial weights: an HF folder, a `.safetensors` file or a MiniMind `.pth`", existing_path)
+
+
+@dataclass
+class LoraSchema:
+    """LoRA fine-tuning: low-rank adapters on the decoder layers' linears, every other weight frozen (rank 0: off)."""
+
+    rank: int = key(
+        0, "adapter rank `r`; `0` = no adapters, every weight trains. With `r > 0` only the adapters train: the base "
+        "weights get no gradient, no DP bucket and no optimizer state, and checkpoints hold both "
+        "([checkpoints](checkpoints.md#lora))", at_least(0))
+    alpha: Optional[float] = key(
+        None, "the adapters' output is scaled by `alpha / rank`; `null` = `rank` (scale 1, as MiniMind's "
+        "train_lora)", optional(positive))
+    targets: Optional[list[str]] = key(
+        None, "the linears of the decoder layers that get adapters, as name patterns matched against a name's end "
+        "(`q_proj`, `self_attn.*`, `mlp.experts.*.up_proj`; `*` stands for one name component); `null` = every "
+        "square linear (in = out: `q_proj` and `o_proj` when heads x head_dim = hidden), MiniMind's choice")
+    dropout: float = key(0.0, "dropout on the adapters' input (the base linear sees the whole input)", fraction())
+
+
+@dataclass
+class DpoSchema:
+    """Direct preference optimisation (`train.task=dpo`)."""
+
+    beta: float = key(0.1, "the DPO temperature: the loss is `-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))` "
+                           "and the logged rewards `beta * (pi - ref)` (MiniMind's default 0.1)", positive,
+                      ReadWhen("train.task", ("dpo",), refuse=False))
 
 
 @dataclass
@@ -270,6 +306,8 @@ class RunSchema:
     optim: OptimSchema = field(default_factory=OptimSchema)
     data: DataSchema = field(default_factory=DataSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    lora: LoraSchema = field(default_factory=LoraSchema)
+    dpo: DpoSchema = field(default_factory=DpoSchema)
     logger: LoggerSchema = field(default_factory=LoggerSchema)
     debug: DebugSchema = field(default_factory=DebugSchema)
 

@@ -161,6 +161,26 @@ def validate_experts(cfg: DictConfig, world_size: int | None = None) -> None:
         raise ConfigError(str(error).strip().splitlines()[0]) from None
 
 
+def validate_lora(cfg: DictConfig) -> list[str]:
+    """lora.targets match at least one linear of the model's layers (the pass's own check, on the meta model);
+    a warning for lora keys set while lora.rank=0 leaves them unread."""
+    from parallel.lora import lora_targets
+    from training.config.schema import model_decoder
+    from training.specs import lora_spec
+
+    spec = lora_spec(cfg)
+    if not spec.enabled:
+        unread = [k.name for k in schema_keys() if k.name.startswith("lora.") and k.name != "lora.rank"
+                  and OmegaConf.select(cfg, k.name) != k.default]
+        return [f"{key}={shown(OmegaConf.select(cfg, key))} is read only when lora.rank>0 (here lora.rank=0); it is "
+                "ignored" for key in unread]
+    try:
+        lora_targets(model_decoder(cfg), spec)
+    except ValueError as error:
+        raise ConfigError(str(error).strip().splitlines()[0]) from None
+    return []
+
+
 def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
     """Data source and files (the data module's own check), and the tokenizer's ids against the model's."""
     from training.data import DataError, data_problem, load_tokenizer_vocab_size
@@ -199,7 +219,9 @@ def validate_checkpoint(cfg: DictConfig) -> None:
                           "run directory, or use checkpoint.resume=auto|none")
     from models import config_record
 
-    problem = check_resume(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys())
+    from training.specs import lora_record
+
+    problem = check_resume(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys(), lora_record(cfg))
     if problem:
         raise ConfigError(problem)
 
@@ -221,6 +243,7 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     resolve_partition(cfg)
     validate_layout(cfg)
     validate_experts(cfg, world_size)
+    warnings += validate_lora(cfg)
     validate_data(cfg, world_size)
     validate_checkpoint(cfg)
     return warnings
