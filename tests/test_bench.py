@@ -65,11 +65,10 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
         assert 0 <= r["real"][name]["sluice_wins"] <= r["real"][name]["rounds"] == len(r["real"][name]["sluice_runs_s"])
         assert r["real"][name]["losses_equal"] is True, (r["real"][name]["sluice_loss"], r["real"][name]["torch_loss"])
         assert r["real"][name]["sluice_shm_over_torch"] > 0
-    for pp in (2, 4):  # the default-size pipeline, both sizes in one section
-        for name in REAL:
-            row = r["full_size"][f"pp{pp} {name}"]
-            assert row["losses_equal"] is True and row["sluice_s"] > 0, row
-            assert len(row["sluice_peak_bytes"]) == len(row["torch_peak_bytes"]) == pp
+    for name in REAL:  # the default-size pipeline (make bench runs pp4 too, the same code)
+        row = r["full_size"][f"pp2 {name}"]
+        assert row["losses_equal"] is True and row["sluice_s"] > 0, row
+        assert len(row["sluice_peak_bytes"]) == len(row["torch_peak_bytes"]) == 2
     peaks = r["memory"]["1f1b"]
     assert len(peaks["sluice_peak_bytes"]) == len(peaks["torch_peak_bytes"]) == 4
     assert all(b > 0 for b in peaks["sluice_peak_bytes"] + peaks["torch_peak_bytes"])

@@ -65,6 +65,13 @@ def inspect_worker(rank: int, world_size: int, overrides: list[str], cache_dir: 
             "bucketed": sorted(bucketed), "with_grad": sorted(n for n, q in named.items() if q.grad is not None)}
 
 
+def layouts_then_inspect(rank: int, world_size: int, jobs: list, inspect: list[str], cache_dir: str,
+                         run_dir: str) -> tuple[list[dict], dict]:
+    """The layouts, then the inspection, on one spawn's processes."""
+    return layouts_worker(rank, world_size, jobs, cache_dir), inspect_worker(rank, world_size, inspect, cache_dir,
+                                                                             run_dir)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """The four layouts and a resumed run in one spawn of 4 processes, an inspection on the same processes; the
@@ -79,12 +86,12 @@ def runs(tmp_path_factory) -> dict:
         resume_from = root / "dense-tp2-pp2-1f1b" / "checkpoints" / "step_00000002"
         jobs.append(([*run_args("dense", "tp2-pp2-1f1b", root), f"checkpoint.resume={resume_from}"],
                      str(root / "resumed")))
-        by_rank = run_workers(layouts_worker, 4, jobs, str(cache), timeout=900)
-        out = {case: [r[i] for r in by_rank] for i, case in enumerate(CASES)}
-        out["resumed"] = [r[len(CASES)] for r in by_rank]
-        out["inspected"] = {case: run_workers(inspect_worker, 4, [*run_args(*case, root), "train.steps=1"],
-                                              str(cache), str(root / f"inspect-{case[0]}-{case[1]}"), timeout=300)
-                            for case in (("moe", "dp2-pp2-zb-h1"),)}
+        inspected = ("moe", "dp2-pp2-zb-h1")
+        by_rank = run_workers(layouts_then_inspect, 4, jobs, [*run_args(*inspected, root), "train.steps=1"],
+                              str(cache), str(root / "inspect"), timeout=900)
+        out = {case: [r[0][i] for r in by_rank] for i, case in enumerate(CASES)}
+        out["resumed"] = [r[0][len(CASES)] for r in by_rank]
+        out["inspected"] = {inspected: [r[1] for r in by_rank]}
         out["reference"] = {m: baseline([*STEPS, *model_args(m, root), "schedule.n_microbatches=4"], cache,
                                         root / f"baseline-{m}", 1) for m in ("dense", "moe")}
         out["root"] = str(root)

@@ -18,6 +18,7 @@ over gloo only and with fewer, shorter steps (a step is about 30x the toy's work
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -57,6 +58,7 @@ class Setup:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     shm: bool = True  # also time Sluice on its shared-memory transport
     pp: int = 4
+    threads: int | None = None  # torch threads per worker; None: torch's default
 
 
 def dense_model(setup: Setup) -> MiniMindForCausalLM:
@@ -78,6 +80,8 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
     from torch_pipe import build
 
     pp = setup.pp
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
     grid = ParallelGrid.build(dp=1, tp=1, pp=pp, backend="gloo", timeout_s=600)
     embed_group = dist.new_group([0, pp - 1])  # torch's tied-embedding pair (every rank must create it)
     model = dense_model(setup)
@@ -169,9 +173,10 @@ def main(argv: list[str]) -> tuple[dict, dict]:
         setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules or ("1f1b", "interleaved-1f1b")),
                       shm=args.size == "toy", pp=args.pp)
     elif args.size == "default":
-        # 2 micro-batches per rank of sequence 64: a step of 2-3 s on 2 cores, so the whole size fits the bench.
+        # 2 micro-batches per rank of sequence 64: a step of 1-2 s on 2 cores, so the whole size fits the bench. The
+        # cores are shared out between the ranks: matmul-bound steps of oversubscribed threads wandered by 15%.
         setup = Setup(8, 768, 64, args.micro_batch_size, 2 * args.pp, warmup, rounds, schedules, shm=False,
-                      pp=args.pp)
+                      pp=args.pp, threads=max((os.cpu_count() or 1) // args.pp, 1))
     else:
         setup = Setup(8, 256, 128, args.micro_batch_size, 8, warmup, rounds, schedules, pp=args.pp)
     real, memory = summarise(run_workers(worker, setup.pp, setup, timeout=1200)[0])
