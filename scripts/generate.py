@@ -1,6 +1,7 @@
 """Greedy or sampled text generation from an exported folder (scripts/export_hf.py): model + tokenizer.
 
-Usage: python scripts/generate.py MODEL_DIR "prompt" [--max-new-tokens N] [--temperature T]
+Usage: python scripts/generate.py MODEL_DIR "prompt" [--chat] [--max-new-tokens N] [--temperature T]
+`--chat` sends the prompt as a user turn rendered with the folder's chat template, as SFT and DPO trained on it.
 Needs only torch and transformers: the folder carries its own modeling code (trust_remote_code), so generate only
 from folders you trust (docs/checkpoints.md). Bad input is one line and exit 2.
 """
@@ -23,6 +24,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--chat", action="store_true", help="the prompt is a user turn of a conversation")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
@@ -41,6 +43,18 @@ def loading(what: str, folder: str, load):
         return load(folder)
     except (OSError, ValueError) as error:
         raise InputError(f"{folder}: its {what} does not load: {str(error).strip().splitlines()[0]}") from None
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool, folder: str) -> torch.Tensor:
+    """The prompt's ids: after BOS as plain text, or as a user turn with the chat template's assistant opening
+    (encoded without added specials, as the chat data was for training)."""
+    if not chat:
+        return tokenizer((tokenizer.bos_token or "") + prompt, return_tensors="pt").input_ids
+    if not tokenizer.chat_template:
+        raise InputError(f"{folder}: its tokenizer has no chat template; drop --chat or export with a chat tokenizer")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None) -> None:
@@ -62,7 +76,7 @@ def main(argv: list[str]) -> int:
         tokenizer = loading("tokenizer", args.model_dir,
                             lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True,
                                                                   trust_remote_code=True))
-        ids = tokenizer((tokenizer.bos_token or "") + args.prompt, return_tensors="pt").input_ids
+        ids = prompt_ids(tokenizer, args.prompt, args.chat, args.model_dir)
         check_context(ids.shape[1], args.max_new_tokens, getattr(config, "max_position_embeddings", None))
         model = loading("model", args.model_dir, lambda f: AutoModelForCausalLM.from_pretrained(
             f, local_files_only=True, trust_remote_code=True).eval())

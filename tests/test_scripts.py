@@ -55,6 +55,20 @@ def test_export_then_generate(exported):
     assert generate.stdout.strip()
 
 
+def test_generate_chat_sends_a_user_turn_with_the_assistant_opening(exported, capsys):
+    root, _ = exported
+    from transformers import AutoTokenizer
+
+    generate = script("generate")
+    tokenizer = AutoTokenizer.from_pretrained(root / "hf")
+    ids = generate.prompt_ids(tokenizer, "hi", True, str(root / "hf"))
+    assert tokenizer.decode(ids[0]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # as SFT data
+    assert generate.main([str(root / "hf"), "what is 2+3?", "--chat", "--max-new-tokens", "3"]) == 0
+    tokenizer.chat_template = None
+    with pytest.raises(generate.InputError, match="has no chat template; drop --chat"):
+        generate.prompt_ids(tokenizer, "hi", True, str(root / "hf"))
+
+
 def one_line_failure(module, argv: list[str], capsys) -> str:
     """Run a script's main; it must exit 2 with one line on stderr, which is returned."""
     capsys.readouterr()
