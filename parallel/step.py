@@ -3,7 +3,7 @@ on the parameters. Also the token loss and autocast every engine shares, and the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -165,18 +165,23 @@ class LocalEngine:
         ref = None if mb.ref_logps is None else mb.ref_logps.to(self.device)
         return self.objective(logits, mb.labels.to(self.device), ref, dense_token_loss)
 
-    @torch.no_grad()
-    def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
-        """Forward-only loss over the micro-batches (model in eval mode), a mean over the objective's count."""
+    def _eval_forwards(self, micro_batches: list[MicroBatch]) -> Iterator[tuple[torch.Tensor, MicroBatch]]:
+        """Each micro-batch's logits, forward only with the model in eval mode (train mode again afterwards)."""
         self.model.eval()
         try:
-            sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
             for mb in micro_batches:
                 with autocast(self.device, self.dtype):
                     logits, _ = self.decoder(input_ids=mb.input_ids.to(self.device))
-                sums += self._loss(logits, mb)[1].double()
+                yield logits, mb
         finally:
             self.model.train()
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
+        """Forward-only loss over the micro-batches (model in eval mode), a mean over the objective's count."""
+        sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
+        for logits, mb in self._eval_forwards(micro_batches):
+            sums += self._loss(logits, mb)[1].double()
         count = sum(int(self.objective.count(mb)) for mb in micro_batches)
         values = sums.tolist()
         return StepResult(values[0] / max(count, 1), 0.0, count, metrics=self.objective.metrics(values, count))
@@ -184,15 +189,8 @@ class LocalEngine:
     @torch.no_grad()
     def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Forward only (eval mode): each row's summed label log-probability, micro-batch after micro-batch, float64."""
-        self.model.eval()
-        try:
-            rows = []
-            for mb in micro_batches:
-                with autocast(self.device, self.dtype):
-                    logits, _ = self.decoder(input_ids=mb.input_ids.to(self.device))
-                rows.append(sequence_logps(logits, mb.labels.to(self.device)).double())
-        finally:
-            self.model.train()
+        rows = [sequence_logps(logits, mb.labels.to(self.device)).double()
+                for logits, mb in self._eval_forwards(micro_batches)]
         return torch.cat(rows).cpu()
 
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult:
