@@ -179,6 +179,18 @@ def test_the_heartbeats_name_the_rank_that_stopped_died_or_never_waited():
     assert find_culprit(waiting, 0, 1000.0, 4).line == "rank 2 never reported (stalled or died in start-up)"
 
 
+def test_a_process_that_is_exiting_counts_as_gone_before_it_turns_zombie():
+    """A killed peer resets its sockets as it closes its files, before it is a zombie: the rank that reads its state
+    on that reset must see it as gone (the flags word's PF_EXITING), not as running."""
+    from training.reliability.heartbeat import process_gone, stat_says_gone
+
+    running = "4242 (sluice-rank1) R 1 4242 4242 0 -1 4194560 900 0 0 0 12 3 0 0 20 0 9 0 100 0 0"
+    exiting = "4242 (sluice-rank1) R 1 4242 4242 0 -1 4194564 900 0 0 0 12 3 0 0 20 0 9 0 100 0 0"
+    zombie = "4242 (a (b) c) Z 1 4242 4242 0 -1 4194560 900 0 0 0 12 3 0 0 20 0 9 0 100 0 0"
+    assert [stat_says_gone(s) for s in (running, exiting, zombie)] == [False, True, True]
+    assert not process_gone(os.getpid())
+
+
 def test_heartbeats_travel_through_the_launchers_store():
     from datetime import timedelta
 

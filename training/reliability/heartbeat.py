@@ -85,11 +85,22 @@ class Heartbeats:
         return beats
 
 
+PF_EXITING = 0x4  # include/linux/sched.h: set on every thread as it starts to exit, before its files close
+
+
+def stat_says_gone(stat: str) -> bool:
+    """True when a /proc/<pid>/stat line shows the process ending: a zombie, dead, or exiting. A peer's socket is
+    reset when the killed process closes its files, which comes before it turns zombie: a surviving rank that
+    reads its state at once sees it still running, but already exiting."""
+    fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces and parentheses
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+
+
 def process_gone(pid: int) -> bool:
-    """True when process `pid` on this host has ended (gone, or a zombie its launcher has not reaped yet)."""
+    """True when process `pid` on this host has ended or is ending (see stat_says_gone)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            return stat_says_gone(stat.read())
     except FileNotFoundError:
         return True
     except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
