@@ -179,16 +179,23 @@ def test_the_heartbeats_name_the_rank_that_stopped_died_or_never_waited():
     assert find_culprit(waiting, 0, 1000.0, 4).line == "rank 2 never reported (stalled or died in start-up)"
 
 
-def test_a_process_that_is_exiting_counts_as_gone_before_it_turns_zombie():
+def test_a_process_that_is_exiting_counts_as_gone_and_one_killed_by_a_signal_says_which():
     """A killed peer resets its sockets as it closes its files, before it is a zombie: the rank that reads its state
-    on that reset must see it as gone (the flags word's PF_EXITING), not as running."""
-    from training.reliability.heartbeat import process_gone, stat_says_gone
+    on that reset must see it ending (the flags word's PF_EXITING), not running; and the signal that ends it (the
+    exit_code field) tells the killed rank from the peers exiting after it."""
+    from training.reliability.heartbeat import GONE, process_ending, stat_ending
 
-    running = "4242 (sluice-rank1) R 1 4242 4242 0 -1 4194560 900 0 0 0 12 3 0 0 20 0 9 0 100 0 0"
-    exiting = "4242 (sluice-rank1) R 1 4242 4242 0 -1 4194564 900 0 0 0 12 3 0 0 20 0 9 0 100 0 0"
-    zombie = "4242 (a (b) c) Z 1 4242 4242 0 -1 4194560 900 0 0 0 12 3 0 0 20 0 9 0 100 0 0"
-    assert [stat_says_gone(s) for s in (running, exiting, zombie)] == [False, True, True]
-    assert not process_gone(os.getpid())
+    def stat(state: str, flags: int, exit_code: int) -> str:
+        return f"4242 (a (b) c) {state} 1 4242 4242 0 -1 {flags} " + " ".join(["0"] * 42) + f" {exit_code}"
+
+    running, exiting = stat("R", 4194560, 0), stat("R", 4194564, 9)
+    assert [stat_ending(s) for s in (running, exiting, stat("Z", 4194560, 256), stat("Z", 4194560, 15))] == \
+        [None, "SIGKILL", GONE, "SIGTERM"]
+    assert stat_ending("4242 (old kernel) Z 1 4242 4242 0 -1 4194560 0 0") == GONE
+    assert process_ending(os.getpid()) is None
+    gone = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    gone.wait()
+    assert process_ending(gone.pid) == GONE  # reaped: no word left on how
 
 
 def test_heartbeats_travel_through_the_launchers_store():

@@ -68,7 +68,11 @@ def read_failures(run_dir: Path) -> list[dict]:
 
 def first_failure(run_dir: Path, killed: dict[int, str] | None = None) -> str | None:
     """The cause of a failed group, as one line: the rank the heartbeats blame (its own line where it left one),
-    a rank killed by a signal (`killed`: rank -> signal name, as its launcher saw it), else the earliest line."""
+    a rank killed by a signal (`killed`: rank -> signal name, as its launcher saw it), else the earliest line.
+
+    A rank the heartbeats saw stalled comes before the launcher's word (a stalled rank is ended by SIGKILL: "stalled
+    at step 7" says more than "died (SIGKILL)"). A rank they saw dead comes after it: the launcher saw which rank a
+    signal ended before it stopped the others, where a peer reading the heartbeats may find those others gone too."""
     records = read_failures(run_dir)
     own = {r["rank"]: r for r in records}
     blamed = [r for r in records if r.get("culprit") is not None]
@@ -76,9 +80,9 @@ def first_failure(run_dir: Path, killed: dict[int, str] | None = None) -> str | 
         culprit = blamed[0]["culprit"]
         if culprit in own and own[culprit].get("culprit") in (None, culprit):
             return own[culprit]["message"]  # it failed itself (a crash): its words, not its peers' guess
-        if blamed[0].get("kind") != "died" or culprit not in (killed or {}):
+        if blamed[0].get("kind") != "died":
             return blamed[0]["message"]
     for rank, signal in sorted((killed or {}).items()):
         if rank not in own:
             return f"rank {rank} died ({signal})"
-    return records[0]["message"] if records else None
+    return blamed[0]["message"] if blamed else records[0]["message"] if records else None

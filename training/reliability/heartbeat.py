@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from dataclasses import asdict, dataclass, field
@@ -86,31 +87,41 @@ class Heartbeats:
 
 
 PF_EXITING = 0x4  # include/linux/sched.h: set on every thread as it starts to exit, before its files close
+GONE = "its process is gone"
 
 
-def stat_says_gone(stat: str) -> bool:
-    """True when a /proc/<pid>/stat line shows the process ending: a zombie, dead, or exiting. A peer's socket is
-    reset when the killed process closes its files, which comes before it turns zombie: a surviving rank that
-    reads its state at once sees it still running, but already exiting."""
+def stat_ending(stat: str) -> str | None:
+    """How the process of a /proc/<pid>/stat line ends: the signal that kills it (`SIGKILL`), GONE when it exits on
+    its own, None while it runs. A zombie, a dead process and one exiting all count: a killed rank resets its peers'
+    sockets as it closes its files, before it turns zombie, so the peer that reads its state at once sees it still
+    running, but already exiting."""
     fields = stat.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces and parentheses
-    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+    if fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING:
+        return None
+    code = int(fields[49]) if len(fields) > 49 else 0  # exit_code (Linux 3.5+): the status waitpid will report
+    if not code & 0x7F:
+        return GONE  # an exit of its own: often a peer ending because the culprit did
+    try:
+        return signal.Signals(code & 0x7F).name
+    except ValueError:
+        return f"signal {code & 0x7F}"
 
 
-def process_gone(pid: int) -> bool:
-    """True when process `pid` on this host has ended or is ending (see stat_says_gone)."""
+def process_ending(pid: int) -> str | None:
+    """How process `pid` on this host ended or is ending (see stat_ending), None while it runs."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat_says_gone(stat.read())
+            return stat_ending(stat.read())
     except FileNotFoundError:
-        return True
+        return GONE
     except OSError:  # no /proc (not Linux): ask the kernel whether the pid exists
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return True
+            return GONE
         except PermissionError:
-            return False
-        return False
+            return None
+        return None
 
 
 def _at(beat: Beat) -> str:
@@ -125,12 +136,15 @@ def find_culprit(beats: dict[int, Beat], me: int, now: float, world_size: int, w
     local work rather than waiting for a peer (the longest, and for about as long as `me` has waited)."""
     here = socket.gethostname()
     others = [b for r, b in sorted(beats.items()) if r != me]
-    dead = [b for b in others if b.host == here and process_gone(b.pid)]
+    # A rank killed by a signal before one that exits on its own: its peers exit too (their launcher stops them,
+    # or they fail on its reset sockets), and a peer slow to look can find several ranks gone.
+    endings = {b.rank: process_ending(b.pid) for b in others if b.host == here}
+    dead = sorted((b for b in others if endings.get(b.rank)), key=lambda b: endings[b.rank] == GONE)
     stale = sorted((b for b in others if b.age(now) > STALE_S), key=lambda b: b.time)
     busy = sorted((b for b in others if not b.waits_for), key=lambda b: -b.blocked_s)
     if dead:
         b = dead[0]
-        return Culprit(b.rank, "died", f"rank {b.rank} died (its process is gone; last heard {_at(b)})", b.pid, b.host)
+        return Culprit(b.rank, "died", f"rank {b.rank} died ({endings[b.rank]}; last heard {_at(b)})", b.pid, b.host)
     if stale:
         b = stale[0]
         return Culprit(b.rank, "stopped", f"rank {b.rank} stalled {_at(b)}, last heard {b.age(now):.0f}s ago",
@@ -153,8 +167,6 @@ def blame_line(culprit: Culprit, beats: dict[int, Beat], me: int) -> str:
 def end_stopped(culprit: Culprit) -> None:
     """SIGKILL a culprit whose beats stopped, when it runs on this host: a stopped process ignores the launcher's
     SIGTERM, and the launcher would wait its grace period (30 s in torchrun's agent) before killing it."""
-    import signal
-
     if culprit.kind == "stopped" and culprit.pid and culprit.host == socket.gethostname():
         try:
             os.kill(culprit.pid, signal.SIGKILL)
