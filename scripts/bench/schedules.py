@@ -163,7 +163,7 @@ def summarise(by_m: dict) -> dict:
 
 def main(argv: list[str]) -> dict:
     parser = bench_parser(__doc__, "tiny run to check the script works (m=4, 1 round, 1f1b and zbv unless "
-                          "--schedules)", rounds=11, warmup=1)
+                          "--schedules)", rounds=5, warmup=1)  # sleeps: 11 rounds spread under 1%, 5 do as well
     parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
