@@ -85,8 +85,9 @@ def test_no_runtime_invariant_is_an_assert_statement_so_all_hold_under_python_da
     that never ran backward, a schedule's validation) must raise an error instead. No product module holds one."""
     import ast
 
-    packages = ("minimind", "models", "parallel", "checkpoint", "training")
-    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for package in packages for path in (ROOT / package).rglob("*.py")
+    files = [path for package in ("minimind", "models", "parallel", "checkpoint", "training")
+             for path in (ROOT / package).rglob("*.py")]
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in files
              for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.Assert)]
     assert not found, f"assert statements vanish under python -O; raise an error instead: {found}"
     assert ast.Assert in {type(n) for n in ast.walk(ast.parse("assert x"))}  # the scan sees one where there is one
