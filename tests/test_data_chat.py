@@ -12,6 +12,7 @@ import torch
 from tests.data_helpers import SMALL, all_samples, data_section, make_cfg, spec
 from training.data import (IGNORE_INDEX, DataError, build_data, build_tokenizer, data_problem, load_tokenizer,
                            synthetic_corpus)
+from training.data.pair_corpus import synthetic_conversations, synthetic_pairs
 
 CONVERSATIONS = [
     [{"role": "system", "content": "you are a kind robot."},
@@ -102,7 +103,22 @@ def test_chat_rows_are_checked(tmp_path, tokenizer_dir):
     text_file = tmp_path / "text.jsonl"
     text_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in synthetic_corpus(30, 0)))
     assert 'no "conversations" key' in data_problem(chat_cfg(tmp_path, text_file, tokenizer_dir))
-    assert "reads MiniMind conversations" in data_problem(make_cfg(data_section(**SMALL, format="chat")))
+    assert data_problem(make_cfg(data_section(**SMALL, format="chat_packed"))) == (
+        "data.format=chat_packed: the embedded conversations are served one per sample; use data.format=chat")
+
+
+def test_the_embedded_data_serves_the_pairs_right_answers_as_conversations(tmp_path):
+    """data=synthetic data.format=chat: SFT on the chosen side of the embedded DPO pairs, assistant tokens labelled."""
+    cfg = make_cfg(data_section(**{**SMALL, "num_docs": 20}, format="chat", cache_dir=str(tmp_path)), seq_len=128)
+    assert data_problem(cfg) is None
+    stream, tokenizer = build_data(cfg, 0, 1)
+    ids, labels = all_samples(stream)
+    rendered = {tokenizer.decode(row[row != tokenizer.pad_token_id]) for row in ids}
+    conversations = synthetic_conversations(20, 0)
+    assert rendered == {tokenizer.apply_chat_template(c, tokenize=False) for c in conversations}
+    replies = {c[-1]["content"] + "<|im_end|>\n" for c in conversations}
+    assert {run for i, l in zip(ids, labels) for run in labelled_text(tokenizer, i, l)} == replies
+    assert [c[-1] for c in conversations] == [p["chosen"][-1] for p in synthetic_pairs(20, 0)]
 
 
 def test_tokenizer_without_chat_template_is_refused(tmp_path, tokenizer_dir):

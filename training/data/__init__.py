@@ -6,11 +6,11 @@ The trainer needs `build_data(cfg, dp_rank, dp_size) -> (StepBatches, tokenizer)
 `build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `data_problem(cfg)`.
 The sample order is a property of the *global* batch, never of the layout (see `StepBatches`).
 
-Files, one concept each: spec (typed config, DataError), corpus, pair_corpus (the embedded DPO pairs), tokenizer,
-rows (the columns each task reads, row checks, the reader base), jsonl and tables (the two readers), sources (what
-data.path names), encode (documents -> ids, chat masks), cache (memory-mapped token cache), samples (packed /
-padded), pairs (DPO pairs as samples and steps), split (held-out documents), stream (steps, DP sharding, resume
-position), validate (pre-launch), build (entry points).
+Files, one concept each: spec (typed config, DataError), corpus, pair_corpus (the embedded DPO pairs and SFT
+conversations), tokenizer, rows (the columns each task reads, row checks, the reader base), jsonl and tables (the
+two readers), sources (what data.path names), encode (documents -> ids, chat masks), cache (memory-mapped token
+cache), samples (packed / padded), pairs (DPO pairs as samples and steps), split (held-out documents), stream
+(steps, DP sharding, resume position), validate (pre-launch), build (entry points).
 """
 
 from parallel.step import IGNORE_INDEX, MicroBatch

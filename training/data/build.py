@@ -15,7 +15,7 @@ from training.data.cache import cache_folder, cached_documents, write_cache
 from training.data.validate import spec_problem
 from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents
-from training.data.pair_corpus import synthetic_pairs
+from training.data.pair_corpus import synthetic_conversations, synthetic_pairs
 from training.data.pairs import PairBatches, PairSamples, pair_documents
 from training.data.samples import Samples, make_samples, unlabeled_share
 from training.data.sources import Source, data_source
@@ -46,9 +46,9 @@ def source_folder(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase,
     """The token-cache folder of `key` ("data.path", "data.val_path" or the synthetic corpus)."""
     if spec.name == "synthetic":
         identity = {"synthetic": CORPUS_VERSION, "num_docs": spec.num_docs, "seed": spec.seed}
-        kind = "pairs" if spec.preference else "seed"
+        kind = "pairs" if spec.preference else "chat" if spec.chat else "seed"
         return cache_folder(spec.cache_dir, f"synthetic-{kind}{spec.seed}-docs{spec.num_docs}", identity,
-                            tokenizer, spec.preference, spec.preference)
+                            tokenizer, spec.chat, spec.preference)
     source = source or data_source(spec, key)
     return cache_folder(spec.cache_dir, source.label(), source.identity(), tokenizer, spec.chat, spec.preference)
 
@@ -61,9 +61,11 @@ def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBas
         def build() -> None:
             if spec.preference:  # the embedded DPO pairs: one per document of data.num_docs
                 corpus = [(row["chosen"], row["rejected"]) for row in synthetic_pairs(spec.num_docs, spec.seed)]
+            elif spec.chat:  # the embedded SFT conversations: the pairs' right answers
+                corpus = synthetic_conversations(spec.num_docs, spec.seed)
             else:
                 corpus = synthetic_corpus(spec.num_docs, spec.seed)
-            write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, spec.preference,
+            write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, spec.chat,
                         total=len(corpus) if verbose else None, pairs=spec.preference)
     else:
         source = data_source(spec, key)

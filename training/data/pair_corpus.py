@@ -1,6 +1,7 @@
 """The embedded preference pairs: deterministic MiniMind DPO rows (`chosen` / `rejected` conversations) built from
 the synthetic corpus's words, where the chosen answer is right and the rejected one wrong in a learnable way: a
-wrong sum, a verb that disagrees with its subject, a skipped count, a misremembered code."""
+wrong sum, a verb that disagrees with its subject, a skipped count, a misremembered code. Their right answers alone
+are the embedded SFT conversations (`data=synthetic data.format=chat`)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,9 @@ def synthetic_pairs(num_pairs: int, seed: int) -> list[dict[str, Any]]:
         rows.append({"chosen": _conversation(question, right, system),
                      "rejected": _conversation(question, wrong, system)})
     return rows
+
+
+def synthetic_conversations(num_docs: int, seed: int) -> list[Conversation]:
+    """`num_docs` deterministic SFT rows: the right answers of `synthetic_pairs(num_docs, seed)`, so that SFT then
+    DPO on the embedded data teach the same answers (MiniMind's recipe: SFT on good replies, DPO against bad ones)."""
+    return [row["chosen"] for row in synthetic_pairs(num_docs, seed)]

@@ -40,8 +40,8 @@ def spec_problem(spec: DataSpec) -> str | None:
         return (f"train.task=sft trains on conversations; set data.format=chat or chat_packed (here data.format="
                 f"{spec.format}), or train.task=pretrain for text")
     if spec.name == "synthetic":
-        if spec.chat and not spec.preference:  # the embedded data has texts and DPO pairs, no SFT conversations
-            return f"data.format={spec.format} reads MiniMind conversations; use data=jsonl data.path=<sft .jsonl>"
+        if spec.format == "chat_packed":  # the embedded conversations are short answers, each padded to one sample
+            return "data.format=chat_packed: the embedded conversations are served one per sample; use data.format=chat"
         if spec.num_docs < 1:
             return "data.num_docs: must be >= 1"
         if spec.vocab_size < 256 + len(SPECIAL_TOKENS):
