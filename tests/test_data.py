@@ -104,6 +104,26 @@ def test_concurrent_save_keeps_the_winner(tmp_path, tokenizer):
     assert os.listdir(tmp_path) == ["tok"]
 
 
+def test_weights_trained_with_another_tokenizer_are_refused_in_one_line(tmp_path, tokenizer_dir, tokenizer):
+    """The embedded tokenizer depends on data.num_docs and data.seed: fine-tuning an export under other values would
+    read its token ids as other words, silently (the recipe's DPO step once did, and answered nonsense)."""
+    from training.data import weights_tokenizer_problem
+
+    same = spec(**SMALL, cache_dir=str(tmp_path))
+    assert weights_tokenizer_problem(tokenizer_dir, tokenizer, same) is None
+    assert weights_tokenizer_problem(None, tokenizer, same) is None
+    assert weights_tokenizer_problem(tmp_path, tokenizer, same) is None  # no tokenizer.json beside the weights
+    other_spec = spec(**{**SMALL, "num_docs": 200}, cache_dir=str(tmp_path))
+    line = weights_tokenizer_problem(tokenizer_dir, build_tokenizer(other_spec), other_spec)
+    assert line.startswith(f"checkpoint.load_dense={tokenizer_dir} was trained with another tokenizer than this run's "
+                           "(the embedded tokenizer of data.num_docs=200, data.seed=0): "), line
+    assert line.endswith(" tokens have other ids there; set data.num_docs and data.seed to those of the run that trained "
+                         "the weights"), line
+    jsonl = spec(name="jsonl", tokenizer="tok/other", cache_dir=str(tmp_path))
+    line = weights_tokenizer_problem(tokenizer_dir, build_tokenizer(other_spec), jsonl)
+    assert "(data.tokenizer=tok/other)" in line and line.endswith(f"; set data.tokenizer={tokenizer_dir}")
+
+
 def test_tokenizer_training_is_deterministic():
     corpus = synthetic_corpus(100, seed=0)
     a, b = train_bpe_tokenizer(corpus, 400), train_bpe_tokenizer(corpus, 400)

@@ -32,6 +32,7 @@ from training.data.tokenizer import (
     save_atomically,
     synthetic_tokenizer_dir,
     train_bpe_tokenizer,
+    weights_tokenizer_problem,
 )
 
 __all__ = [
@@ -40,5 +41,5 @@ __all__ = [
     "build_splits", "build_tokenizer", "build_val_batches", "data_problem", "data_spec", "encode_conversations",
     "encode_texts", "geometry", "load_tokenizer", "load_tokenizer_vocab_size", "save_atomically",
     "run_data_spec", "source_documents", "split_documents", "synthetic_corpus", "synthetic_tokenizer_dir",
-    "train_bpe_tokenizer",
+    "train_bpe_tokenizer", "weights_tokenizer_problem",
 ]

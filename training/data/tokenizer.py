@@ -126,6 +126,26 @@ def build_tokenizer(spec: DataSpec) -> PreTrainedTokenizerBase:
     return load_tokenizer(folder)
 
 
+def weights_tokenizer_problem(weights: str | Path | None, tokenizer: PreTrainedTokenizerBase, spec: DataSpec
+                              ) -> str | None:
+    """One line when the weights folder (checkpoint.load_dense) holds a tokenizer whose ids mean other tokens than
+    this run's: the model would train on text it reads as other words, and answer in them, without any error."""
+    folder = Path(weights) if weights else None
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return None  # a single weights file or a MiniMind .pth: nothing to compare with
+    theirs, ours = load_tokenizer(folder).get_vocab(), tokenizer.get_vocab()
+    if theirs == ours:
+        return None
+    differ = sum(theirs.get(token) != i for token, i in ours.items())
+    if spec.name == "synthetic" or spec.tokenizer == EMBEDDED_TOKENIZER:
+        mine = f"the embedded tokenizer of data.num_docs={spec.num_docs}, data.seed={spec.seed}"
+        fix = "set data.num_docs and data.seed to those of the run that trained the weights"
+    else:
+        mine, fix = f"data.tokenizer={spec.tokenizer}", f"set data.tokenizer={folder}"
+    return (f"checkpoint.load_dense={folder} was trained with another tokenizer than this run's ({mine}): "
+            f"{differ} of this run's {len(ours)} tokens have other ids there; {fix}")
+
+
 def tokenizer_vocab_size(spec: DataSpec) -> int:
     """Token ids the tokenizer of `spec` can produce, without training anything (synthetic: data.vocab_size)."""
     if spec.name == "synthetic" or spec.tokenizer == EMBEDDED_TOKENIZER:
