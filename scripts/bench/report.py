@@ -191,19 +191,23 @@ def _full_size(r: dict) -> list[str]:
     full = {k: v for k, v in r.get("full_size", {}).items() if not k.startswith("setup")}
     if not full:
         return []
-    s = next(v for k, v in r["full_size"].items() if k.startswith("setup"))
+    setups = {k.removeprefix("setup "): v for k, v in r["full_size"].items() if k.startswith("setup")}
+    s = next(iter(setups.values()))
+    rounds = ", ".join(f"{pp}: {v.get('rounds')}" for pp, v in setups.items())
     out = ["## The pipeline at the default size: Sluice / torch.distributed.pipelining", "",
            f"MiniMind-3 as it ships ({s.get('layers')} layers, hidden {s.get('hidden')}, vocab 6400), seq "
            f"{s.get('seq')}, micro-batch size {s.get('micro_batch_size')}, 2 micro-batches per pipeline rank; "
-           f"{s.get('rounds')} measured steps per variant after {s.get('warmup')} warm-up, both over gloo "
-           "(`scripts/bench/vs_torch.py --size default --pp N`). Peak activation memory is the largest rank's.", "",
-           "| layout, schedule | Sluice (s) | torch (s) | Sluice / torch | Sluice faster | peak activations "
-           "Sluice / torch | Sluice loss | torch loss | equal |", "|---|---|---|---|---|---|---|---|---|"]
+           f"measured steps per variant ({rounds}) after {s.get('warmup')} warm-up, both over gloo "
+           "(`scripts/bench/vs_torch.py --size default --pp N`). Peak activation memory is the largest rank's. The "
+           "paired difference is the median of Sluice's step less torch's step next to it: where it and the ratio "
+           "of medians disagree in sign, the two are within this machine's noise.", "",
+           "| layout, schedule | Sluice (s) | torch (s) | Sluice / torch | paired diff (ms) | Sluice faster | peak "
+           "activations Sluice / torch | Sluice loss | torch loss | equal |", "|---" * 10 + "|"]
     for name, v in full.items():
         peak = max(v["sluice_peak_bytes"]) / max(v["torch_peak_bytes"])
         out.append(f"| {name} | {v['sluice_s']:.3f} | {v['torch_s']:.3f} | {v['sluice_over_torch']:.3f} | "
-                   f"{v['sluice_wins']}/{v['rounds']} | {peak:.3f} | {v['sluice_loss']:.6f} | "
-                   f"{v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
+                   f"{v['paired_diff_ms']:+.1f} | {v['sluice_wins']}/{v['rounds']} | {peak:.3f} | "
+                   f"{v['sluice_loss']:.6f} | {v['torch_loss']:.6f} | {'yes' if v['losses_equal'] else 'no'} |")
     return out + [""]
 
 
