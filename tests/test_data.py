@@ -117,8 +117,8 @@ def test_weights_trained_with_another_tokenizer_are_refused_in_one_line(tmp_path
     line = weights_tokenizer_problem(tokenizer_dir, build_tokenizer(other_spec), other_spec)
     assert line.startswith(f"checkpoint.load_dense={tokenizer_dir} was trained with another tokenizer than this run's "
                            "(the embedded tokenizer of data.num_docs=200, data.seed=0): "), line
-    assert line.endswith(" tokens have other ids there; set data.num_docs and data.seed to those of the run that trained "
-                         "the weights"), line
+    assert line.endswith(" tokens have other ids there; set data.num_docs and data.seed to those of the run that "
+                         "trained the weights"), line
     jsonl = spec(name="jsonl", tokenizer="tok/other", cache_dir=str(tmp_path))
     line = weights_tokenizer_problem(tokenizer_dir, build_tokenizer(other_spec), jsonl)
     assert "(data.tokenizer=tok/other)" in line and line.endswith(f"; set data.tokenizer={tokenizer_dir}")
