@@ -104,24 +104,37 @@ def test_concurrent_save_keeps_the_winner(tmp_path, tokenizer):
     assert os.listdir(tmp_path) == ["tok"]
 
 
-def test_weights_trained_with_another_tokenizer_are_refused_in_one_line(tmp_path, tokenizer_dir, tokenizer):
+def test_weights_trained_with_another_tokenizer_are_refused_in_one_line(tmp_path, tokenizer_dir, capsys):
     """The embedded tokenizer depends on data.num_docs and data.seed: fine-tuning an export under other values would
-    read its token ids as other words, silently (the recipe's DPO step once did, and answered nonsense)."""
+    read its token ids as other words, silently (the recipe's DPO step once did, and answered nonsense). Refused
+    before launch."""
+    from training.cli import preflight
+    from training.config import register_schema
     from training.data import weights_tokenizer_problem
 
     same = spec(**SMALL, cache_dir=str(tmp_path))
-    assert weights_tokenizer_problem(tokenizer_dir, tokenizer, same) is None
-    assert weights_tokenizer_problem(None, tokenizer, same) is None
-    assert weights_tokenizer_problem(tmp_path, tokenizer, same) is None  # no tokenizer.json beside the weights
+    assert weights_tokenizer_problem(tokenizer_dir, same) is None
+    assert weights_tokenizer_problem(None, same) is None
+    assert weights_tokenizer_problem(tmp_path, same) is None  # no tokenizer.json beside the weights
     other_spec = spec(**{**SMALL, "num_docs": 200}, cache_dir=str(tmp_path))
-    line = weights_tokenizer_problem(tokenizer_dir, build_tokenizer(other_spec), other_spec)
+    line = weights_tokenizer_problem(tokenizer_dir, other_spec)
     assert line.startswith(f"checkpoint.load_dense={tokenizer_dir} was trained with another tokenizer than this run's "
                            "(the embedded tokenizer of data.num_docs=200, data.seed=0): "), line
     assert line.endswith(" tokens have other ids there; set data.num_docs and data.seed to those of the run that "
                          "trained the weights"), line
-    jsonl = spec(name="jsonl", tokenizer="tok/other", cache_dir=str(tmp_path))
-    line = weights_tokenizer_problem(tokenizer_dir, build_tokenizer(other_spec), jsonl)
-    assert "(data.tokenizer=tok/other)" in line and line.endswith(f"; set data.tokenizer={tokenizer_dir}")
+    other = tmp_path / "other"
+    build_tokenizer(other_spec).save_pretrained(str(other))
+    jsonl = spec(name="jsonl", tokenizer=str(other), cache_dir=str(tmp_path))
+    line = weights_tokenizer_problem(tokenizer_dir, jsonl)
+    assert f"(data.tokenizer={other})" in line and line.endswith(f"; set data.tokenizer={tokenizer_dir}")
+
+    register_schema()
+    with pytest.raises(SystemExit) as leave:
+        preflight(["model=tiny", "data.num_docs=200", "data.vocab_size=512", f"data.cache_dir={tmp_path}",
+                   f"checkpoint.load_dense={tokenizer_dir}"])
+    assert leave.value.code == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"sluice: config error: checkpoint.load_dense={tokenizer_dir} was trained with another tokenizer")
 
 
 def test_tokenizer_training_is_deterministic():

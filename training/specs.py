@@ -10,8 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
 from parallel.preference import PreferenceLoss
-from parallel.spec import LoraSpec
-from parallel.spec import EngineSpec, PipelineSpec
+from parallel.spec import EngineSpec, LoraSpec, PipelineSpec
 from parallel.step import LANGUAGE_MODEL, Objective
 from training.config.schema import model_keys, schema_defaults
 
@@ -76,9 +75,7 @@ def default_engine_spec(pipeline: PipelineSpec, micro_batch_size: int, seq_len: 
     defaults = schema_defaults()
     settings = {field: defaults[key] for field, key in ENGINE_KEYS.items()}
     settings["dtype"] = resolve_dtype(defaults["train.dtype"], torch.device("cpu"))
-    settings["lora"] = lora_spec(OmegaConf.create({"lora": {k.split(".", 1)[1]: v for k, v in defaults.items()
-                                                            if k.startswith("lora.")},
-                                                   "train": {"seed": defaults["train.seed"]}}))
+    settings["lora"] = LoraSpec()  # lora.rank defaults to 0: no adapters
     settings["objective"] = LANGUAGE_MODEL
     return EngineSpec(pipeline, micro_batch_size, seq_len, **{**settings, **changes})
 

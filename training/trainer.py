@@ -19,7 +19,7 @@ from parallel.expert_load import ExpertLoad
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
-from training.data import DataError, build_data, build_val_batches, run_data_spec, weights_tokenizer_problem
+from training.data import build_data, build_val_batches
 from training.flops import peak_memory_record, world_group
 from training.reliability.guard import StepGuard
 from training.metrics import MetricsLogger
@@ -78,8 +78,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero,
                                          edp_group=grid.edp_group)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
-        if problem := weights_tokenizer_problem(cfg.checkpoint.load_dense, self.tokenizer, run_data_spec(cfg)):
-            raise DataError(problem)
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)
         self.dpo = OmegaConf.select(cfg, "train.task") == "dpo"

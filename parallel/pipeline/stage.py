@@ -63,11 +63,6 @@ class Stage:
         return _sum64(self.loss_parts, self.device, self.objective.width)
 
     @property
-    def loss_sum(self) -> torch.Tensor:
-        """The step's loss sum so far (float64, on the device)."""
-        return self.loss_sums[0]
-
-    @property
     def aux_sum(self) -> torch.Tensor:
         """The step's aux-loss sum so far (float64, on the device)."""
         return _sum64(self.aux_parts, self.device)

@@ -182,16 +182,21 @@ def validate_lora(cfg: DictConfig) -> list[str]:
 
 
 def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Data source and files (the data module's own check), and the tokenizer's ids against the model's."""
-    from training.data import DataError, data_problem, load_tokenizer_vocab_size
+    """Data source and files (the data module's own check), and the tokenizer's ids against the model's and against
+    the tokenizer beside the initial weights."""
+    from training.data import DataError, data_problem, load_tokenizer_vocab_size, run_data_spec, \
+        weights_tokenizer_problem
 
     problem = data_problem(cfg, dp=resolved_dp(cfg, world_size))
     if problem:
         raise ConfigError(problem)
     try:
         vocab = load_tokenizer_vocab_size(cfg)  # synthetic: data.vocab_size, known without training it
+        problem = weights_tokenizer_problem(cfg.checkpoint.load_dense, run_data_spec(cfg))
     except DataError as error:
         raise ConfigError(str(error)) from None
+    if problem:
+        raise ConfigError(problem)
     model_vocab = model_config(cfg).vocab_size
     if vocab > model_vocab:
         raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size={model_vocab}; "

@@ -126,14 +126,14 @@ def build_tokenizer(spec: DataSpec) -> PreTrainedTokenizerBase:
     return load_tokenizer(folder)
 
 
-def weights_tokenizer_problem(weights: str | Path | None, tokenizer: PreTrainedTokenizerBase, spec: DataSpec
-                              ) -> str | None:
+def weights_tokenizer_problem(weights: str | Path | None, spec: DataSpec) -> str | None:
     """One line when the weights folder (checkpoint.load_dense) holds a tokenizer whose ids mean other tokens than
-    this run's: the model would train on text it reads as other words, and answer in them, without any error."""
+    the tokenizer of `spec`: the model would train on text it reads as other words, and answer in them, without any
+    error. The vocabularies are compared, not the `fingerprint`: a chat template of its own changes no token id."""
     folder = Path(weights) if weights else None
     if folder is None or not (folder / "tokenizer.json").is_file():
         return None  # a single weights file or a MiniMind .pth: nothing to compare with
-    theirs, ours = load_tokenizer(folder).get_vocab(), tokenizer.get_vocab()
+    theirs, ours = load_tokenizer(folder).get_vocab(), build_tokenizer(spec).get_vocab()
     if theirs == ours:
         return None
     differ = sum(theirs.get(token) != i for token, i in ours.items())
