@@ -10,6 +10,7 @@ from torch import nn
 
 from minimind import MiniMindConfig
 from minimind.model import Attention, FeedForward
+from models.initialization import init_parameter
 from models.sizes import tp_sizes
 from parallel.recompute import MODES, GatedActivation, SdpaCore
 
@@ -19,6 +20,7 @@ class MiniMindAdapter:
 
     def __init__(self, model: nn.Module):
         self.config: MiniMindConfig = model.config
+        self.dense = model  # as built (on the meta device in a run): its modules and `_init_weights`, never values
 
     def embed(self, base: nn.Module, embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return base.dropout(embedding(input_ids))
@@ -31,13 +33,15 @@ class MiniMindAdapter:
         return layer(hidden, inputs["cos"], inputs["sin"])
 
     def init_tensor(self, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-        """normal(0, initializer_range) for every weight, ones for the norms (MiniMind's `_init_weights`)."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        return torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=generator)
+        """MiniMind's own `_init_weights` on the parameter's module: normal(0, initializer_range), ones for norms."""
+        owner = self.dense.get_submodule(name.rpartition(".")[0])
+        return init_parameter(self.dense._init_weights, owner, name, shape, generator)
 
     def init_buffers(self, module: nn.Module) -> None:
         module.model.reset_rope()
+
+    def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
+        return None  # MiniMind's planned modules are plain nn.Linear / nn.Embedding
 
     def selective_recompute(self, layer: nn.Module) -> list:
         """The attention core (q/k norms, SDPA) and each SwiGLU's silu(gate) * up, experts' included."""

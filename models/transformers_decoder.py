@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from models.initialization import init_module_buffers, init_parameter
 from models.sizes import tp_sizes
 from parallel.decoder import DecoderPlan
 from parallel.recompute import GatedActivation, SdpaCore
@@ -22,9 +23,8 @@ class TransformersDecoderAdapter:
 
     def __init__(self, model: nn.Module):
         self.config = config = model.config
+        self.dense = model  # as built (on the meta device in a run): its modules and `_init_weights`, never values
         plan = DecoderPlan.of(model)
-        self.embedding_weight = f"{plan.embedding}.weight"
-        self.padding_idx = getattr(model.get_submodule(plan.embedding), "padding_idx", None)
         recorded = getattr(type(model), "_can_record_outputs", None) or {}
         attention, router = recorded.get("attentions"), recorded.get("router_logits")
         self.attention_class = getattr(attention, "target_class", attention)
@@ -91,22 +91,17 @@ class TransformersDecoderAdapter:
     # --- weights ---------------------------------------------------------------------------------------------------
 
     def init_tensor(self, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-        """transformers' `_init_weights` for these families: normal(0, initializer_range) for weights (experts and
-        routers included), ones for norms, zeros for biases, the padding row of the embedding zero."""
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        if name.endswith(".bias"):
-            return torch.zeros(shape)
-        tensor = torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=generator)
-        if name == self.embedding_weight and self.padding_idx is not None:
-            tensor[self.padding_idx] = 0.0
-        return tensor
+        """The family's own `_init_weights` on the parameter's module (normal weights, the norms as the class
+        centres them, zero biases, a zero padding row), drawn from `generator`."""
+        owner = self.dense.get_submodule(name.rpartition(".")[0])
+        return init_parameter(self.dense._init_weights, owner, name, shape, generator)
 
     def init_buffers(self, module: nn.Module) -> None:
-        """The rotary tables (`inv_freq`), by transformers' own `_init_weights` for rotary modules."""
-        for sub in module.modules():
-            if "RotaryEmbedding" in type(sub).__name__ and hasattr(sub, "original_inv_freq"):
-                module._init_weights(sub)
+        """Every buffer (rotary tables, scales) by the family's own `_init_weights` for the module holding it."""
+        init_module_buffers(module._init_weights, module)
+
+    def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
+        return None  # these families' planned modules are plain nn.Linear / nn.Embedding
 
     # --- what the planner, recompute and TP need to know -------------------------------------------------------
 

@@ -45,8 +45,14 @@ class FamilyAdapter(Protocol):
         only its own parameters, each seeded by its name, and every layout starts from the same weights."""
 
     def init_buffers(self, module: nn.Module) -> None:
-        """Recompute the non-persistent buffers (rotary tables) of a module materialised from the meta device:
-        they are computed, never stored, so no weight source holds them."""
+        """Compute every buffer (rotary tables, scales) of a module materialised from the meta device, whose
+        buffers read NaN until then: they are computed, never stored, so no weight source holds them; one left
+        NaN is refused."""
+
+    def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
+        """The TP module standing for `dense`, a subclass of nn.Linear / nn.Embedding with behaviour of its own
+        (Gemma3's scaled embedding), built from `parallel` (the plain TP layer of its shard) so as to keep that
+        behaviour; None where the family has no such module (the TP pass then refuses it)."""
 
     def selective_recompute(self, layer: nn.Module) -> list[Any]:
         """The blocks of one layer that `train.recompute=selective` recomputes (`parallel.recompute` targets):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from parallel.decoder import Decoder
+from parallel.decoder import ContractError, Decoder
 from parallel.tensor_pass import local_block
 
 # (dense name, dense shape) -> a dense tensor the caller owns: a fresh one per call, never shared with another
@@ -72,11 +72,34 @@ def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, 
                              param.requires_grad)
         torch.utils.swap_tensors(param, fresh)
         param.__dict__.update(fresh.__dict__)  # swap_tensors swapped the attributes too: take them back
-    for owner in module.modules():
+    unset = []
+    for owner_name, owner in module.named_modules():
         for key, buffer in owner._buffers.items():
-            if buffer is not None and buffer.is_meta:  # non-persistent tables, recomputed below
-                owner._buffers[key] = torch.empty_like(buffer, device=device)
-    decoder.adapter.init_buffers(module)  # rotary tables are computed, never stored
+            if buffer is not None and buffer.is_meta:  # non-persistent tables and scales, computed below
+                owner._buffers[key] = fresh = _unset_buffer(buffer, device)
+                unset.append((f"{owner_name}.{key}".lstrip("."), owner, key, fresh, fresh._version))
+    decoder.adapter.init_buffers(module)  # computed, never stored: no weight source holds them
+    for name, owner, key, fresh, version in unset:
+        buffer = owner._buffers.get(key)
+        if buffer is None or buffer.is_meta or _still_unset(buffer, fresh, version):
+            raise ContractError(f"{name}: a buffer that {type(decoder.adapter).__name__}.init_buffers leaves unset "
+                                "after materialising from the meta device; compute it there (as the family's "
+                                "_init_weights does)")
+
+
+def _unset_buffer(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Storage for a meta buffer that reads as unset: NaN where the dtype has it (so a forgotten one poisons the
+    loss rather than passing for a value), zeros otherwise (checked by its version counter instead)."""
+    if buffer.is_floating_point() or buffer.is_complex():
+        return torch.full_like(buffer, float("nan"), device=device)
+    return torch.zeros_like(buffer, device=device)
+
+
+def _still_unset(buffer: torch.Tensor, fresh: torch.Tensor, version: int) -> bool:
+    """True when the adapter left a buffer as `_unset_buffer` made it (NaN anywhere, or never written)."""
+    if buffer.is_floating_point() or buffer.is_complex():
+        return bool(torch.isnan(buffer).any())
+    return buffer is fresh and buffer._version == version
 
 
 def is_meta(module: nn.Module) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .collectives import all_reduce_
-from .decoder import Decoder
+from .decoder import ContractError, Decoder
 from .grid import ParallelGrid
 from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region,
                      reduce_from_tp_region)
@@ -72,7 +72,8 @@ def shard_modules(decoder: Decoder, grid: ParallelGrid) -> Decoder:
         elif style == "moe_tp_experts":
             target.forward = _ExpertsInRegion(target.forward, grid.tp_group)
         elif style != "replicated_with_grad_allreduce":
-            setattr(model.get_submodule(parent), child, _parallel_module(target, style, grid, shards))
+            setattr(model.get_submodule(parent), child,
+                    _parallel_module(name, target, style, grid, shards, decoder.adapter))
     return decoder
 
 
@@ -136,7 +137,8 @@ class _ExpertsInRegion:
         return reduce_from_tp_region(out, self.group)
 
 
-def _parallel_module(module: nn.Module, style: str, grid: ParallelGrid, shards: dict) -> nn.Module:
+def _parallel_module(name: str, module: nn.Module, style: str, grid: ParallelGrid, shards: dict,
+                     adapter) -> nn.Module:
     """The TP replacement of one dense module under style."""
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
         raise ValueError(f"apply_tensor_parallel: model already has TP modules ({type(module).__name__})")
@@ -149,6 +151,20 @@ def _parallel_module(module: nn.Module, style: str, grid: ParallelGrid, shards: 
         new = VocabParallelEmbedding.from_dense(module, grid, weight=tied)
     else:
         raise ValueError(f"apply_tensor_parallel: style {style!r} does not apply to {type(module).__name__}")
+    if type(module) not in (nn.Linear, nn.Embedding):  # a subclass: its own forward would be dropped silently
+        new = _keeping_behaviour(name, module, new, adapter)
     if style != "rowwise":  # only row-sliced (dim 0) shards can stand for a tied partner
         shards[id(module.weight)] = new.weight
     return new
+
+
+def _keeping_behaviour(name: str, module: nn.Module, parallel: nn.Module, adapter) -> nn.Module:
+    """The family's TP module for a subclass of nn.Linear / nn.Embedding (Gemma3's scaled embedding): the plain TP
+    layer would compute the base class's forward only, so the adapter must say how to keep the subclass's."""
+    kept = adapter.tp_module(module, parallel)
+    if kept is None:
+        base = "nn.Linear" if isinstance(module, nn.Linear) else "nn.Embedding"
+        raise ContractError(f"{name} is a {type(module).__name__}, a subclass of {base} that {type(parallel).__name__} "
+                            f"would replace by the base class's forward; {type(adapter).__name__}.tp_module must "
+                            "return a TP module keeping its behaviour")
+    return kept
