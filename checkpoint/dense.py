@@ -1,6 +1,7 @@
 """Dense checkpoints (HF folder, .safetensors, MiniMind .pth): read the global-key state_dict, load it strictly."""
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -27,28 +28,81 @@ def load_weights_only(path: Path, **kwargs) -> Any:
                               "one from a source you trust") from None
 
 
-def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
-    """A transformers save_pretrained folder: single or sharded safetensors, or pytorch_model.bin."""
-    if (folder / "model.safetensors").exists():
-        return load_file(folder / "model.safetensors")
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
-    if (folder / "pytorch_model.bin").exists():
-        return load_weights_only(folder / "pytorch_model.bin")
+WEIGHTS, INDEX, TORCH_BIN = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
+LOAD_DENSE = "checkpoint.load_dense"  # how a refused file of a weights folder or file is introduced
+
+
+def folder_weights(folder: Path) -> Path:
+    """The weights file of a transformers save_pretrained folder (single safetensors, a shard index or
+    pytorch_model.bin), a regular file inside the folder (checked by stat, unopened)."""
+    from checkpoint.confine import inside  # confine imports CheckpointError from here
+
+    for name in (WEIGHTS, INDEX, TORCH_BIN):
+        if os.path.lexists(folder / name):
+            return inside(folder, name, LOAD_DENSE)
     raise CheckpointError(f"checkpoint.load_dense={folder}: no model.safetensors, model.safetensors.index.json "
                           "or pytorch_model.bin in that folder")
 
 
+def index_shards(folder: Path, weight_map: dict[str, Any]) -> dict[str, Path]:
+    """key -> the shard file a safetensors index names for it, each a regular file inside `folder` (not opened)."""
+    from checkpoint.confine import inside
+
+    if not all(isinstance(name, str) for name in weight_map.values()):
+        raise CheckpointError(f"checkpoint.load_dense={folder / INDEX}: its weight_map must map each key to a shard "
+                              "file name; the index is corrupt: write it again (save_pretrained)")
+    shards = {name: inside(folder, name, LOAD_DENSE) for name in sorted(set(weight_map.values()))}
+    return {key: shards[name] for key, name in weight_map.items()}
+
+
+def read_index(file: Path) -> dict[str, Any]:
+    """The key -> shard file name map of a safetensors index (`model.safetensors.index.json`)."""
+    try:
+        weight_map = json.loads(file.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint.load_dense={file} is not a readable safetensors index "
+                              f"({type(error).__name__}); write it again (save_pretrained)") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"checkpoint.load_dense={file}: its weight_map is not a key -> shard file map; write it "
+                              "again (save_pretrained)")
+    return weight_map
+
+
+def check_dense_files(path: str | Path) -> None:
+    """Before launch: the files the dense checkpoint at `path` is read from are regular files (inside its folder for
+    an HF folder), checked by stat; only a shard index is opened."""
+    from checkpoint.confine import regular_file
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
+                              "or a MiniMind .pth file")
+    if not path.is_dir():
+        regular_file(path, LOAD_DENSE)
+    elif (file := folder_weights(path)).name == INDEX:
+        index_shards(path, read_index(file))
+
+
+def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """A transformers save_pretrained folder: single or sharded safetensors, or pytorch_model.bin."""
+    file = folder_weights(folder)
+    if file.name == INDEX:
+        shards = sorted(set(index_shards(folder, read_index(file)).values()))
+        return {k: v for shard in shards for k, v in load_file(shard).items()}
+    return load_file(file) if file.name == WEIGHTS else load_weights_only(file)
+
+
 def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The global-key state_dict stored at `path`, on the CPU."""
+    from checkpoint.confine import regular_file
+
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
                               "or a MiniMind .pth file")
     if path.is_dir():
         return _read_folder(path)
+    regular_file(path, LOAD_DENSE)  # a FIFO would block the read forever
     if path.suffix == ".safetensors":
         return load_file(path)
     state = load_weights_only(path)

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from checkpoint.conversions import build, converted_keys
-from checkpoint.dense import CheckpointError, check_keys, load_weights_only
+from checkpoint.confine import regular_file
+from checkpoint.dense import INDEX, LOAD_DENSE, WEIGHTS, CheckpointError, check_keys, folder_weights, index_shards, \
+    load_weights_only, read_index
 from parallel.materialize import WeightSource
 
 Reader = Callable[[str], torch.Tensor]
@@ -54,22 +56,18 @@ def _open(path: Path) -> tuple[list[str], Reader]:
     """The checkpoint's keys and a reader of one key, without loading the rest."""
     if path.is_dir():
         return _open_folder(path)
+    regular_file(path, LOAD_DENSE)  # a FIFO would block the first read forever
     if path.suffix == ".safetensors":
         return _open_safetensors({None: path})
     return _open_torch(path)
 
 
 def _open_folder(folder: Path) -> tuple[list[str], Reader]:
-    if (folder / "model.safetensors").exists():
-        return _open_safetensors({None: folder / "model.safetensors"})
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return _open_safetensors({k: folder / f for k, f in weight_map.items()})
-    if (folder / "pytorch_model.bin").exists():
-        return _open_torch(folder / "pytorch_model.bin")
-    raise CheckpointError(f"checkpoint.load_dense={folder}: no model.safetensors, model.safetensors.index.json "
-                          "or pytorch_model.bin in that folder")
+    """A save_pretrained folder; every file it names is a regular file inside it (`folder_weights`, `index_shards`)."""
+    file = folder_weights(folder)
+    if file.name == INDEX:
+        return _open_safetensors(index_shards(folder, read_index(file)))
+    return _open_safetensors({None: file}) if file.name == WEIGHTS else _open_torch(file)
 
 
 # safetensors dtype names -> torch dtypes (the format's own table).

@@ -19,6 +19,7 @@ from torch import nn
 
 import minimind
 from checkpoint.adapters import save_adapters
+from checkpoint.confine import files_inside
 from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
 from checkpoint.safe_reader import SafeReader
@@ -74,18 +75,28 @@ def build_model(record: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Mo
     return model.eval()
 
 
-def copy_tokenizer(source: Path, out_dir: Path) -> bool:
-    """Copy the tokenizer files found in `source` into `out_dir`; False when there are none."""
-    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+def tokenizer_files(source: Path, root: Path | None = None) -> list[Path]:
+    """The tokenizer files in `source`, each a regular file inside `root` (default: `source` itself): a symlink that
+    leaves it, a FIFO or a device is refused (stat only) before anything is copied or written."""
+    root = source if root is None else root
+    names = [str(source.relative_to(root) / name) for name in TOKENIZER_FILES]
+    return files_inside(root, names, "tokenizer" if root == source else "checkpoint tokenizer")
+
+
+def copy_tokenizer(files: list[Path], out_dir: Path) -> bool:
+    """Copy the tokenizer `files` (checked by `tokenizer_files`) into `out_dir`; False when there are none."""
     for file in files:
         shutil.copy(file, out_dir / file.name)
     return bool(files)
 
 
-def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-    """config.json, safetensors weights and (if given) the tokenizer; a MiniMind folder adds its modeling files
-    and the auto_map that names them."""
+def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                   root: str | Path | None = None) -> Path:
+    """config.json, safetensors weights and (if given) the tokenizer, its files inside `root` (default: the
+    tokenizer folder); a MiniMind folder adds its modeling files and the auto_map that names them."""
     out_dir = Path(out_dir)
+    tokenizer = [] if tokenizer_dir is None else \
+        tokenizer_files(Path(tokenizer_dir), None if root is None else Path(root))  # refused before any write
     if not native(model.config):
         model.config.auto_map = dict(AUTO_MAP)
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -93,8 +104,7 @@ def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | P
         source = Path(minimind.__file__).parent
         for name in MODELING_FILES:
             shutil.copy(source / name, out_dir / name)
-    if tokenizer_dir is not None:
-        copy_tokenizer(Path(tokenizer_dir), out_dir)
+    copy_tokenizer(tokenizer, out_dir)
     return out_dir
 
 
@@ -134,4 +144,5 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapte
         return save_pth(model, out)
     if fmt != "hf":
         raise CheckpointError(f"--format {fmt}: use hf or pth")
-    return save_hf_folder(model, out, locate(path) / TOKENIZER)
+    folder = locate(path)
+    return save_hf_folder(model, out, folder / TOKENIZER, root=folder)  # a tokenizer link may not leave the checkpoint

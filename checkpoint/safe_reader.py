@@ -5,7 +5,9 @@ names on `checkpoint.resume=<path>`, `resume=auto` or an export. `SafeReader` un
 `find_class` that admits only what DCP's metadata is made of (its metadata dataclasses, torch.Size, dtypes,
 layouts, memory formats, paths) and refuses anything else in one line naming the file and the class. A key
 stored as pickled bytes (BytesStorageMetadata) is refused too: DCP would `torch.load(weights_only=False)` it.
-Tensor data (`*.distcp`) DCP already reads with `torch.load(weights_only=True)`.
+Tensor data (`*.distcp`) DCP already reads with `torch.load(weights_only=True)`; the files it names are checked to
+sit inside the checkpoint folder as regular files (`confine.inside`) before DCP opens any: a storage path such as
+`../step_5/__0_0.distcp` or `/elsewhere/__0_0.distcp` would load another checkpoint's weights, a FIFO would block.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
+from checkpoint.confine import inside
 from checkpoint.dense import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -71,13 +75,26 @@ def load_metadata(path: Path) -> Metadata:
     return metadata
 
 
+def check_storage(folder: Path, metadata: Metadata) -> None:
+    """Every file the metadata names for tensor data is a regular file inside `folder` (stat only, none opened)."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not all(isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+                                                for info in storage.values()):
+        raise CheckpointError(f"checkpoint {folder}: its {METADATA_FILE} does not name the files its tensors are "
+                              "stored in; the checkpoint is corrupt: resume from another one")
+    for name in sorted({info.relative_path for info in storage.values()}):
+        inside(folder, name, "checkpoint")
+
+
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file-system reader with the metadata read through `load_metadata`."""
+    """DCP's file-system reader with the metadata read through `load_metadata` and its storage files confined."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        metadata = load_metadata(Path(self.path) / name)
+        folder = Path(self.path)
+        metadata = load_metadata(inside(folder, name, "checkpoint"))  # a FIFO is refused here, never opened
+        check_storage(folder, metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -214,6 +214,13 @@ def validate_checkpoint(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.load_dense={dense} is a training checkpoint, not dense weights; continue it "
                           f"with checkpoint.resume={dense}, or export it first (scripts/export_hf.py {dense} OUT) "
                           "and load OUT")
+    if dense:
+        from checkpoint.dense import CheckpointError, check_dense_files
+
+        try:
+            check_dense_files(dense)  # inside its folder, regular files: a FIFO would block every rank
+        except CheckpointError as error:
+            raise ConfigError(str(error)) from None
     for key in ("checkpoint.dir", "data.cache_dir"):
         if (value := OmegaConf.select(cfg, key)) and (problem := output_dir_problem(value, key)):
             raise ConfigError(problem)

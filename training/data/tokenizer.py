@@ -27,6 +27,9 @@ CHATML_TEMPLATE = (
 # Bump when `synthetic_corpus` or the embedded tokenizer changes, so cached tokenizers are rebuilt.
 CORPUS_VERSION = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The files AutoTokenizer may read from a weights folder (config.json when tokenizer_config names no class).
+WEIGHTS_FOLDER_READS = (*TOKENIZER_FILES, "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                        "vocab.json", "merges.txt", "tokenizer.model", "config.json")
 
 
 def synthetic_tokenizer_dir(spec: DataSpec) -> Path:
@@ -131,6 +134,10 @@ def weights_tokenizer_problem(weights: str | Path | None, spec: DataSpec) -> str
     the tokenizer of `spec`: the model would train on text it reads as other words, and answer in them, without any
     error. The vocabularies are compared, not the `fingerprint`: a chat template of its own changes no token id."""
     folder = Path(weights) if weights else None
+    if folder is not None and folder.is_dir():  # what transformers may open there: inside it, regular (a FIFO blocks)
+        from checkpoint.confine import files_inside
+
+        files_inside(folder, WEIGHTS_FOLDER_READS, "checkpoint.load_dense", DataError)
     if folder is None or not (folder / "tokenizer.json").is_file():
         return None  # a single weights file or a MiniMind .pth: nothing to compare with
     theirs, ours = load_tokenizer(folder).get_vocab(), build_tokenizer(spec).get_vocab()
