@@ -4,6 +4,7 @@ fails instead of hanging the suite)."""
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from checkpoint.dense import CheckpointError, check_dense_files, read_dense_state_dict
 from checkpoint.dense_source import dense_source
 from checkpoint.export import export_checkpoint, read_training_weights
-from checkpoint.manager import TOKENIZER, check_resume
+from checkpoint.manager import TOKENIZER, check_resume, find_checkpoint
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from parallel.grid import ParallelGrid
 from tests.conftest import ROOT
@@ -45,7 +46,7 @@ def saved(tmp_path_factory) -> Path:
 def copied_checkpoint(saved: Path, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(saved, run)
-    return next((run / "checkpoints").iterdir())
+    return find_checkpoint(run)
 
 
 def within_limit(call: Callable[[], object], fifos: list[Path]) -> tuple[object, BaseException | None]:
@@ -93,7 +94,17 @@ def storage_pointed_elsewhere(checkpoint: Path, how: str) -> str:
         target = f"../{other.name}/{info.relative_path}" if how == "relative" else str(other / info.relative_path)
         metadata.storage_data[key] = dataclasses.replace(info, relative_path=target)
     (checkpoint / METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    reseal(checkpoint)
     return target
+
+
+def reseal(checkpoint: Path) -> None:
+    """Record the tampered files' sha256 where the checkpoint keeps checksums, as a crafted checkpoint would."""
+    sums = checkpoint / "SHA256SUMS"
+    if sums.exists():
+        names = [line.partition("  ")[2] for line in sums.read_text().splitlines()]
+        sums.write_text("".join(f"{hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()}  {name}\n"
+                                for name in names))
 
 
 @pytest.mark.parametrize("how", ["relative", "absolute"])
@@ -254,3 +265,22 @@ def test_an_hf_folder_with_its_shards_inside_still_loads(tmp_path):
     check_dense_files(folder)
     assert torch.equal(read_dense_state_dict(folder)["w"], torch.arange(2.0))
     assert torch.equal(dense_source(folder, {"w": (2,)}, {})("w", (2,)), torch.arange(2.0))
+
+
+def test_a_dense_export_refuses_a_tokenizer_link_leaving_its_folder(saved, tmp_path, capsys):
+    """`export_hf.py DENSE OUT --tokenizer DIR`: DIR is the boundary of the tokenizer files copied."""
+    from checkpoint.export import export_checkpoint as export
+
+    weights = export(find_checkpoint(saved), tmp_path / "weights.pth", fmt="pth")
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(find_checkpoint(saved) / TOKENIZER, tokenizer)
+    (tmp_path / "secret.json").write_text("{}")
+    (tokenizer / "special_tokens_map.json").unlink(missing_ok=True)
+    (tokenizer / "special_tokens_map.json").symlink_to(tmp_path / "secret.json")
+    out = tmp_path / "out"
+    line = one_line_failure(script("export_hf"), [str(weights), str(out), "--tokenizer", str(tokenizer), "model=tiny"],
+                            capsys)
+    assert line == (f"export_hf: tokenizer: {tokenizer / 'special_tokens_map.json'} leads outside {tokenizer} (to "
+                    f"{tmp_path / 'secret.json'}); a folder's files must sit inside it (replace the link with the file "
+                    "itself)"), line
+    assert not out.exists()
