@@ -144,6 +144,17 @@ def test_a_fifo_as_metadata_is_refused_before_launch_and_by_export(saved, tmp_pa
     assert not (tmp_path / "again").exists()
 
 
+def test_a_fifo_as_a_tensor_file_is_refused_before_dcp_reads(saved, tmp_path):
+    checkpoint = copied_checkpoint(saved, tmp_path)
+    fifo = next(checkpoint.glob("*.distcp"))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    problem, _ = within_limit(lambda: check_resume(str(checkpoint), None, {"name": "tiny"}), [fifo])
+    assert problem == f"checkpoint: {fifo} is a FIFO, not a regular file; refusing to open it (replace it with the " \
+        "real file)", problem
+    refused(lambda: read_training_weights(checkpoint), fifo)
+
+
 # --- export: the tokenizer folder of a checkpoint ------------------------------------------------------------------
 
 def test_a_tokenizer_symlink_leaving_the_checkpoint_is_refused_and_nothing_is_exported(saved, tmp_path, capsys):
