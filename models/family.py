@@ -12,16 +12,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
-from models.minimind import MiniMindAdapter
-from models.transformers_decoder import TransformersDecoderAdapter
+from models.config_values import config_values_problem
+from models.registry import ADAPTERS
 from parallel.decoder import ContractError, Decoder, DecoderPlan
 
 ROOT = Path(__file__).resolve().parent.parent  # presets name their config.json relative to the repository
-ADAPTERS = {"minimind": MiniMindAdapter, "llama": TransformersDecoderAdapter, "qwen3": TransformersDecoderAdapter,
-            "qwen3_moe": TransformersDecoderAdapter}
 SUPPORTED = ", ".join(ADAPTERS)
 MINIMIND_ONLY = ("dropout", "use_moe")  # MiniMind's own switches; transformers' families take theirs from config.json
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
@@ -55,9 +54,13 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
         data = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as error:
         raise ModelError(f"model.hf_config={folder}: config.json is not readable JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"model.hf_config={folder}: config.json holds {type(data).__name__}, not an object of fields")
     model_type = data.get("model_type")
     if model_type not in ADAPTERS:
         raise ModelError(_unsupported(folder, model_type))
+    if problem := config_values_problem({**data, **given}, f"model.hf_config={folder}: config.json's"):
+        raise ModelError(problem)
     if model_type == "minimind":
         _check_minimind_fields({**data, **given})
         return MiniMindConfig(**{**_plain(data), **given})
@@ -68,7 +71,11 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
                              "config.json or drop the override")
     if "rope_theta" in given and isinstance(data.get("rope_parameters"), dict):
         data["rope_parameters"] = {**data["rope_parameters"], "rope_theta": given.pop("rope_theta")}
-    return AutoConfig.for_model(model_type, **{**_plain(data), **given})
+    try:
+        return AutoConfig.for_model(model_type, **{**_plain(data), **given})
+    except StrictDataclassError as error:  # transformers' own type check of the fields config_values leaves alone
+        raise ModelError(f"model.hf_config={folder}: config.json's "
+                         f"{str(error).splitlines()[-1].partition(': ')[2].lower()}; fix it in config.json") from None
 
 
 def _plain(data: dict) -> dict:

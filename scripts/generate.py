@@ -2,16 +2,22 @@
 
 Usage: python scripts/generate.py MODEL_DIR "prompt" [--chat] [--max-new-tokens N] [--temperature T]
 `--chat` sends the prompt as a user turn rendered with the folder's chat template, as SFT and DPO trained on it.
-Needs only torch and transformers: the folder carries its own modeling code (trust_remote_code), so generate only
-from folders you trust (docs/checkpoints.md). Bad input is one line and exit 2.
+The folder carries its own modeling code (trust_remote_code), so generate only from folders you trust
+(docs/checkpoints.md). Bad input (config values, a failing chat template) is one line and exit 2.
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
+from jinja2.exceptions import TemplateError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.config_values import config_values_problem  # noqa: E402
 
 
 class InputError(ValueError):
@@ -37,11 +43,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check_config_values(folder: str) -> None:
+    """The folder's config.json holds values a model can be built from (sizes, activation, rope type)."""
+    try:
+        data = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise InputError(f"{folder}: its config.json is not readable JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{folder}: its config.json holds {type(data).__name__}, not an object of fields")
+    if problem := config_values_problem(data, f"{folder}: its config.json's"):
+        raise InputError(problem)
+
+
 def loading(what: str, folder: str, load):
     """`load(folder)`, or one line saying why the folder does not load."""
     try:
         return load(folder)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, TypeError, KeyError, ZeroDivisionError, RuntimeError) as error:
+        # what a config or weights that passed check_config_values can still raise while building or loading
         raise InputError(f"{folder}: its {what} does not load: {str(error).strip().splitlines()[0]}") from None
 
 
@@ -52,8 +71,13 @@ def prompt_ids(tokenizer, prompt: str, chat: bool, folder: str) -> torch.Tensor:
         return tokenizer((tokenizer.bos_token or "") + prompt, return_tensors="pt").input_ids
     if not tokenizer.chat_template:
         raise InputError(f"{folder}: its tokenizer has no chat template; drop --chat or export with a chat tokenizer")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as error:  # a Jinja syntax error, or the template's own raise_exception(...)
+        raise InputError(f"{folder}: its chat template fails on a user turn ({type(error).__name__}: "
+                         f"{str(error).strip().splitlines()[0] if str(error).strip() else 'no message'}); fix "
+                         "chat_template in the folder or drop --chat") from None
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
 
 
@@ -71,6 +95,7 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None) 
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
+        check_config_values(args.model_dir)
         config = loading("config", args.model_dir,
                          lambda f: AutoConfig.from_pretrained(f, local_files_only=True, trust_remote_code=True))
         tokenizer = loading("tokenizer", args.model_dir,

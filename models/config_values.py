@@ -1,0 +1,73 @@
+"""The values of a model's config.json checked before any config or model is built from them.
+
+transformers builds a model from whatever config.json holds: vocab_size -5 fails deep in `nn.Embedding`, 0 heads
+divides by zero, an unknown activation or rope_type is a KeyError in the first layer. Each is one line here, naming
+the field and the fix. The choices come from transformers' own tables (ACT2FN, ROPE_INIT_FUNCTIONS), so a type the
+installed version adds is accepted without a change here. Only transformers is imported: scripts/generate.py uses
+this module too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Sizes a model allocates from: a positive integer (bool is an int to Python, not to a config).
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
+         "moe_intermediate_size", "num_local_experts")
+# Sizes whose null means "derive it" (MiniMind's widths, transformers' key/value heads and head_dim).
+DERIVED_WHEN_NULL = ("intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
+ROPE_KEYS = ("rope_parameters", "rope_scaling")
+MINIMIND_ACTIVATION = "silu"  # MiniMind's MLP runs SwiGLU whatever hidden_act says
+
+
+def config_values_problem(data: dict[str, Any], where: str) -> str | None:
+    """One line naming the first field of `data` (a config.json's fields) whose value no model can be built from,
+    or None; `where` starts the line (e.g. "model.hf_config=FOLDER: config.json's")."""
+    for name in SIZES:
+        if name in data and not (data[name] is None and name in DERIVED_WHEN_NULL):
+            value = data[name]
+            if type(value) is not int or value <= 0:
+                return f"{where} {name}={value!r} must be a positive integer; fix it in config.json"
+    for name in POSITIVE_NUMBERS:
+        value = data.get(name)
+        if name in data and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
+            return f"{where} {name}={value!r} must be a finite number > 0; fix it in config.json"
+    if "hidden_act" in data and (problem := _activation_problem(data["hidden_act"], data.get("model_type"))):
+        return f"{where} {problem}"
+    for name in ROPE_KEYS:
+        if data.get(name) is not None and (problem := _rope_problem(name, data[name])):
+            return f"{where} {problem}"
+    return None
+
+
+def _activation_problem(value: Any, model_type: str | None) -> str | None:
+    """hidden_act names an activation of transformers' ACT2FN (MiniMind: silu, the only one its MLP runs)."""
+    from transformers.activations import ACT2FN
+
+    if model_type == "minimind":
+        return None if value == MINIMIND_ACTIVATION else \
+            f"hidden_act={value!r}: MiniMind's MLP runs {MINIMIND_ACTIVATION} only; set \"hidden_act\": \"silu\""
+    if isinstance(value, str) and value in ACT2FN:
+        return None
+    return f"hidden_act={value!r} is not an activation transformers knows; use one of {', '.join(sorted(ACT2FN))}"
+
+
+def _rope_problem(name: str, value: Any) -> str | None:
+    """rope_parameters / rope_scaling: a dict (or one per attention type) whose rope_type transformers implements."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if not isinstance(value, dict):
+        return f"{name}={value!r} must be an object such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}}"
+    nested = value and all(isinstance(v, dict) for v in value.values())  # per attention type (Gemma 3)
+    for label, params in (((f"{name}.{k}", v) for k, v in value.items()) if nested else [(name, value)]):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            choices = ", ".join(["default", *sorted(ROPE_INIT_FUNCTIONS)])
+            return f"{label}: rope_type {rope_type!r} is not one transformers implements; use one of {choices}"
+        theta = params.get("rope_theta")
+        if "rope_theta" in params and (type(theta) not in (int, float) or not math.isfinite(theta) or theta <= 0):
+            return f"{label}: rope_theta={theta!r} must be a finite number > 0"
+    return None
