@@ -8,9 +8,10 @@ The sample order is a property of the *global* batch, never of the layout (see `
 
 Files, one concept each: spec (typed config, DataError), corpus, pair_corpus (the embedded DPO pairs and SFT
 conversations), tokenizer, rows (the columns each task reads, row checks, the reader base), jsonl and tables (the
-two readers), sources (what data.path names), encode (documents -> ids, chat masks), cache (memory-mapped token
-cache), samples (packed / padded), pairs (DPO pairs as samples and steps), split (held-out documents), stream
-(steps, DP sharding, resume position), validate (pre-launch), build (entry points).
+two readers), saved (a save_to_disk folder's files checked before `datasets` reads them), sources (what data.path
+names), encode (documents -> ids, chat masks), cache (memory-mapped token cache), samples (packed / padded), labels
+(samples without a label token, per split and DPO side), pairs (DPO pairs as samples and steps), split (held-out
+documents), stream (steps, DP sharding, resume position), validate (pre-launch), build (entry points).
 """
 
 from parallel.step import IGNORE_INDEX, MicroBatch

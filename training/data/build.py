@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,15 +18,15 @@ from training.data.corpus import synthetic_corpus
 from training.data.encode import Documents
 from training.data.pair_corpus import synthetic_conversations, synthetic_pairs
 from training.data.pairs import PairBatches, PairSamples, pair_documents
-from training.data.samples import Samples, make_samples, unlabeled_share
+from training.data.labels import Unlabeled, unlabeled
+from training.data.samples import Samples, make_samples
 from training.data.sources import Source, data_source
 from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, run_data_spec, section
 from training.data.split import split_documents
 from training.data.stream import StepBatches
 from training.data.tokenizer import CORPUS_VERSION, build_tokenizer, tokenizer_vocab_size
 
-# Above this share of chat samples without a label inside seq_len, most steps would train on (almost) nothing.
-MAX_UNLABELED_SHARE = 0.5
+log = logging.getLogger("sluice")
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,24 @@ def _prepare(cfg: Any, verbose: bool) -> tuple[DataSpec, Geometry, PreTrainedTok
     tokenizer = build_tokenizer(spec)
     splits = build_splits(spec, geo, tokenizer, verbose)
     if spec.chat:
-        share, looked_at = unlabeled_share(splits.train.rows if spec.preference else splits.train)
-        if share > MAX_UNLABELED_SHARE:
-            raise DataError(f"data.path: in {share:.0%} of the chat samples ({looked_at} checked) every assistant "
-                            f"token lies beyond train.seq_len={geo.seq_len}, so they would train on nothing; raise "
-                            "train.seq_len or use shorter conversations")
+        findings = unlabeled_findings(spec, splits)
+        for finding in findings:
+            if finding.refused:
+                raise DataError(finding.refusal())
+        if verbose:  # one rank names the rest; SFT training steps without a label the trainer names as they come
+            for finding in findings:
+                if finding.share > 0 and (finding.held_out or spec.preference):
+                    log.warning(finding.warning())
     return spec, geo, tokenizer, splits
+
+
+def unlabeled_findings(spec: DataSpec, splits: Splits) -> list[Unlabeled]:
+    """The unlabeled share of the training split, then of the held-out one (each side apart under DPO)."""
+    found = unlabeled(splits.train, "data.path", False, spec.preference)
+    if splits.val is not None:
+        key = "data.val_path" if spec.val_path is not None else "data.val_fraction"
+        found += unlabeled(splits.val, key, True, spec.preference)
+    return found
 
 
 def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True

@@ -22,13 +22,14 @@ from filelock import FileLock
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from training.data.encode import Documents, encode_conversations, encode_texts, token_dtype
+from training.data.encode import Documents, TemplateFailure, encode_conversations, encode_texts, token_dtype
 from training.data.tokenizer import fingerprint
 
 CACHE_VERSION = 1
 BATCH_ROWS = 1024
 BATCH_CHARS = 4 << 20  # text per tokenizer call: bounds memory, keeps the tokenizer's threads busy
 Rows = Iterable[tuple[int, Any]]  # (line or row number, payload: a text, a conversation or a pair of them)
+Doc = tuple[np.ndarray, np.ndarray | None]  # one document's token ids and its label mask (None: text)
 
 
 def cache_folder(cache_dir: str | Path, label: str, identity: dict[str, Any],
@@ -65,7 +66,7 @@ def _size(payload: Any) -> int:
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, payloads: list[Any], chat: bool, pairs: bool
-            ) -> list[list[tuple[np.ndarray, np.ndarray | None]]]:
+            ) -> list[list[Doc]]:
     """Per row, its documents as (ids, label mask or None): one, or a pair's chosen and rejected."""
     if pairs:
         encoded = encode_conversations(tokenizer, [c for pair in payloads for c in pair])
@@ -75,7 +76,19 @@ def _encode(tokenizer: PreTrainedTokenizerBase, payloads: list[Any], chat: bool,
     return [[(ids, None)] for ids in encode_texts(tokenizer, payloads)]
 
 
-def _unusable(docs: list[tuple[np.ndarray, np.ndarray | None]], chat: bool, pairs: bool) -> str | None:
+def _encode_rows(tokenizer: PreTrainedTokenizerBase, payloads: list[Any], chat: bool, pairs: bool
+                 ) -> list[list[Doc] | str]:
+    """`_encode`, with each row the chat template fails on given as its problem instead (found row by row, once a
+    batch failed: the rows that render keep their tokens)."""
+    try:
+        return _encode(tokenizer, payloads, chat, pairs)
+    except TemplateFailure as failure:
+        if len(payloads) == 1:
+            return [f"the chat template of data.tokenizer fails on it ({failure})"]
+        return [row for payload in payloads for row in _encode_rows(tokenizer, [payload], chat, pairs)]
+
+
+def _unusable(docs: list[Doc], chat: bool, pairs: bool) -> str | None:
     """Why a row's documents cannot train (no tokens, or a conversation without assistant tokens), or None."""
     for which, (ids, labels) in zip(("chosen", "rejected") if pairs else ("",), docs):
         if len(ids) == 0 or (labels is not None and not labels.any()):
@@ -98,6 +111,21 @@ def _batches(rows: Rows) -> Iterator[list[tuple[int, Any]]]:
         yield batch
 
 
+def encoded_batches(rows: Rows, reject: Callable[[int, str], None], tokenizer: PreTrainedTokenizerBase, chat: bool,
+                    pairs: bool = False) -> Iterator[tuple[int, list[list[Doc]]]]:
+    """Per tokenizer call: how many rows it read, and the documents of each usable one; a row that does not encode
+    (the chat template fails on it, or it leaves no tokens or no assistant token) goes to `reject`."""
+    for batch in _batches(rows):
+        usable = []
+        for (line, _), docs in zip(batch, _encode_rows(tokenizer, [payload for _, payload in batch], chat, pairs)):
+            problem = docs if isinstance(docs, str) else _unusable(docs, chat, pairs)
+            if problem is not None:
+                reject(line, problem)
+                continue
+            usable.append(docs)
+        yield len(batch), usable
+
+
 def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
                 tokenizer: PreTrainedTokenizerBase, chat: bool, progress: Callable[[], int] | None = None,
                 total: int | None = None, skipped: Callable[[], int] = lambda: 0, unit: str = "doc",
@@ -112,21 +140,16 @@ def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
                disable=True if total is None else None, leave=False)  # None: off when not a terminal
     try:
         with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "mask.bin", "wb") as mask:
-            for batch in _batches(rows):
-                encoded = _encode(tokenizer, [payload for _, payload in batch], chat, pairs)
+            for read, rows_docs in encoded_batches(rows, reject, tokenizer, chat, pairs):
                 kept = []
-                for (line, _), docs in zip(batch, encoded):
-                    problem = _unusable(docs, chat, pairs)
-                    if problem is not None:
-                        reject(line, problem)
-                        continue
+                for docs in rows_docs:
                     for ids, labels in docs:
                         ids.astype(dtype).tofile(tokens)
                         if labels is not None:
                             labels.tofile(mask)
                         kept.append(len(ids))
                 lengths.append(np.asarray(kept, np.int64))
-                bar.update(progress() - bar.n if progress else len(batch))
+                bar.update(progress() - bar.n if progress else read)
         offsets = np.cumsum(np.concatenate(lengths)).astype(np.int64)
         offsets.tofile(tmp / "offsets.bin")
         if not chat:

@@ -111,10 +111,23 @@ def chat_patterns(tokenizer: PreTrainedTokenizerBase) -> tuple[np.ndarray, np.nd
     return np.asarray(start, np.int64), np.asarray(end, np.int64)
 
 
+class TemplateFailure(ValueError):
+    """The tokenizer's chat template raised on a conversation; the message is the error it raised, in one line."""
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, Any]]) -> str:
+    """The conversation as the tokenizer's chat template renders it; a template that raises -> TemplateFailure."""
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception as error:  # the template is the tokenizer folder's own Jinja program: it may raise anything
+        text = (str(error).strip().splitlines() or [""])[0]
+        raise TemplateFailure(f"{type(error).__name__}{': ' + text if text else ''}") from None
+
+
 def encode_conversations(tokenizer: PreTrainedTokenizerBase,
                          conversations: list[list[dict[str, Any]]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each conversation rendered with the tokenizer's chat template: (ids, assistant-only label mask)."""
-    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    texts = [render_chat(tokenizer, c) for c in conversations]
     start, end = chat_patterns(tokenizer)
     return [(ids, assistant_mask(ids, start, end)) for ids in _ids(tokenizer, texts)]
 

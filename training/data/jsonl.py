@@ -7,6 +7,7 @@ becomes several GB), cannot name the line of a bad row, and cannot skip one.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -14,6 +15,8 @@ from typing import Any, BinaryIO
 from training.data.rows import RowReader, Task, read_row
 
 DRAIN_CHUNK = 1 << 20
+# Only a \uD800-\uDFFF escape can put a surrogate into a parsed string (a pair of them json joins into one character).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def bounded_lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
@@ -46,7 +49,22 @@ def parse_row(line: bytes, task: Task) -> tuple[Any, str | None]:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
         return None, f"line is not JSON ({error.msg} at column {error.colno})"
+    if SURROGATE_ESCAPE.search(line):
+        problem = _lone_surrogate(record)
+        if problem is not None:
+            return None, problem
     return read_row(record, task)
+
+
+def _lone_surrogate(record: Any) -> str | None:
+    """A string of the record holding a lone surrogate (valid JSON, but no character: no tokenizer encodes it)."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        escape = f"\\u{ord(error.object[error.start]):04x}"
+        return (f"a lone surrogate {escape} (a JSON escape of half a UTF-16 pair: no character, so no tokenizer "
+                "encodes it)")
+    return None
 
 
 def too_long(size: int, limit: int) -> str:

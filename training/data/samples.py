@@ -129,16 +129,6 @@ class PaddedSamples:
         return target_counts(self.take(index)[1])
 
 
-def unlabeled_share(samples: Samples, limit: int = 2000) -> tuple[float, int]:
-    """The share of samples whose labels all lie beyond seq_len (a chat cut before its first assistant token),
-    judged on up to `limit` evenly spaced samples; and how many were looked at."""
-    n = len(samples)
-    if n == 0:
-        return 0.0, 0
-    index = torch.from_numpy(np.unique(np.linspace(0, n - 1, min(n, limit)).astype(np.int64)))
-    return float((samples.label_counts(index) == 0).double().mean()), len(index)
-
-
 def make_samples(docs: Documents, fmt: str, seq_len: int, pad_id: int, eos_id: int,
                  doc_ids: np.ndarray | None = None) -> Samples:
     """Packed for "packed" and "chat_packed"; padded for "padded" and "chat" (MiniMind pads its SFT data)."""

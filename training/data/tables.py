@@ -15,6 +15,7 @@ from typing import Any
 
 from training.data.cache import file_identity, folder_identity
 from training.data.rows import RowReader, Task, read_row
+from training.data.saved import saved_folder_problem
 from training.data.spec import DataError
 
 BATCH_ROWS = 1024  # rows converted to Python objects at a time: bounds the memory of one batch
@@ -90,10 +91,14 @@ def _saved(path: str) -> Table:
     """A folder written by `Dataset.save_to_disk` (or a DatasetDict's, whose 'train' split is read)."""
     import datasets
 
+    problem = saved_folder_problem(path)  # before `datasets` trusts its JSON and opens the files it names
+    if problem is not None:
+        raise DataError(problem)
     try:
         loaded = datasets.load_from_disk(path)
-    except (FileNotFoundError, ValueError) as error:
-        raise DataError(f"folder '{path}' is not a `datasets` save_to_disk folder ({_first_line(error)})") from None
+    except Exception as error:  # what the checks cannot see (a damaged Arrow file, odd features): one line too
+        raise DataError(f"folder '{path}' is not a readable `datasets` save_to_disk folder ({type(error).__name__}: "
+                        f"{_first_line(error)})") from None
     dataset = _split(path, loaded, DEFAULT_SPLIT, "point at one split's folder (<folder>/<split>)")
     return _dataset_table(path, dataset, folder_identity(path))
 

@@ -1,24 +1,34 @@
-"""Pre-launch data validation: one line for a data config, file or tokenizer that cannot work, or for data too
-small for one global batch. Pure: it reads files and never writes one, trains nothing, tokenises nothing."""
+"""Pre-launch data validation: one line for a data config, file or tokenizer that cannot work, for data too small
+for one global batch, or for chat data whose first rows put every assistant token beyond train.seq_len. Pure: it
+reads files and never writes one, trains nothing, tokenises only the first rows of each file."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
+from training.data.cache import encoded_batches
 from training.data.corpus import MIN_DOCUMENT_WORDS, synthetic_corpus
+from training.data.encode import Documents, TemplateFailure, in_memory, render_chat
+from training.data.labels import unlabeled
+from training.data.pairs import PairSamples
+from training.data.rows import RowReader
+from training.data.samples import make_samples
 from training.data.sources import data_source, source_problem
 from training.data.spec import (FORMATS, NAMES, PACKED_FORMATS, DataError, DataSpec, Geometry, geometry, optional_field,
                                 run_data_spec)
 from training.data.split import split_documents, val_count
 from training.data.tables import table_bytes
-from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer
+from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer, synthetic_tokenizer_dir
 
 HEAD_LINES = 100  # rows read to catch a wrong file early; the loader checks every row
 SCAN_CHUNK = 1 << 20
+PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]  # any template renders it
 
 
 def spec_problem(spec: DataSpec) -> str | None:
@@ -60,25 +70,60 @@ def spec_problem(spec: DataSpec) -> str | None:
             return f"data.tokenizer: not set; {hint}"
         if not os.path.isdir(spec.tokenizer):
             return f"data.tokenizer: folder '{spec.tokenizer}' does not exist; {hint}"
-        if not any(os.path.isfile(os.path.join(spec.tokenizer, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return f"data.tokenizer: folder '{spec.tokenizer}' has neither tokenizer.json nor tokenizer_config.json; {hint}"
+        if not any(os.path.isfile(os.path.join(spec.tokenizer, f))
+                   for f in ("tokenizer.json", "tokenizer_config.json")):
+            return (f"data.tokenizer: folder '{spec.tokenizer}' has neither tokenizer.json nor tokenizer_config.json; "
+                    f"{hint}")
     return None
 
 
-def _head_problem(spec: DataSpec, key: str) -> str | None:
-    """A table without the task's columns, the first bad row among the first rows (unless skipped), or a source
-    whose first rows are all unusable. A Hub dataset is checked when it loads (this check stays offline)."""
+def _head_problem(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase | None, seq_len: int) -> str | None:
+    """A table without the task's columns, the first bad row among the first rows (unless skipped), a source whose
+    first rows are all unusable, or chat rows that the chat template fails on or that hold no assistant token within
+    seq_len. A Hub dataset is checked when it loads (this check stays offline); without a `tokenizer` (the embedded
+    one, not trained yet) chat rows are read, not encoded."""
     source = data_source(spec, key)
     if source.kind == "hub":
         return None
     try:
         rows = source.reader(limit=HEAD_LINES)
-        usable = sum(1 for _ in rows)
+        if spec.chat and tokenizer is not None:
+            docs, whole = _head_documents(rows, tokenizer, spec, seq_len)
+            usable = len(docs)
+        else:
+            docs, usable = None, sum(1 for _ in rows)
+            whole = not rows.cut
     except DataError as error:
         return str(error)
-    if not rows.cut and usable == 0:
+    if whole and usable == 0:
         return f"{key}: no usable text in '{source.path}' (every row is blank or bad); give a file with usable rows"
+    if docs is None or usable == 0:
+        return None
+    samples = make_samples(docs, spec.format, seq_len, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    for finding in unlabeled(PairSamples(samples) if spec.preference else samples, key, key == "data.val_path",
+                             spec.preference):
+        # the first rows decide alone when they are the whole source, or when not one of them holds a label
+        if finding.refused and (whole or finding.share == 1.0):
+            return finding.refusal()
     return None
+
+
+def _head_documents(rows: RowReader, tokenizer: PreTrainedTokenizerBase, spec: DataSpec, seq_len: int
+                    ) -> tuple[Documents, bool]:
+    """The first rows encoded as the token cache encodes them, in memory, and whether they are the whole source.
+
+    One tokenizer call at most (its batch bounds the text), and a padded sample reads no further than seq_len."""
+    keep = None if spec.format in PACKED_FORMATS else seq_len
+    parts, masks = [], []
+    remaining = iter(rows)
+    for _, usable in itertools.islice(encoded_batches(remaining, rows.reject, tokenizer, spec.chat,
+                                                      spec.preference), 1):
+        for docs in usable:
+            for ids, labels in docs:
+                parts.append(ids[:keep])
+                masks.append(labels[:keep])
+    whole = next(remaining, None) is None and not rows.cut  # no row left after the first call (one more is read)
+    return in_memory(parts, masks, len(tokenizer)), whole
 
 
 def _line_upper_bound(path: str) -> int:
@@ -168,10 +213,10 @@ def data_problem(cfg: Any, dp: int | None = None) -> str | None:
         problem = (f"train.micro_batch_size={geo.micro_batch_size} is odd, and under train.task=dpo a micro-batch "
                    "holds whole chosen/rejected pairs (two sequences each); use an even size")
     if problem is None and spec.name == "jsonl":
-        problem = None if spec.tokenizer == EMBEDDED_TOKENIZER else _tokenizer_problem(spec)
+        tokenizer, problem = _tokenizer(spec)
         for key, path in (("data.path", spec.path), ("data.val_path", spec.val_path)):
             if problem is None and path is not None:
-                problem = _head_problem(spec, key)
+                problem = _head_problem(spec, key, tokenizer, geo.seq_len)
     if problem is None:
         dp = dp or optional_field(optional_field(cfg, "parallel"), "dp") or 1
         try:
@@ -181,13 +226,27 @@ def data_problem(cfg: Any, dp: int | None = None) -> str | None:
     return problem
 
 
-def _tokenizer_problem(spec: DataSpec) -> str | None:
-    """A tokenizer folder that does not load (one line naming the file), or lacks a chat template for chat."""
+def _tokenizer(spec: DataSpec) -> tuple[PreTrainedTokenizerBase | None, str | None]:
+    """(tokenizer, problem): the folder's tokenizer, or one line when it does not load (naming the file), lacks a
+    chat template for chat, or has one that fails on a plain conversation. The embedded tokenizer once a run trained
+    it into data.cache_dir, else None: it is not trained here."""
+    embedded = spec.tokenizer == EMBEDDED_TOKENIZER
+    folder = synthetic_tokenizer_dir(spec) if embedded else Path(spec.tokenizer)
+    if embedded and not (folder / "tokenizer.json").is_file():
+        return None, None
     try:
-        tokenizer = load_tokenizer(Path(spec.tokenizer))
+        tokenizer = load_tokenizer(folder)
     except DataError as error:
-        return f"data.tokenizer: {error}"
-    if spec.chat and not tokenizer.chat_template:
-        return (f"data.tokenizer: '{spec.tokenizer}' has no chat_template, which data.format={spec.format} "
-                "needs; use a tokenizer with one (MiniMind's has)")
-    return None
+        return None, f"data.tokenizer: {error}"
+    if not spec.chat or embedded:  # the embedded tokenizer's template is CHATML_TEMPLATE
+        return tokenizer, None
+    if not tokenizer.chat_template:
+        return None, (f"data.tokenizer: '{spec.tokenizer}' has no chat_template, which data.format={spec.format} "
+                      "needs; use a tokenizer with one (MiniMind's has)")
+    try:
+        render_chat(tokenizer, PROBE)
+    except TemplateFailure as failure:
+        return None, (f"data.tokenizer: the chat template of '{spec.tokenizer}' fails on a plain user/assistant "
+                      f"conversation ({failure}); fix its chat_template (tokenizer_config.json or chat_template.jinja) "
+                      "or use another tokenizer")
+    return tokenizer, None
