@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path, PurePath
 
-from checkpoint.dense import CheckpointError
+from checkpoint.errors import CheckpointError
 
 KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}

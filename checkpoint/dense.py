@@ -10,11 +10,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from checkpoint.confine import inside, regular_file
+from checkpoint.errors import CheckpointError
 from parallel.decoder import DecoderPlan
-
-
-class CheckpointError(ValueError):
-    """A dense checkpoint that cannot be read or does not match the model; one readable message."""
 
 
 def load_weights_only(path: Path, **kwargs) -> Any:
@@ -35,8 +33,6 @@ LOAD_DENSE = "checkpoint.load_dense"  # how a refused file of a weights folder o
 def folder_weights(folder: Path) -> Path:
     """The weights file of a transformers save_pretrained folder (single safetensors, a shard index or
     pytorch_model.bin), a regular file inside the folder (checked by stat, unopened)."""
-    from checkpoint.confine import inside  # confine imports CheckpointError from here
-
     for name in (WEIGHTS, INDEX, TORCH_BIN):
         if os.path.lexists(folder / name):
             return inside(folder, name, LOAD_DENSE)
@@ -46,8 +42,6 @@ def folder_weights(folder: Path) -> Path:
 
 def index_shards(folder: Path, weight_map: dict[str, Any]) -> dict[str, Path]:
     """key -> the shard file a safetensors index names for it, each a regular file inside `folder` (not opened)."""
-    from checkpoint.confine import inside
-
     if not all(isinstance(name, str) for name in weight_map.values()):
         raise CheckpointError(f"checkpoint.load_dense={folder / INDEX}: its weight_map must map each key to a shard "
                               "file name; the index is corrupt: write it again (save_pretrained)")
@@ -71,8 +65,6 @@ def read_index(file: Path) -> dict[str, Any]:
 def check_dense_files(path: str | Path) -> None:
     """Before launch: the files the dense checkpoint at `path` is read from are regular files (inside its folder for
     an HF folder), checked by stat; only a shard index is opened."""
-    from checkpoint.confine import regular_file
-
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
@@ -94,8 +86,6 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
 
 def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The global-key state_dict stored at `path`, on the CPU."""
-    from checkpoint.confine import regular_file
-
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
