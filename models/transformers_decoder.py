@@ -51,8 +51,16 @@ class TransformersDecoderAdapter:
         masks = {"full_attention": create_causal_mask(**mask_args)}
         if getattr(self.config, "sliding_window", None) is not None:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
-        return {"position_embeddings": base.rotary_emb(hidden, position_ids), "masks": masks,
+        return {"position_embeddings": self.rotary_tables(base, hidden, position_ids), "masks": masks,
                 "position_ids": position_ids}
+
+    def rotary_tables(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """(cos, sin) of the base model's rotary module (a family with one table per layer type keys them)."""
+        return base.rotary_emb(hidden, position_ids)
+
+    def layer_tables(self, inputs: dict, layer_id: int):
+        """The rotary tables layer `layer_id` takes."""
+        return inputs["position_embeddings"]
 
     def _mask_type(self, layer_id: int) -> str:
         types = getattr(self.config, "layer_types", None)
@@ -63,7 +71,7 @@ class TransformersDecoderAdapter:
     def run_layer(self, layer_id: int, layer: nn.Module, hidden: torch.Tensor,
                   inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs = dict(attention_mask=inputs["masks"][self._mask_type(layer_id)], position_ids=inputs["position_ids"],
-                      position_embeddings=inputs["position_embeddings"])
+                      position_embeddings=self.layer_tables(inputs, layer_id))
         if not (self.aux_coef and layer.training and torch.is_grad_enabled()):
             return layer(hidden, **kwargs), None
         logits: list[torch.Tensor] = []

@@ -1,0 +1,82 @@
+"""The model families Sluice trains: one entry per model_type, its adapter and its tiny presets.
+
+Everything that lists families reads this table: the error naming what Sluice trains, the docs' list and the tests
+(`tests/test_conformance.py` proves every entry's presets against the family's own transformers class: logits, loss,
+gradients, buffers, initial values; `tests/test_families.py` trains them under the layouts). Adding a family is one
+entry here, its presets (`models/configs/<preset>/config.json`, `conf/model/<preset>.yaml`) and, where a plan cannot
+say something, its adapter.
+
+Registering checks only what costs nothing (this module loads in every process): the adapter implements every hook
+of `parallel.decoder.FamilyAdapter`, and each preset exists and names the entry's model_type. Whatever needs a built
+model (its plans, buffers, TP subclasses, numbers) is the conformance test's, generated from this table: a family
+that fails it fails the suite, not a user's run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import yaml
+
+from models.gemma3 import Gemma3Adapter
+from models.minimind import MiniMindAdapter
+from models.transformers_decoder import TransformersDecoderAdapter
+from parallel.decoder import FamilyAdapter
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOKS = tuple(name for name in vars(FamilyAdapter) if not name.startswith("_"))  # every method the protocol declares
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model_type Sluice trains: the adapter of what its plans cannot say, and `conf/model` presets of it at a
+    CPU-friendly size (the conformance test's and the docs' examples)."""
+
+    model_type: str
+    name: str  # as the docs call it
+    adapter: type
+    presets: tuple[str, ...]
+
+
+class RegistryError(TypeError):
+    """A family entry that cannot be registered; the message names the entry and what is missing."""
+
+
+def _preset_model_type(preset: str) -> str:
+    """The model_type a `conf/model` preset builds: its hf_config folder's, else MiniMind (fields in the section)."""
+    path = ROOT / "conf" / "model" / f"{preset}.yaml"
+    if not path.is_file():
+        raise RegistryError(f"preset {preset!r}: conf/model/{preset}.yaml does not exist")
+    folder = (yaml.safe_load(path.read_text()) or {}).get("hf_config")
+    if folder is None:
+        return "minimind"
+    return json.loads((ROOT / folder / "config.json").read_text()).get("model_type")
+
+
+def registry(*families: Family) -> MappingProxyType:
+    """The read-only table {model_type: Family}, each entry checked as the module docstring says."""
+    table = {}
+    for family in families:
+        missing = [hook for hook in HOOKS if not callable(getattr(family.adapter, hook, None))]
+        if missing:
+            raise RegistryError(f"family {family.model_type!r}: {family.adapter.__name__} lacks the FamilyAdapter "
+                                f"hooks {', '.join(missing)}")
+        for preset in family.presets:
+            if (found := _preset_model_type(preset)) != family.model_type:
+                raise RegistryError(f"family {family.model_type!r}: preset {preset!r} builds {found!r}")
+        table[family.model_type] = family
+    return MappingProxyType(table)
+
+
+FAMILIES = registry(
+    Family("minimind", "MiniMind", MiniMindAdapter, ("tiny", "tiny-moe")),
+    Family("llama", "Llama", TransformersDecoderAdapter, ("llama-tiny",)),
+    Family("qwen3", "Qwen3", TransformersDecoderAdapter, ("qwen3-tiny",)),
+    Family("qwen3_moe", "Qwen3-MoE", TransformersDecoderAdapter, ("qwen3-moe-tiny",)),
+    Family("mistral", "Mistral", TransformersDecoderAdapter, ("mistral-tiny",)),
+    Family("gemma3_text", "Gemma3 (text)", Gemma3Adapter, ("gemma3-tiny",)),
+)
+ADAPTERS = MappingProxyType({model_type: family.adapter for model_type, family in FAMILIES.items()})
