@@ -1,0 +1,327 @@
+"""Every registered family equals its own transformers class, not only itself in another layout.
+
+For each preset of each entry of `models.registry.FAMILIES` (generated, no hand list), Sluice's model is built as the
+engine builds it (on the meta device, pruned into two pipeline chunks by `build_stages`, TP-sharded, materialised
+from a weight source) and compared with `AutoModelForCausalLM.from_config` holding the same weights: logits, the LM
+loss and every gradient (fp32, 1e-6 of the tensor's scale), every buffer equal to a normally built model's, and the
+seeded initial values following the class's own `_init_weights` (mean, std and zeros per tensor). tp=1 runs in this
+process, tp=2 in one spawn of two processes for every preset. The MoE router's load-balancing loss is left out of the
+gradients: Sluice takes it per layer (pipeline stages), transformers pools every layer (`_balance_loss`).
+
+The three silent Gemma3 mistakes of issue 36 are kept as mutants (each reverts one fix): each must fail here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from models import build_model, decoder_of
+from models.gemma3 import Gemma3Adapter
+from models.registry import FAMILIES, Family, RegistryError, registry
+from models.transformers_decoder import TransformersDecoderAdapter
+from parallel import materialize, tensor_pass
+from parallel.collectives import all_gather_cat
+from parallel.decoder import ContractError
+from parallel.engine import choose_token_loss
+from parallel.grid import ParallelGrid
+from parallel.materialize import materialize_, seeded_init
+from parallel.pipeline.build import StageBuild, build_stages
+from parallel.pipeline.prepare import prepare_pipeline
+from parallel.spec import PipelineSpec
+from parallel.tensor import vocab_parallel_cross_entropy
+from parallel.tensor_pass import join_blocks, shard_modules
+from tests.equivalence import compose_run_config
+from tests.shared import once_per_session
+from tests.spawn import run_workers
+from training.config import model_config
+
+pytestmark = pytest.mark.timeout(900)
+
+PRESETS = [preset for family in FAMILIES.values() for preset in family.presets]
+# fp32, relative to each tensor's scale. One process runs transformers' own ops in its order (measured: 0 to 2e-7);
+# TP's all-reduces and the vocab-split loss sum in another order (measured: up to 2.0e-6 in a gradient).
+TOLERANCE = {1: 1e-6, 2: 1e-5}
+NOISE_FLOOR = 1e-2  # of the model's largest gradient: below it a gradient is rounding noise (a top-1 router's ~1e-9)
+SEED = 5
+
+
+def family_config(preset: str):
+    """The transformers config a run with `model=<preset>` trains."""
+    return model_config(compose_run_config([f"model={preset}"], Path("unused-cache")))
+
+
+def reference(config) -> nn.Module:
+    """transformers' own model (`from_config`, SDPA), its weights moved off their initial values (Gemma's zero
+    norms, the ones elsewhere) so that every weight counts in the comparison."""
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def batch(config) -> torch.Tensor:
+    """Token ids [2, 32] (longer than the presets' 16-token sliding windows)."""
+    return torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(SEED))
+
+
+def reference_run(preset: str) -> dict:
+    """transformers' logits, its own loss function's LM loss, its gradients, and a normally built model's buffers."""
+    config = family_config(preset)
+    model, ids = reference(config), batch(config)
+    extra = {"output_router_logits": False} if hasattr(config, "output_router_logits") else {}
+    out = model(input_ids=ids, labels=ids, **extra)
+    out.loss.backward()
+    fresh = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return {"logits": out.logits.detach(), "loss": out.loss.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters()}, "buffers": dict(fresh.named_buffers())}
+
+
+def _dense(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
+    """The dense tensor of a TP-sharded parameter's block (joined over the TP group); itself when whole."""
+    if not getattr(param, "tensor_parallel", False):
+        return tensor.detach().clone()
+    blocks = [torch.empty_like(tensor) for _ in range(grid.tp)]
+    dist.all_gather(blocks, tensor.detach().contiguous(), group=grid.tp_group)
+    return join_blocks(blocks, param.partition_dim, getattr(param, "tp_packed", 1))
+
+
+def sluice_run(preset: str, grid: ParallelGrid) -> dict:
+    """Sluice's model of the preset as the engine builds it (meta, two pipeline chunks, the TP pass, materialised
+    from the reference's weights): dense logits, LM loss, gradients (tied copies summed) and buffers."""
+    config = family_config(preset)
+    weights, ids = reference(config).state_dict(), batch(config)
+    pipeline = prepare_pipeline(PipelineSpec(pp=2, schedule="1f1b", n_microbatches=2), config.num_hidden_layers)
+    how = StageBuild(torch.float32, choose_token_loss(grid, config.vocab_size), "none",
+                     weights=lambda name, shape: weights[name].clone())
+    stages = build_stages(pipeline, decoder_of(build_model(config)), grid, [0, 1], how)
+    first, last = stages[0][0].chunk, stages[1][1].chunk
+    hidden, _ = first(input_ids=ids)
+    logits, _ = last(hidden=hidden)
+    width = logits.shape[-1]
+    losses = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], grid.tp_group, grid.tp_rank * width)
+    loss = losses.mean()
+    loss.backward()
+    grads: dict[str, torch.Tensor] = {}
+    for chunk in (first, last):
+        for name, param in chunk.module.named_parameters():
+            name = chunk.plan.ties.get(name, name)  # a tied copy's gradient joins its source's
+            grad = _dense(param.grad, param, grid)
+            grads[name] = grads[name] + grad if name in grads else grad
+    full = all_gather_cat(logits.detach(), grid.tp_group, dim=-1)
+    buffers = {n: b.clone() for chunk in (first, last) for n, b in chunk.module.named_buffers()}
+    return {"logits": full.detach(), "loss": loss.detach(), "grads": grads, "buffers": buffers}
+
+
+def _scaled_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-12) -> float:
+    """max |actual - expected| over max |expected| (at least `floor`: a gradient may be ~0 elementwise); inf on a
+    shape mismatch."""
+    if actual.shape != expected.shape:
+        return math.inf
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
+
+
+def problems(got: dict, expected: dict, tp: int = 1) -> list[str]:
+    """What differs between Sluice's run and transformers', one line each (empty: conformant)."""
+    found, tolerance = [], TOLERANCE[tp]
+    for key in ("logits", "loss"):
+        if not (error := _scaled_error(got[key], expected[key])) <= tolerance:
+            found.append(f"{key}: relative error {error:.3g}")
+    if got["grads"].keys() != expected["grads"].keys():
+        found.append(f"gradients: other names {sorted(got['grads'].keys() ^ expected['grads'].keys())}")
+    floor = NOISE_FLOOR * max(g.abs().max().item() for g in expected["grads"].values())
+    for name in got["grads"].keys() & expected["grads"].keys():
+        if not (error := _scaled_error(got["grads"][name], expected["grads"][name], floor)) <= tolerance:
+            found.append(f"gradient of {name}: relative error {error:.3g}")
+    for name, buffer in got["buffers"].items():
+        normal = expected["buffers"].get(name)
+        if normal is None or not torch.equal(buffer, normal):
+            found.append(f"buffer {name}: {buffer.flatten()[:4].tolist()} where a normally built model holds "
+                         f"{None if normal is None else normal.flatten()[:4].tolist()}")
+    return sorted(found)
+
+
+def init_problems(preset: str) -> list[str]:
+    """Where the seeded initial values (what a run starts from) do not follow the class's own `_init_weights`: per
+    tensor, a constant must be that constant, a random tensor have its mean, std and exact zeros (a padding row)."""
+    config = family_config(preset)
+    decoder = decoder_of(build_model(config))
+    init = seeded_init(decoder, SEED)
+    torch.manual_seed(SEED)
+    own = dict(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").named_parameters())
+    found = []
+    for name, param in decoder.module.named_parameters():
+        ours, theirs = init(name, tuple(param.shape)).double(), own[name].detach().double()
+        n, std = theirs.numel(), theirs.std().item() if theirs.numel() > 1 else 0.0
+        if std == 0.0:
+            if not torch.equal(ours, theirs):
+                found.append(f"init of {name}: {ours.flatten()[:3].tolist()}, the class gives the constant "
+                             f"{theirs.flatten()[0].item()}")
+            continue
+        mean_ok = abs(ours.mean().item() - theirs.mean().item()) <= 6 * std / math.sqrt(n)
+        std_ok = 0.75 <= ours.std().item() / std <= 1.33
+        zeros_ok = (ours == 0).sum().item() == (theirs == 0).sum().item()
+        if not (mean_ok and std_ok and zeros_ok):
+            found.append(f"init of {name}: mean {ours.mean().item():.3g} std {ours.std().item():.3g} zeros "
+                         f"{(ours == 0).sum().item()}, the class gives mean {theirs.mean().item():.3g} std {std:.3g} "
+                         f"zeros {(theirs == 0).sum().item()}")
+    return found
+
+
+# --- the three Gemma3 mistakes, each the revert of one fix ------------------------------------------------------------
+
+def tp_plain_embedding(mp: pytest.MonkeyPatch) -> None:
+    """The TP pass turns any nn.Embedding subclass into a plain VocabParallelEmbedding (Gemma3's scale dropped)."""
+    mp.setattr(tensor_pass, "_keeping_behaviour", lambda name, module, parallel, adapter: parallel)
+
+
+def empty_buffers(mp: pytest.MonkeyPatch) -> None:
+    """Meta buffers get `torch.empty_like` storage, unchecked, and only rotary modules with `original_inv_freq` are
+    recomputed."""
+    mp.setattr(materialize, "_unset_buffer", lambda buffer, device: torch.empty_like(buffer, device=device))
+    mp.setattr(materialize, "_still_unset", lambda buffer, fresh, version: False)
+
+    def rotary_only(adapter, module: nn.Module) -> None:
+        for sub in module.modules():
+            if "RotaryEmbedding" in type(sub).__name__ and hasattr(sub, "original_inv_freq"):
+                module._init_weights(sub)
+    mp.setattr(Gemma3Adapter, "init_buffers", rotary_only)
+
+
+def norms_ones(mp: pytest.MonkeyPatch) -> None:
+    """The init rule "ones for any norm.weight" (Gemma3's norms are zero-centred: 1 + weight)."""
+    family_rule = Gemma3Adapter.init_tensor
+
+    def by_suffix(adapter, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        return torch.ones(shape) if name.endswith("norm.weight") else family_rule(adapter, name, shape, generator)
+    mp.setattr(Gemma3Adapter, "init_tensor", by_suffix)
+
+
+def conformance_worker(rank: int, world_size: int, presets: list[str], mutated: list[str]) -> dict:
+    """On each of two processes: every preset at tp=2, then the mutated presets with the TP mutant."""
+    grid = ParallelGrid.build(dp=1, tp=2, pp=1, backend="gloo", timeout_s=120)
+    runs = {preset: sluice_run(preset, grid) for preset in presets}
+    with pytest.MonkeyPatch.context() as mp:
+        tp_plain_embedding(mp)
+        runs.update({f"mutant-{preset}": sluice_run(preset, grid) for preset in mutated})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory) -> dict:
+    """Rank 0's tp=2 runs of every preset (and of Gemma3 under the TP mutant), one spawn for all."""
+    def compute(root: Path) -> dict:
+        return run_workers(conformance_worker, 2, PRESETS, ["gemma3-tiny"], timeout=600)[0]
+    return once_per_session(tmp_path_factory, "conformance-tp2", compute)
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {}
+
+
+def _reference(references: dict, preset: str) -> dict:
+    if preset not in references:
+        references[preset] = reference_run(preset)
+    return references[preset]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_family_equals_its_transformers_class(preset, references):
+    assert problems(sluice_run(preset, ParallelGrid.single("cpu")), _reference(references, preset)) == []
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_family_equals_its_transformers_class_at_tp2(preset, references, tp2):
+    assert problems(tp2[preset], _reference(references, preset), tp=2) == []
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_initial_values_follow_the_family_init_weights(preset):
+    assert init_problems(preset) == []
+
+
+def test_tp_that_drops_the_embedding_scale_fails_the_conformance(references, tp2):
+    found = problems(tp2["mutant-gemma3-tiny"], _reference(references, "gemma3-tiny"), tp=2)
+    assert any(p.startswith("logits: ") for p in found) and any(p.startswith("loss: ") for p in found), found
+
+
+def test_unset_buffers_fail_the_conformance(references, monkeypatch):
+    empty_buffers(monkeypatch)
+    found = problems(sluice_run("gemma3-tiny", ParallelGrid.single("cpu")), _reference(references, "gemma3-tiny"))
+    assert any(p.startswith("buffer model.embed_tokens.embed_scale: ") for p in found), found
+    assert any(p.startswith("buffer model.rotary_emb.sliding_attention_inv_freq: ") for p in found), found
+
+
+def test_ones_for_zero_centred_norms_fail_the_conformance(monkeypatch):
+    norms_ones(monkeypatch)
+    found = init_problems("gemma3-tiny")
+    assert "init of model.norm.weight: [1.0, 1.0, 1.0], the class gives the constant 0.0" in found, found
+    assert len(found) == 1 + 4 * 6  # the final norm, and each layer's four norms and its q/k norms
+
+
+# --- the contract refuses what the mutants did silently ---------------------------------------------------------------
+
+def test_a_buffer_the_adapter_leaves_unset_is_refused(monkeypatch):
+    monkeypatch.setattr(TransformersDecoderAdapter, "init_buffers", lambda adapter, module: None)
+    decoder = decoder_of(build_model(family_config("llama-tiny")))
+    with pytest.raises(ContractError) as error:
+        materialize_(decoder, seeded_init(decoder, SEED), 0, 1, torch.device("cpu"))
+    assert str(error.value) == ("model.rotary_emb.inv_freq: a buffer that TransformersDecoderAdapter.init_buffers "
+                                "leaves unset after materialising from the meta device; compute it there (as the "
+                                "family's _init_weights does)")
+
+
+def test_a_meta_buffer_reads_nan_until_the_adapter_sets_it(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(TransformersDecoderAdapter, "init_buffers",
+                        lambda adapter, module: seen.update(module.model.rotary_emb.named_buffers()))
+    decoder = decoder_of(build_model(family_config("qwen3-tiny")))
+    with pytest.raises(ContractError):
+        materialize_(decoder, seeded_init(decoder, SEED), 0, 1, torch.device("cpu"))
+    assert seen.keys() == {"inv_freq", "original_inv_freq"} and all(b.isnan().all() for b in seen.values())
+
+
+def test_the_tp_pass_refuses_a_subclass_the_adapter_does_not_keep(monkeypatch):
+    monkeypatch.setattr(Gemma3Adapter, "tp_module", lambda adapter, dense, parallel: None)
+    decoder = decoder_of(build_model(family_config("gemma3-tiny")))
+    with pytest.raises(ContractError) as error:
+        shard_modules(decoder, ParallelGrid(tp=2))
+    assert str(error.value) == ("model.embed_tokens is a Gemma3TextScaledWordEmbedding, a subclass of nn.Embedding "
+                                "that VocabParallelEmbedding would replace by the base class's forward; "
+                                "Gemma3Adapter.tp_module must return a TP module keeping its behaviour")
+
+
+def test_a_parameter_the_family_init_leaves_unset_is_refused(monkeypatch):
+    decoder = decoder_of(build_model(family_config("mistral-tiny")))
+    monkeypatch.setattr(type(decoder.module), "_init_weights", lambda model, module: None)
+    with pytest.raises(ContractError) as error:
+        seeded_init(decoder, SEED)("model.layers.0.mlp.up_proj.weight", (192, 64))
+    assert str(error.value) == ("model.layers.0.mlp.up_proj.weight: Linear is not initialised by its model's "
+                                "_init_weights; give the family's adapter an init_tensor rule for it")
+
+
+def test_registering_a_family_checks_its_adapter_and_presets():
+    with pytest.raises(RegistryError) as error:
+        registry(Family("phi3", "Phi-3", TransformersDecoderAdapter, ("llama-tiny",)))
+    assert str(error.value) == "family 'phi3': preset 'llama-tiny' builds 'llama'"
+    with pytest.raises(RegistryError) as error:
+        registry(Family("phi3", "Phi-3", object, ()))
+    assert str(error.value).startswith("family 'phi3': object lacks the FamilyAdapter hooks embed, layer_inputs, ")
+
+
+def test_the_docs_list_every_registered_family():
+    root = Path(__file__).resolve().parent.parent
+    for page in ("README.md", "docs/concepts.md"):
+        text = (root / page).read_text()
+        missing = [f"{family.name} ({', '.join(family.presets)})" for family in FAMILIES.values()
+                   if not all(f"`{preset}`" in text for preset in family.presets) or family.name not in text]
+        assert not missing, f"{page} does not list {missing}"
