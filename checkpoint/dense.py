@@ -1,17 +1,17 @@
 """Dense checkpoints (HF folder, .safetensors, MiniMind .pth): read the global-key state_dict, load it strictly."""
 
-import json
 import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from checkpoint.confine import inside, regular_file
 from checkpoint.errors import CheckpointError
+from checkpoint.meta_schema import index_weight_map
+from checkpoint.safetensors_file import read_file
 from parallel.decoder import DecoderPlan
 
 
@@ -49,17 +49,10 @@ def index_shards(folder: Path, weight_map: dict[str, Any]) -> dict[str, Path]:
     return {key: shards[name] for key, name in weight_map.items()}
 
 
-def read_index(file: Path) -> dict[str, Any]:
-    """The key -> shard file name map of a safetensors index (`model.safetensors.index.json`)."""
-    try:
-        weight_map = json.loads(file.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint.load_dense={file} is not a readable safetensors index "
-                              f"({type(error).__name__}); write it again (save_pretrained)") from None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"checkpoint.load_dense={file}: its weight_map is not a key -> shard file map; write it "
-                              "again (save_pretrained)")
-    return weight_map
+def read_index(file: Path) -> dict[str, str]:
+    """The key -> shard file name map of a safetensors index (`model.safetensors.index.json`), checked against its
+    schema (`meta_schema`)."""
+    return index_weight_map(file)
 
 
 def check_dense_files(path: str | Path) -> None:
@@ -80,12 +73,12 @@ def _read_folder(folder: Path) -> dict[str, torch.Tensor]:
     file = folder_weights(folder)
     if file.name == INDEX:
         shards = sorted(set(index_shards(folder, read_index(file)).values()))
-        return {k: v for shard in shards for k, v in load_file(shard).items()}
-    return load_file(file) if file.name == WEIGHTS else load_weights_only(file)
+        return {k: v for shard in shards for k, v in read_file(shard).items()}
+    return read_file(file) if file.name == WEIGHTS else load_weights_only(file)
 
 
 def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The global-key state_dict stored at `path`, on the CPU."""
+    """The global-key state_dict stored at `path`, on the CPU; safetensors headers checked by the library."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
@@ -94,7 +87,7 @@ def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         return _read_folder(path)
     regular_file(path, LOAD_DENSE)  # a FIFO would block the read forever
     if path.suffix == ".safetensors":
-        return load_file(path)
+        return read_file(path)
     state = load_weights_only(path)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a training checkpoint that wraps the weights
@@ -143,6 +136,9 @@ def load_dense_into(model: nn.Module, path: str | Path) -> None:
         if tensor.shape != state[name].shape:
             raise CheckpointError(f"checkpoint.load_dense={path}: {name} has shape {tuple(state[name].shape)}, "
                                   f"the model expects {tuple(tensor.shape)}; check the model preset")
+        if tensor.is_floating_point() and not state[name].is_floating_point():  # any float precision casts
+            raise CheckpointError(f"checkpoint.load_dense={path}: {name} is stored as {state[name].dtype}, but the "
+                                  "model's parameter is floating point; the file does not hold this model's weights")
     bad = next((name for name, tensor in state.items() if tensor.is_floating_point()
                 and not bool(torch.isfinite(tensor).all())), None)
     if bad is not None:

@@ -6,8 +6,6 @@ memory-mapped (`torch.load(mmap=True)`) so untouched tensors never enter memory.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from checkpoint.conversions import build, converted_keys
 from checkpoint.confine import regular_file
 from checkpoint.dense import INDEX, LOAD_DENSE, WEIGHTS, CheckpointError, check_keys, folder_weights, index_shards, \
     load_weights_only, read_index
+from checkpoint.safetensors_file import SafetensorsFile
 from parallel.materialize import WeightSource
 
 Reader = Callable[[str], torch.Tensor]
@@ -44,6 +43,9 @@ def dense_source(path: str | Path, expected: dict[str, tuple[int, ...]], ties: d
         if tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(f"checkpoint.load_dense={path}: {name} has shape {tuple(tensor.shape)}, the "
                                   f"model expects {tuple(shape)}; check that the model preset matches the checkpoint")
+        if not tensor.is_floating_point():  # the model's parameters are floating point; any precision casts
+            raise CheckpointError(f"checkpoint.load_dense={path}: {name} is stored as {tensor.dtype}, but the model's "
+                                  "parameter is floating point; the file does not hold this model's weights")
         if not torch.isfinite(tensor).all():
             raise CheckpointError(f"checkpoint.load_dense={path}: {name} contains NaN or Inf; refusing to train "
                                   "from it (pick an earlier checkpoint)")
@@ -70,48 +72,18 @@ def _open_folder(folder: Path) -> tuple[list[str], Reader]:
     return _open_safetensors({None: file}) if file.name == WEIGHTS else _open_torch(file)
 
 
-# safetensors dtype names -> torch dtypes (the format's own table).
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-def _safetensors_header(file: Path) -> tuple[dict, int]:
-    """The file's tensor table and where its data starts; one line naming the file when it is not one."""
-    try:
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        header.pop("__metadata__", None)
-        if file.stat().st_size < 8 + length + max((v["data_offsets"][1] for v in header.values()), default=0):
-            raise ValueError("the file is shorter than its header says (truncated)")
-        return header, 8 + length
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
-        raise CheckpointError(f"checkpoint.load_dense={file} is not a readable safetensors file: "
-                              f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
-
-
 def _open_safetensors(files: dict[str | None, Path]) -> tuple[list[str], Reader]:
-    """One file for every key (key None), or a key -> shard file map.
+    """One file for every key (key None), or a key -> shard file map (an index's, each key found in its shard).
 
-    Read by hand with positioned reads rather than `safe_open`: safe_open memory-maps the file, and the pages a
-    rank touches then count in its resident memory on top of the tensor it keeps (twice its share)."""
-    tables = {file: _safetensors_header(file) for file in set(files.values())}
-    owner = {key: file for file, (header, _) in tables.items() for key in header} if None in files else files
-
-    def read(name: str) -> torch.Tensor:
-        file = owner[name]
-        header, start = tables[file]
-        info = header[name]
-        begin, end = info["data_offsets"]
-        data = bytearray(end - begin)
-        with open(file, "rb") as handle:
-            handle.seek(start + begin)
-            handle.readinto(data)
-        return torch.frombuffer(data, dtype=_DTYPES[info["dtype"]]).reshape(info["shape"]) if data else \
-            torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
-
-    return list(owner), read
+    Every file's header is checked by the `safetensors` library before any tensor is read, and read through it
+    key by key with positioned reads (`SafetensorsFile`: no memory mapping, so a rank's resident memory holds
+    its share once)."""
+    opened = {file: SafetensorsFile(file) for file in sorted(set(files.values()))}
+    owner = {key: file for file, handle in opened.items() for key in handle.table} if None in files else files
+    if (lost := next((key for key, file in owner.items() if key not in opened[file].table), None)) is not None:
+        raise CheckpointError(f"checkpoint.load_dense={owner[lost]} has no {lost}, which the folder's index names "
+                              "it for; the index does not match its shards: write the folder again (save_pretrained)")
+    return list(owner), lambda name: opened[owner[name]].read(name)
 
 
 def _open_torch(path: Path) -> tuple[list[str], Reader]:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from checkpoint.dense import CheckpointError
 from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
+from checkpoint.meta_schema import step_problem, validate_meta
 from parallel.collectives import broadcast_object
 
 log = logging.getLogger("sluice")
@@ -75,12 +76,13 @@ def find_checkpoint(path: Path) -> Path | None:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """The meta.json of a complete checkpoint."""
+    """The meta.json of a complete checkpoint, checked against its schema (`meta_schema`) before any value is used."""
     try:
-        return json.loads((Path(path) / META).read_text())
+        raw = json.loads((Path(path) / META).read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({type(error).__name__}); the checkpoint is "
                               "corrupt: resume from another one") from None
+    return validate_meta(raw, Path(path))
 
 
 def model_mismatch(path: Path, saved: dict[str, Any], current: dict[str, Any],
@@ -125,8 +127,10 @@ def resolve_resume(resume: str, directory: Path) -> Path | None:
 
 
 def check_resume(resume: str | None, directory: Path | None, model: dict[str, Any],
-                 settable: tuple[str, ...] = (), lora: dict[str, Any] | None = None) -> str | None:
-    """Pre-launch check of checkpoint.resume: a one-line problem, or None (auto without a dir is checked later)."""
+                 settable: tuple[str, ...] = (), lora: dict[str, Any] | None = None,
+                 steps: int | None = None) -> str | None:
+    """Pre-launch check of checkpoint.resume: a one-line problem, or None (auto without a dir is checked later);
+    `steps` (train.steps) refuses a checkpoint past the run's end."""
     if resume in (None, "none") or (resume == "auto" and directory is None):
         return None
     try:
@@ -136,7 +140,8 @@ def check_resume(resume: str | None, directory: Path | None, model: dict[str, An
         read_keys(path)
         meta = read_meta(path)
         return model_mismatch(path, meta.get("model", {}), model, settable) or lora_mismatch(path, meta.get("lora"),
-                                                                                              lora)
+                                                                                              lora) \
+            or (step_problem(path, meta["step"], steps) if steps is not None else None)
     except CheckpointError as error:
         return str(error)
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from checkpoint.confine import inside
+from checkpoint.dcp_checks import check_metadata
 from checkpoint.dense import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -68,6 +69,7 @@ def load_metadata(path: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path} holds a {type(metadata).__name__}, not DCP metadata; the "
                               "checkpoint is corrupt or not a Sluice checkpoint")
+    check_metadata(metadata, path)  # its values: sizes, chunks inside and covering each tensor, storage entries
     pickled = [key for key, value in metadata.state_dict_metadata.items() if isinstance(value, BytesStorageMetadata)]
     if pickled:
         raise CheckpointError(f"checkpoint {path}: {pickled[0]} is stored as a pickled object, which a Sluice "

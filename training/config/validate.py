@@ -233,7 +233,8 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 
     from training.specs import lora_record
 
-    problem = check_resume(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys(), lora_record(cfg))
+    problem = check_resume(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys(), lora_record(cfg),
+                           cfg.train.steps)
     if problem:
         raise ConfigError(problem)
 

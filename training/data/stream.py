@@ -104,4 +104,8 @@ class StepBatches:
                 raise DataError(
                     f"the checkpoint's data position was taken over {key}={state[key]} but this run has "
                     f"{key}={getattr(self, key)}; resume with the same data, train.seq_len and train.seed")
-        self.position = int(state["samples_consumed"])
+        position = state["samples_consumed"]
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:  # a position in this data
+            raise DataError(f"the checkpoint's data position samples_consumed={position!r} is not a count of samples "
+                            "(an integer >= 0); the checkpoint is corrupt: resume from another one")
+        self.position = position
