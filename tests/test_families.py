@@ -1,7 +1,9 @@
-"""transformers' own Llama (untied), Qwen3 (tied) and Qwen3-MoE (aux loss on), unmodified, trained by the plans
-their classes declare: every layout equals one process in loss, aux loss, grad norm, gradients and parameters.
+"""transformers' own families (every registered one: Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on,
+Mistral, Gemma3), unmodified, trained by the plans their classes declare: every layout equals one process in loss,
+aux loss, grad norm, gradients and parameters.
 
-The world-2 layouts of all three families share one spawn; the world-1 ones (emulated) run in this process.
+Every registered family runs the acceptance layouts (tp2 x pp2, dp2 x pp2 ZB-V); the first three also every layout
+of the original list. The world-2 layouts of all families share one spawn; the world-1 ones (emulated) run here.
 """
 
 from dataclasses import dataclass
@@ -11,7 +13,8 @@ import pytest
 import torch
 
 from models import decoder_of
-from models.family import build_model, model_config
+from models.family import SUPPORTED, build_model, model_config
+from models.registry import FAMILIES as REGISTRY
 from parallel.pipeline.prepare import prepare_pipeline
 from tests.equivalence import FP32, assert_equivalent, baseline, compose_run_config, layouts_worker, run_training
 from tests.shared import once_per_session
@@ -25,7 +28,10 @@ pytestmark = pytest.mark.timeout(1800)
 
 STEPS = ["train.steps=3", "schedule.n_microbatches=4", "checkpoint.save_final=false"]
 EMU = "parallel.emulate=true"
-FAMILIES = {"llama": ["model=llama-tiny"], "qwen3": ["model=qwen3-tiny"], "qwen3-moe": ["model=qwen3-moe-tiny"]}
+# Every transformers family of the registry, by preset (MiniMind's layouts are test_equivalence's).
+FAMILIES = {preset: [f"model={preset}"] for family in REGISTRY.values() if family.model_type != "minimind"
+            for preset in family.presets}
+DEEP = ("llama-tiny", "qwen3-tiny", "qwen3-moe-tiny")  # the families that came first: every layout below
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,12 @@ LAYOUTS = [
                                            "parallel.pp=2", "parallel.layers_per_stage=[3,1]", EMU), 2, 2),
     Layout("bf16-pp2-full-recompute", ("parallel.pp=2", "train.recompute=full", EMU), 1, 1, ("train.dtype=bf16",)),
 ]
-CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
+ACCEPTANCE = [
+    Layout("tp2-pp2-1f1b", ("parallel.tp=2", "parallel.pp=2", "schedule=1f1b", EMU), 2, 1),
+    Layout("dp2-pp2-zbv", ("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU), 2, 2),
+]
+CASES = [(family, layout) for family in FAMILIES for layout in ACCEPTANCE] + \
+    [(family, layout) for family in DEEP for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -98,22 +109,24 @@ def test_family_layout_equals_single_process(workspace, family, layout):
     assert_equivalent(results, reference, FP32)
     cfg = compose_run_config(_overrides(family, layout), workspace["root"] / "cache")
     config = model_config({"hf_config": cfg.model.hf_config})
-    if family == "qwen3-moe":  # the load-balancing loss is on and reaches the metrics
+    if getattr(config, "output_router_logits", False):  # the load-balancing loss is on and reaches the metrics
         assert all(m["aux_loss"] > 0 for m in reference["metrics"]), reference["metrics"]
     if config.tie_word_embeddings and prepare_pipeline(pipeline_spec(cfg), config.num_hidden_layers).placement != "v":
         assert_tied_copies_bitwise_equal(results, steps=3)
 
 
 def test_the_presets_are_the_families_the_acceptance_names():
-    """Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on: transformers' own classes, nothing else."""
+    """Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on, Mistral, Gemma3 text: transformers' own classes."""
     classes = {}
-    for family, args in FAMILIES.items():
-        config = model_config({"hf_config": f"models/configs/{args[0].split('=')[1]}"})
+    for family in FAMILIES:
+        config = model_config({"hf_config": f"models/configs/{family}"})
         model = build_model(config)
         classes[family] = (type(model).__module__.split(".")[:2], type(model).__name__, config.tie_word_embeddings)
-    assert classes == {"llama": (["transformers", "models"], "LlamaForCausalLM", False),
-                       "qwen3": (["transformers", "models"], "Qwen3ForCausalLM", True),
-                       "qwen3-moe": (["transformers", "models"], "Qwen3MoeForCausalLM", False)}
+    assert classes == {"llama-tiny": (["transformers", "models"], "LlamaForCausalLM", False),
+                       "qwen3-tiny": (["transformers", "models"], "Qwen3ForCausalLM", True),
+                       "qwen3-moe-tiny": (["transformers", "models"], "Qwen3MoeForCausalLM", False),
+                       "mistral-tiny": (["transformers", "models"], "MistralForCausalLM", False),
+                       "gemma3-tiny": (["transformers", "models"], "Gemma3ForCausalLM", True)}
     assert model_config({"hf_config": "models/configs/qwen3-moe-tiny"}).output_router_logits
 
 
@@ -137,10 +150,9 @@ def _folder_with(tmp_path, model_type: str) -> str:
 BAD = [
     (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'gpt2')}"],
      "model_type 'gpt2' declares no pipeline plan (base_model_pp_plan) and has no Sluice adapter; "
-     "Sluice trains minimind, llama, qwen3, qwen3_moe"),
-    (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'mistral')}"],
-     "model_type 'mistral' declares a pipeline plan and has no Sluice adapter; Sluice trains minimind, llama, qwen3, "
-     "qwen3_moe"),
+     f"Sluice trains {SUPPORTED}"),
+    (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'phi3')}"],
+     f"model_type 'phi3' declares a pipeline plan and has no Sluice adapter; Sluice trains {SUPPORTED}"),
     (lambda tmp: [f"model.hf_config={tmp}"], "has no config.json; give a folder written by save_pretrained"),
     (lambda tmp: ["model=llama-tiny", "parallel.tp=3"],
      "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
@@ -151,7 +163,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args, expected", BAD, ids=["gpt2", "mistral", "no-config", "llama-tp3", "moe-tp2",
+@pytest.mark.parametrize("args, expected", BAD, ids=["gpt2", "phi3", "no-config", "llama-tp3", "moe-tp2",
                                                      "llama-use-moe"])
 def test_an_uncovered_architecture_or_bad_split_is_one_line_before_launch(args, expected, tmp_path, capsys):
     from tests.test_config_catalogue import run_preflight
@@ -164,7 +176,7 @@ def test_an_uncovered_architecture_or_bad_split_is_one_line_before_launch(args, 
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("preset", list(FAMILIES))
 def test_matmul_weights_per_token_are_the_linears_a_token_meets(preset):
     """FLOPs and MFU count every projection, the head once, and of the experts only the top-k a token runs through."""
     config = model_config({"hf_config": f"models/configs/{preset}"})
