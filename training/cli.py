@@ -119,7 +119,7 @@ def check_output_dir(hydra_cfg: DictConfig, multirun: bool) -> None:
 
 
 def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[str]:
-    """Compose one job, check its output directory and validate it; return its warnings."""
+    """Compose one job, check its output directory, validate it and its memory needs; return its warnings."""
     try:
         cfg = compose_config(job, with_hydra=True)
     except Exception as error:  # Hydra's composition errors: one line, not its traceback
@@ -127,7 +127,12 @@ def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[st
     with read_write(cfg), open_dict(cfg):
         check_output_dir(cfg.hydra, multirun)
         cfg.pop("hydra")
-    return validate(cfg, world_size)
+    warnings = validate(cfg, world_size)
+    from training.memory_fit import memory_problem  # the meta model and the planner: after the cheap checks
+
+    if problem := memory_problem(cfg, world_size):
+        raise ConfigError(problem)
+    return warnings
 
 
 def preflight(argv: list[str]) -> None:

@@ -126,9 +126,10 @@ class ParallelSchema:
         "one within `memory_budget_gb`; prints `sluice: parallel.plan=auto chose ...`. `python scripts/plan.py "
         "--search world_size=N ...` shows the whole ranking", optional(one_of("auto")))
     memory_budget_gb: Optional[float] = key(
-        None, "per-rank memory budget (GiB) of `plan=auto` and `scripts/plan.py --search`; a layout whose predicted "
-        "peak exceeds it is rejected", optional(positive),
-        ReadWhen("parallel.plan", ("auto",), refuse=False))  # scripts/plan.py --search reads it too
+        None, "per-rank memory budget (GiB): `plan=auto` and `scripts/plan.py --search` reject a layout whose "
+        "predicted peak exceeds it; a fixed layout is refused before launch when its predicted peak per rank does "
+        "(`null`: the check compares with each GPU's memory, or the host's available memory for all its ranks)",
+        optional(positive))
 
 
 @dataclass
