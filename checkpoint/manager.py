@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from checkpoint.confine import inside
 from checkpoint.dense import CheckpointError
 from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
 from checkpoint.meta_schema import step_problem, validate_meta
@@ -77,8 +78,9 @@ def find_checkpoint(path: Path) -> Path | None:
 
 def read_meta(path: Path) -> dict[str, Any]:
     """The meta.json of a complete checkpoint, checked against its schema (`meta_schema`) before any value is used."""
+    file = inside(Path(path), META, "checkpoint")  # a link out of the checkpoint or a FIFO: refused, never read
     try:
-        raw = json.loads((Path(path) / META).read_text())
+        raw = json.loads(file.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({type(error).__name__}); the checkpoint is "
                               "corrupt: resume from another one") from None

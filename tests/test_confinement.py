@@ -155,6 +155,20 @@ def test_a_fifo_as_a_tensor_file_is_refused_before_dcp_reads(saved, tmp_path):
     refused(lambda: read_training_weights(checkpoint), fifo)
 
 
+def test_a_meta_json_link_leaving_the_checkpoint_is_refused(saved, tmp_path):
+    """Another run's meta.json (its step, data position) read through a link: refused on resume and export."""
+    checkpoint = copied_checkpoint(saved, tmp_path)
+    elsewhere = tmp_path / "elsewhere.json"
+    (checkpoint / "meta.json").rename(elsewhere)
+    (checkpoint / "meta.json").symlink_to(elsewhere)
+    expected = (f"checkpoint: {checkpoint / 'meta.json'} leads outside {checkpoint} (to {elsewhere}); a folder's files "
+                "must sit inside it (replace the link with the file itself)")
+    assert check_resume(str(checkpoint), None, {"name": "tiny"}) == expected
+    with pytest.raises(CheckpointError) as error:  # checksums may name the link first: refused either way
+        read_training_weights(checkpoint)
+    assert f"{checkpoint / 'meta.json'} leads outside {checkpoint}" in str(error.value) and "\n" not in str(error.value)
+
+
 # --- export: the tokenizer folder of a checkpoint ------------------------------------------------------------------
 
 def test_a_tokenizer_symlink_leaving_the_checkpoint_is_refused_and_nothing_is_exported(saved, tmp_path, capsys):
