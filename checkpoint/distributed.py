@@ -12,7 +12,9 @@ in one process. We chose DTensor over hand-written chunk metadata because DCP pl
 
 from __future__ import annotations
 
+import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +27,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from checkpoint.checksums import dcp_files, digests, verify
 from checkpoint.dense import CheckpointError
+from checkpoint.disk import write_problem
 from checkpoint.safe_reader import SafeReader
-from parallel.collectives import all_gather_cat, all_reduce_
+from parallel.collectives import all_gather_cat, all_reduce_, broadcast_object
 from parallel.grid import ParallelGrid
 from parallel.step import Engine
 from parallel.tensor_pass import join_blocks, local_block
 
 OPTIM, RNG = "optim/", "rng/"
+FRAMING = 2048  # bytes a DCP checkpoint adds per tensor, about (saved_bytes)
 
 
 @dataclass
@@ -148,11 +153,86 @@ def check_finite(state: TrainingState, what: str) -> None:
         raise CheckpointError(f"{what}: {where} holds NaN or Inf; refusing non-finite weights")
 
 
-def save_state(path: Path, state: TrainingState) -> None:
-    """Write this rank's share into the DCP folder `path` (a collective over every rank)."""
-    writer = dcp.FileSystemWriter(str(path), thread_count=1)
-    with quiet_dcp():
-        dcp.save(state_to_save(state), storage_writer=writer, no_dist=not _distributed())
+def saved_bytes(tensors: dict[str, torch.Tensor], state: TrainingState) -> int:
+    """The checkpoint's size, about, on every rank (an all-reduce): each stored tensor once, as DCP writes it.
+
+    A shard (DTensor) counts on DP replica 0, a whole tensor on DP replica 0's first TP rank (DCP writes a replica
+    once); optimizer state under ZeRO lives on its owning DP rank only; RNG states are per rank. DCP frames every
+    tensor as a torch.save record (about 1.6 KB) and lists it in `.metadata` (about 0.2 KB): 2 KB each."""
+    zero, grid, total = _local_optimizer(state.optimizer) is not state.optimizer, state.grid, 0
+    for key, tensor in tensors.items():
+        sharded = isinstance(tensor, DTensor)
+        local = tensor.to_local() if sharded else tensor
+        if key.startswith(RNG) or ((grid.dp_rank == 0 or (zero and key.startswith(OPTIM))) and (
+                sharded or grid.tp_rank == 0)):
+            total += local.numel() * local.element_size() + FRAMING
+    if _distributed():
+        flag = torch.tensor([total], dtype=torch.float64, device=grid.device)
+        total = int(all_reduce_(flag, dist.group.WORLD).item())
+    return total
+
+
+def agreed(problem: str | None) -> str | None:
+    """The first rank's problem (by rank) on every rank, or None when no rank had one (an all-gather)."""
+    if not _distributed():
+        return problem
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p), None)
+
+
+def _shared(names: list[str], grid: ParallelGrid) -> list[str]:
+    """This rank's share of `names` (every world-th), so the ranks hash a folder together."""
+    return names[grid.rank::grid.world_size] if _distributed() else names
+
+
+def save_state(path: Path, state: TrainingState, what: str,
+               prepare: Callable[[int], str | None] | None = None) -> dict[str, str]:
+    """Write this rank's share into the DCP folder `path` (a collective over every rank); return the sha256 of
+    every shard DCP wrote, by name (the ranks hash them together).
+
+    `prepare(bytes needed)` runs on rank 0 before anything is written (the folder's owner, its free space). A line
+    it returns, and a failed write (a full or read-only disk: the folder and the space needed are named), end the
+    save on every rank with the same CheckpointError starting with `what`; the partial folder is removed."""
+    tensors = state_to_save(state)
+    needed = saved_bytes(tensors, state)
+    problem = prepare(needed) if prepare is not None and state.grid.rank == 0 else None
+    if problem := broadcast_object(problem, dist.group.WORLD if _distributed() else None, src=0):
+        raise CheckpointError(problem)
+    failure = None
+    try:
+        writer = dcp.FileSystemWriter(str(path), thread_count=1)
+        with quiet_dcp():
+            dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+    except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps write failures (a BaseException)
+        failure = write_problem(error, path.parent, needed, what) or f"{what}: {_last_line(error)}"
+    _abandon_on(agreed(failure), path, state)
+    names = broadcast_object(dcp_files(path) if state.grid.rank == 0 else None,
+                             dist.group.WORLD if _distributed() else None, src=0)
+    try:
+        mine, failure = digests(path, _shared(names, state.grid)), None
+    except OSError as error:
+        mine, failure = {}, f"{what}: reading back {path} failed ({error.strerror or type(error).__name__})"
+    _abandon_on(agreed(failure), path, state)
+    if not _distributed():
+        return mine
+    every: list[dict[str, str]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {name: value for share in every for name, value in share.items()}
+
+
+def _abandon_on(failure: str | None, path: Path, state: TrainingState) -> None:
+    """Raise `failure` (the same on every rank) once rank 0 removed the partial folder; nothing without one."""
+    if failure:
+        if state.grid.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)  # every rank stopped writing: the previous checkpoint stays
+        raise CheckpointError(failure)
+
+
+def _last_line(error: BaseException) -> str:
+    """The last line of `error`'s text (DCP's wraps every rank's traceback), cut to 200 characters."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else type(error).__name__
 
 
 def read_metadata(path: Path) -> Metadata:
@@ -203,6 +283,9 @@ def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path, un
 
 def load_state(path: Path, state: TrainingState) -> None:
     """Load parameters, optimizer state and (where stored for this rank) RNG from `path`, in any layout."""
+    share = (state.grid.rank, state.grid.world_size) if _distributed() else (0, 1)
+    if problem := agreed(verify(path, share)):  # the ranks check the files' checksums together, before DCP reads
+        raise CheckpointError(problem)
     stored = read_keys(path)
     unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]] = []  # packed TP shards: whole -> this block
     into, optim, copies = _targets(state, stored, path, unpack)
@@ -212,8 +295,7 @@ def load_state(path: Path, state: TrainingState) -> None:
         with quiet_dcp():
             dcp.load({**into, **rng}, storage_reader=SafeReader(str(path)), no_dist=not _distributed())
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
-        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-        detail = lines[-1][:200] if lines else type(error).__name__
+        detail = _last_line(error)
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({detail}); delete it or resume from "
                               "another checkpoint") from None
     for whole, local, param in unpack:

@@ -19,6 +19,7 @@ from torch import nn
 
 import minimind
 from checkpoint.adapters import save_adapters
+from checkpoint.checksums import check as verify_checksums
 from checkpoint.confine import files_inside
 from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
@@ -47,6 +48,7 @@ def locate(path: str | Path) -> Path:
 def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The dense global-key weights (tied head restored) and meta.json of a training checkpoint, in one process."""
     folder = locate(path)
+    verify_checksums(folder)  # a flipped byte is named, never exported
     meta = read_meta(folder)
     metadata = read_metadata(folder)  # through the allow-list, or one clear line
     state = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype)

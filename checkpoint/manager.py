@@ -1,9 +1,11 @@
 """Checkpoint folders of a run: `step_<N>` names, atomic completion, keep_last, resume=auto|none|<path>.
 
 A save writes into `.step_<N>.tmp`, then global rank 0 adds `meta.json` (step, data position, model and
-layout) and the `COMPLETE` marker, and renames the folder: only complete checkpoints ever carry the
-visible name, so a save killed half-way is never loaded. Every rank must see the same directory
-(a shared file system on several nodes), as DCP's file-system storage requires.
+layout), the files' checksums (`SHA256SUMS`, checked on load) and the `COMPLETE` marker, and renames the folder:
+only complete checkpoints ever carry the visible name, so a save killed half-way is never loaded. A run saves,
+prunes and cleans only in a folder it owns (checkpoint.ownership); a full or read-only disk ends the save on
+every rank with one line naming the folder and the space needed (checkpoint.disk). Every rank must see the same
+directory (a shared file system on several nodes), as DCP's file-system storage requires.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from checkpoint.confine import inside
+from checkpoint.checksums import SUMS, digest, sums_text
 from checkpoint.dense import CheckpointError
+from checkpoint.disk import space_problem, write_problem
 from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
+from checkpoint.ownership import Owner, claim, read_owner, refusal, this_run
 from checkpoint.meta_schema import step_problem, validate_meta
 from parallel.collectives import broadcast_object
 
@@ -49,6 +54,12 @@ class CheckpointSpec:
     resume: str
     save_final: bool
     model_keys: tuple[str, ...] = ()  # the model fields a run sets: named first when a checkpoint's model differs
+    run_dir: Path | None = None  # the run's directory: who the run is, for owning `dir` (checkpoint.ownership)
+
+    @property
+    def saves(self) -> bool:
+        """True when the run writes checkpoints at all."""
+        return self.every > 0 or self.save_final
 
 
 def is_complete(path: Path) -> bool:
@@ -148,13 +159,20 @@ def check_resume(resume: str | None, directory: Path | None, model: dict[str, An
         return str(error)
 
 
+def check_ownership(spec: CheckpointSpec) -> str | None:
+    """Pre-launch: one line when this run would save into a checkpoint.dir that another run owns, else None."""
+    if spec.run_dir is None or not spec.saves:
+        return None
+    try:
+        resumed = resolve_resume(spec.resume, spec.dir)
+        return refusal(spec.dir, this_run(spec.run_dir), complete_checkpoints(spec.dir), resumed,
+                       explicit=spec.resume != "auto")
+    except CheckpointError as error:
+        return str(error)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -165,28 +183,43 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 class CheckpointManager:
-    """Saves every `every` steps and at the end, keeps the last `keep_last`, resumes at the start of a run."""
+    """Saves every `every` steps and at the end, keeps the last `keep_last`, resumes at the start of a run; saves,
+    prunes and cleans only in a checkpoint.dir this run owns (checkpoint.ownership)."""
 
     def __init__(self, spec: CheckpointSpec, state: TrainingState, data: Stateful, meta: dict[str, Any],
                  tokenizer: Any = None):
         self.spec, self.state, self.data, self.meta, self.tokenizer = spec, state, data, meta, tokenizer
         self.rank0 = state.grid.rank == 0
         self.last_saved: int | None = None
+        self.resumed_from: Path | None = None
+        self.run: Owner | None = None  # this run as checkpoint folders record it (rank 0, when first needed)
+        self.needed = 0  # the bytes of the save in flight, about (rank 0)
 
     def _say(self, message: str) -> None:
         """Rank 0 tells the run (console and train.log, through the `sluice` logger)."""
         if self.rank0:
             log.info(message)
 
+    def _me(self) -> Owner:
+        if self.run is None:
+            self.run = this_run(self.spec.run_dir if self.spec.run_dir is not None else self.spec.dir.parent)
+        return self.run
+
+    def _world(self):
+        return dist.group.WORLD if _distributed() else None
+
     def resume(self) -> int:
         """Load the checkpoint `resume` names (say which, or that the run starts fresh); return its step."""
         found: tuple[Path | None, str | None] = (None, None)
         if self.rank0:  # one rank looks, every rank follows (or fails with the same line)
             try:
-                found = (resolve_resume(self.spec.resume, self.spec.dir), None)
+                path = resolve_resume(self.spec.resume, self.spec.dir)
+                problem = refusal(self.spec.dir, self._me(), complete_checkpoints(self.spec.dir), path,
+                                  self.spec.resume != "auto") if self.spec.saves else None
+                found = (path, problem)
             except CheckpointError as error:
                 found = (None, str(error))
-        path, error = broadcast_object(found, dist.group.WORLD if _distributed() else None, src=0)
+        path, error = broadcast_object(found, self._world(), src=0)
         if error:
             raise CheckpointError(error)
         if path is None:
@@ -202,6 +235,7 @@ class CheckpointManager:
         load_state(path, self.state)
         self.data.load_state_dict(meta["data"])
         self.last_saved = int(meta["step"])
+        self.resumed_from = path
         self._say(f"resumed from {path} (step {meta['step']}) in {time.perf_counter() - start:.2f}s")
         return int(meta["step"])
 
@@ -216,36 +250,71 @@ class CheckpointManager:
             self.save(step)
 
     def save(self, step: int) -> Path | None:
-        """Write the checkpoint of `step` (a collective); it becomes visible only once complete."""
+        """Write the checkpoint of `step` (a collective); it becomes visible only once complete. A folder of another
+        run, a full or read-only disk end it on every rank with the same CheckpointError; the previous checkpoint
+        stays."""
         if self.last_saved == step:
             return None
-        check_finite(self.state, f"checkpoint of step {step} not written")
+        what = f"checkpoint of step {step} not written"
+        check_finite(self.state, what)
         start = time.perf_counter()
         final = self.spec.dir / f"step_{step:08d}"
         tmp = self.spec.dir / f".{final.name}.tmp"
+        sums = save_state(tmp, self.state, what, lambda needed: self._prepare(needed, what))
+        problem = None
         if self.rank0:
-            self.spec.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.spec.dir.glob(".step_*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)  # a save killed earlier: never complete, never loaded
-        _barrier()
-        save_state(tmp, self.state)
-        if self.rank0:
-            self._complete(tmp, final, step)
-            self._prune()
-        _barrier()
+            try:
+                self._complete(tmp, final, step, sums, what)
+                self._prune()
+            except CheckpointError as error:
+                problem = str(error)
+            except OSError as error:
+                problem = write_problem(error, self.spec.dir, self.needed, what) or f"{what}: {error}"
+            if problem:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if problem := broadcast_object(problem, self._world(), src=0):
+            raise CheckpointError(problem)
         self.last_saved = step
         self._say(f"saved checkpoint step {step} to {final} in {time.perf_counter() - start:.2f}s")
         return final
 
-    def _complete(self, tmp: Path, final: Path, step: int) -> None:
-        """Rank 0, after every rank wrote its share: meta.json, tokenizer, marker, then the visible name."""
+    def _prepare(self, needed: int, what: str) -> str | None:
+        """Rank 0, before any rank writes: claim the folder (or refuse another run's), remove this run's saves
+        killed earlier, check the free space; one line when the save cannot go ahead."""
+        directory, self.needed = self.spec.dir, needed
+        try:
+            problem, previous = claim(directory, self._me(), complete_checkpoints(directory), self.resumed_from,
+                                      self.spec.resume != "auto")
+            if problem:
+                return f"{what}: {problem}"
+            if previous is not None:
+                log.info("checkpoint.dir %s: this run continues %s's checkpoints (it resumed from %s) and owns the "
+                         "folder from now on", directory, previous.run_dir, self.resumed_from)
+            for stale in directory.glob(".step_*.tmp"):  # this run's folder: a save of its own killed earlier
+                shutil.rmtree(stale, ignore_errors=True)
+            return space_problem(directory, needed, what)
+        except CheckpointError as error:
+            return str(error)
+        except OSError as error:
+            return write_problem(error, directory, needed, what) or f"{what}: {directory}: {error}"
+
+    def _complete(self, tmp: Path, final: Path, step: int, sums: dict[str, str], what: str) -> None:
+        """Rank 0, after every rank wrote its share: meta.json, tokenizer, checksums, marker, then the visible
+        name, if the folder is still this run's."""
         meta = {"format": 1, "step": step, "data": self.data.state_dict(), **self.meta}
         _fsync_write(tmp / META, json.dumps(meta, indent=1))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp / TOKENIZER))
+        _fsync_write(tmp / SUMS, sums_text({**sums, META: digest(tmp / META)}))
+        owner = read_owner(self.spec.dir)
+        if owner is None or owner.run_id != self._me().run_id:  # another run resumed from it and took it over
+            where = owner.run_dir if owner is not None else "unknown"
+            raise CheckpointError(f"{what}: checkpoint.dir={self.spec.dir} now belongs to another run ({where}), "
+                                  "which continued this run's checkpoints; this run stops so as not to write over "
+                                  "them")
         mark_complete(tmp)
         if final.exists():
-            shutil.rmtree(final)  # an older save of the same step (a rerun): the new one replaces it
+            shutil.rmtree(final)  # an older save of the same step by this run (a rerun): the new one replaces it
         os.rename(tmp, final)
         fd = os.open(self.spec.dir, os.O_RDONLY)
         try:
@@ -254,7 +323,7 @@ class CheckpointManager:
             os.close(fd)
 
     def _prune(self) -> None:
-        prune(self.spec.dir, self.spec.keep_last)
+        prune(self.spec.dir, self.spec.keep_last)  # this run's folder (checked in _complete): its own checkpoints
 
 
 def prune(directory: Path, keep_last: int) -> None:

@@ -47,7 +47,7 @@ def poisoned_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of the run whose checkpoint's `.metadata` runs a payload; returns (checkpoint, marker)."""
     run = tmp_path / "run"
     shutil.copytree(saved, run)
-    checkpoint = next((run / "checkpoints").iterdir())
+    checkpoint = next((run / "checkpoints").glob("step_*"))
     marker = tmp_path / "payload-ran"
     real = (checkpoint / METADATA_FILE).read_bytes()
     (checkpoint / METADATA_FILE).write_bytes(pickle.dumps(Payload(marker, real)))
@@ -66,7 +66,7 @@ def test_the_payload_in_metadata_never_runs_on_resume_auto_or_export(saved, tmp_
     cfg = compose_run_config([*TINY, "train.steps=2", "checkpoint.resume=auto",
                               f"checkpoint.dir={checkpoint.parent}"], tmp_path / "cache")
     with pytest.raises(CheckpointError, match=r"names builtins\.eval, which DCP checkpoint metadata never holds"):
-        run_training(cfg, ParallelGrid.single("cpu"), tmp_path / "resumed")
+        run_training(cfg, ParallelGrid.single("cpu"), checkpoint.parent.parent)  # the copied run continues itself
     with pytest.raises(CheckpointError, match="builtins.eval"):
         read_training_weights(checkpoint)
     assert not marker.exists()
@@ -100,7 +100,7 @@ def test_a_payload_in_the_tensor_data_is_refused_by_weights_only(saved, tmp_path
     """The tensor files are pickles too: point the RNG state at a payload; loading refuses it, nothing runs."""
     run = tmp_path / "run"
     shutil.copytree(saved, run)
-    checkpoint = next((run / "checkpoints").iterdir())
+    checkpoint = next((run / "checkpoints").glob("step_*"))
     marker = tmp_path / "payload-ran"
     buffer = io.BytesIO()
     # As many bytes as the RNG state it replaces: the metadata's lengths still hold, so weights_only is what refuses
@@ -114,6 +114,7 @@ def test_a_payload_in_the_tensor_data_is_refused_by_weights_only(saved, tmp_path
     metadata.storage_data[key] = _StorageInfo(metadata.storage_data[key].relative_path, offset,
                                               len(buffer.getvalue()))
     (checkpoint / METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    (checkpoint / "SHA256SUMS").unlink()  # else the shard's checksum refuses it first: weights_only is under test
     cfg = compose_run_config([*TINY, "train.steps=2", f"checkpoint.resume={checkpoint}"], tmp_path / "cache")
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         run_training(cfg, ParallelGrid.single("cpu"), tmp_path / "resumed")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from checkpoint.manager import check_ownership
 from parallel.collectives import broadcast_object
 from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
 from training.reliability.heartbeat import Beater
@@ -55,6 +56,8 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         validate(cfg, world_size)
         if is_launch_leader(os.environ) and (problem := check_run_dir(run_dir, cfg.checkpoint.resume)):
             raise ConfigError(problem)
+        if is_launch_leader(os.environ) and (problem := check_ownership(checkpoint_spec(cfg, run_dir))):
+            raise ConfigError(problem)  # another run's checkpoint.dir: refused before any worker starts
     except ConfigError as error:
         print(f"sluice: config error: {error}", file=sys.stderr)
         sys.exit(2)

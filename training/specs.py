@@ -85,7 +85,7 @@ def checkpoint_spec(cfg: DictConfig, run_dir: Path) -> CheckpointSpec:
     c = cfg.checkpoint
     return CheckpointSpec(dir=Path(c.dir) if c.dir else Path(run_dir) / "checkpoints", every=int(c.every),
                           keep_last=int(c.keep_last), resume=c.resume or "none",
-                          save_final=bool(c.save_final), model_keys=model_keys())
+                          save_final=bool(c.save_final), model_keys=model_keys(), run_dir=Path(run_dir))
 
 
 def checkpoint_meta(cfg: DictConfig, grid) -> dict:
