@@ -76,8 +76,7 @@ def _open_safetensors(files: dict[str | None, Path]) -> tuple[list[str], Reader]
     """One file for every key (key None), or a key -> shard file map (an index's, each key found in its shard).
 
     Every file's header is checked by the `safetensors` library before any tensor is read, and read through it
-    key by key with positioned reads (`SafetensorsFile`: no memory mapping, so a rank's resident memory holds
-    its share once)."""
+    key by key with positioned reads (`SafetensorsFile`: each tensor in memory of its own, no mapping)."""
     opened = {file: SafetensorsFile(file) for file in sorted(set(files.values()))}
     owner = {key: file for file, handle in opened.items() for key in handle.table} if None in files else files
     if (lost := next((key for key, file in owner.items() if key not in opened[file].table), None)) is not None:

@@ -265,3 +265,15 @@ def test_an_index_naming_a_key_its_shard_lacks_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{tmp_path / 'shard.safetensors'} has no {W}, which the folder's "
                                               "index names it for"):
         dense_source(tmp_path, {W: SHAPE}, {})
+
+
+def test_a_tied_weight_read_under_two_names_gets_memory_of_its_own(tmp_path):
+    """The library's default `mmap` backend would hand both names views of the same bytes: two Parameters on one
+    storage, updated twice per step. The `pread` backend gives every read memory of its own."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    save_file({embed: torch.ones(4, 8)}, str(tmp_path / "model.safetensors"))
+    source = dense_source(tmp_path / "model.safetensors", {embed: (4, 8), head: (4, 8)}, {head: embed})
+    first, second = source(embed, (4, 8)), source(head, (4, 8))
+    first.add_(1)
+    assert torch.equal(second, torch.ones(4, 8)) and first.untyped_storage().data_ptr() != \
+        second.untyped_storage().data_ptr()
