@@ -157,14 +157,14 @@ def test_dcp_metadata_whose_chunk_leaves_its_tensor_is_refused(saved, tmp_path):
         read_keys(bad)
 
 
-def test_dcp_metadata_with_overlapping_chunks_or_negative_storage_is_refused(saved, tmp_path):
+def test_dcp_metadata_with_overlapping_chunks_bad_storage_or_a_huge_size_is_refused(saved, tmp_path):
     from checkpoint.distributed import read_keys
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
     _, checkpoint = saved
     key = "model.embed_tokens.weight"
-    for case in ("overlap", "negative"):
+    for case in ("overlap", "negative", "huge"):
         bad = tmp_path / case / "step_00000001"
         shutil.copytree(checkpoint, bad)
         metadata = RestrictedUnpickler(open(bad / METADATA_FILE, "rb"), bad).load()
@@ -176,10 +176,15 @@ def test_dcp_metadata_with_overlapping_chunks_or_negative_storage_is_refused(sav
             for start, _ in halves:
                 metadata.storage_data[MetadataIndex(key, torch.Size([start, 0]))] = entry
             message = rf"{key} has chunks at \[0, 0\] and \[1000, 0\] that overlap"
-        else:
+        elif case == "negative":
             metadata.storage_data[MetadataIndex(key, torch.Size([0, 0]))] = _StorageInfo(entry.relative_path, -5,
                                                                                          entry.length)
             message = rf"the storage entry of '{key}' is not a file name with a non-negative offset and length"
+        else:  # 10^12 elements the export would allocate (4 TB), stored in the bytes of 131072
+            metadata.state_dict_metadata[key].size = torch.Size([10**6, 10**6])
+            metadata.state_dict_metadata[key].chunks = [ChunkStorageMetadata(torch.Size([0, 0]),
+                                                                             torch.Size([10**6, 10**6]))]
+            message = rf"{key} has a chunk at \[0, 0\] of 1000000000000 elements stored in \d+ bytes"
         (bad / METADATA_FILE).write_bytes(pickle.dumps(metadata))
         with pytest.raises(CheckpointError, match=message):
             read_keys(bad)
