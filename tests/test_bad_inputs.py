@@ -226,3 +226,12 @@ def test_a_normal_tiny_run_is_not_refused(capsys):
     assert (code, lines) == (0, [])
     peak = per_rank_bytes(compose_validated(["model=tiny"]), None)[0]
     assert 0 < peak < GIB // 4
+
+
+def test_a_sweep_launched_on_other_hosts_is_not_judged_by_this_one(monkeypatch, tmp_path, capsys):
+    fake_host(monkeypatch, 24)
+    sweep = ["-m", "hydra/launcher=slurm", "model=tiny", *SEVEN_B, "optim.lr=1e-3,2e-3",
+             f"hydra.sweep.dir={tmp_path}/s"]
+    assert run_preflight(sweep, capsys) == (0, [])
+    code, lines = run_preflight([*sweep, "parallel.memory_budget_gb=24"], capsys)  # a budget still applies
+    assert code == 2 and "but parallel.memory_budget_gb=24; " in lines[0]

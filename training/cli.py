@@ -124,13 +124,15 @@ def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[st
         cfg = compose_config(job, with_hydra=True)
     except Exception as error:  # Hydra's composition errors: one line, not its traceback
         fail(explain_compose_error(error, job))
+    # A sweep's launcher other than Hydra's basic one (Slurm, submitit) runs the jobs on other hosts.
+    elsewhere = multirun and not str(OmegaConf.select(cfg.hydra, "launcher._target_")).endswith(".BasicLauncher")
     with read_write(cfg), open_dict(cfg):
         check_output_dir(cfg.hydra, multirun)
         cfg.pop("hydra")
     warnings = validate(cfg, world_size)
     from training.memory_fit import memory_problem  # the meta model and the planner: after the cheap checks
 
-    if problem := memory_problem(cfg, world_size):
+    if problem := memory_problem(cfg, world_size, this_host=not elsewhere):
         raise ConfigError(problem)
     return warnings
 

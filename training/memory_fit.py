@@ -91,9 +91,10 @@ def per_rank_bytes(cfg: DictConfig, launched: int | None) -> dict[int, int]:
     return {r: sum(peaks) if process_pp(cfg) == 1 else peaks[r // per_pp] for r in local}
 
 
-def memory_problem(cfg: DictConfig, launched: int | None = None) -> str | None:
+def memory_problem(cfg: DictConfig, launched: int | None = None, this_host: bool = True) -> str | None:
     """One line when the run's predicted memory does not fit: the budget per rank (parallel.memory_budget_gb) when
-    set, else each GPU's memory, else the host's available memory for all its ranks together; None when it fits."""
+    set, else (for a run on `this_host`) each GPU's memory, else the host's available memory for all its ranks
+    together; None when it fits."""
     from training.config.schema import model_decoder
 
     if cfg.parallel.plan == "auto":  # the layout search applies its own budget
@@ -111,6 +112,8 @@ def memory_problem(cfg: DictConfig, launched: int | None = None) -> str | None:
     if budget is not None:
         return None if need <= budget * GIB else \
             f"{head} but parallel.memory_budget_gb={budget:g}; {fixes}, or raise the budget"
+    if not this_host:  # another host's memory is unknown here
+        return None
     override = "or set parallel.memory_budget_gb (GiB per rank) where this figure is wrong"
     if _on_gpu(cfg):
         import torch
