@@ -210,8 +210,9 @@ class Decoder:
         return None if module is None else module._parameters.get(leaf)
 
     def prune(self, kept: range, first: bool, last: bool) -> Decoder:
-        """A deep copy keeping the layers whose ids are in `kept`, the embedding on the first chunk and the final pieces and head on the last;
-        every kept parameter keeps its dense name (a ModuleList becomes a ModuleDict keyed by global id)."""
+        """A deep copy keeping the layers whose ids are in `kept`, the embedding on the first chunk and the final
+        pieces and head on the last; every kept parameter keeps its dense name (a ModuleList becomes a ModuleDict
+        keyed by global id)."""
         module = copy.deepcopy(self.module)
         stack = submodule(module, self.plan.stack)
         set_submodule(module, self.plan.stack,
