@@ -2,8 +2,9 @@
 Mistral, Gemma3), unmodified, trained by the plans their classes declare: every layout equals one process in loss,
 aux loss, grad norm, gradients and parameters.
 
-Every registered family runs the acceptance layouts (tp2 x pp2, dp2 x pp2 ZB-V); the first three also every layout
-of the original list. The world-2 layouts of all families share one spawn; the world-1 ones (emulated) run here.
+Every registered family runs the acceptance layouts (tp2 x pp2 with selective recompute, dp2 x pp2 ZB-V); the first
+three also every layout of the original list. The world-2 layouts of all families share one spawn; the world-1 ones
+(emulated) run here.
 """
 
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ LAYOUTS = [
     Layout("bf16-pp2-full-recompute", ("parallel.pp=2", "train.recompute=full", EMU), 1, 1, ("train.dtype=bf16",)),
 ]
 ACCEPTANCE = [
-    Layout("tp2-pp2-1f1b", ("parallel.tp=2", "parallel.pp=2", "schedule=1f1b", EMU), 2, 1),
+    Layout("tp2-pp2-1f1b-selective", ("parallel.tp=2", "parallel.pp=2", "schedule=1f1b", "train.recompute=selective",
+                                      EMU), 2, 1),
     Layout("dp2-pp2-zbv", ("parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU), 2, 2),
 ]
 CASES = [(family, layout) for family in FAMILIES for layout in ACCEPTANCE] + \
