@@ -42,6 +42,8 @@ def estimated_costs(cfg: DictConfig):
     if saved is None and (cached := measured_costs(cfg, cached_only=True)) is not None:
         saved = int(cached.layer_saved[mode] * t.micro_batch_size / cached.key["micro_batch_size"])
     scale = _state_scale(cfg)
+    # head_saved: the final norm's fp32 input and the fp32 log-probabilities the loss keeps for its backward;
+    # layer_deferred 0: the zero-bubble schedules' W deferral is left out (a lower bound again).
     return MeasuredCosts(
         key={"micro_batch_size": t.micro_batch_size, "backend": "gloo"}, layer_f=0.0, layer_b={mode: 0.0},
         layer_i={mode: 0.0}, layer_w=0.0, embed_f=0.0, embed_b=0.0, embed_i=0.0, embed_w=0.0, head_f=0.0,
@@ -51,8 +53,6 @@ def estimated_costs(cfg: DictConfig):
         head_params=int((pieces["final"] + pieces["head"]) * scale), param_bytes=MASTER_BYTES,
         optimizer_s_per_param=0.0, boundary_bytes=tokens * config.hidden_size * 4,
         layer_expert_params=int(experts * scale))
-    # head_saved: the final norm's fp32 input and the fp32 log-probabilities the loss keeps for its backward.
-    # layer_deferred 0: the zero-bubble schedules' W deferral is left out (a lower bound again).
 
 
 def _state_scale(cfg: DictConfig) -> float:
