@@ -62,8 +62,10 @@ class ParallelGrid:
         return cls(device=torch.device(device))
 
     @classmethod
-    def build(cls, dp: int | None, tp: int, pp: int, *, backend: str, timeout_s: float, ep: int = 1) -> "ParallelGrid":
-        """Join (or reuse) the default process group via env:// and carve the (pp, dp, tp) mesh out of it."""
+    def build(cls, dp: int | None, tp: int, pp: int, *, backend: str, timeout_s: float, ep: int = 1,
+              store: dist.Store | None = None) -> "ParallelGrid":
+        """Join (or reuse) the default process group via env:// (or on `store`, with RANK from the environment) and
+        carve the (pp, dp, tp) mesh out of it."""
         if dist.is_initialized():
             world_size = dist.get_world_size()
             backend = dist.get_backend() if backend == "auto" else backend
@@ -78,8 +80,10 @@ class ParallelGrid:
                 return cls.single(device)  # a plain `python train.py`: nothing to rendezvous with
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s),
-                                    device_id=device if device.type == "cuda" else None)
+            where = {"init_method": "env://"} if store is None else {
+                "store": store, "rank": int(os.environ["RANK"]), "world_size": world_size}
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None, **where)
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         rank = dist.get_rank()
         pp_rank, dp_rank, tp_rank = (int(c) for c in mesh.get_coordinate())

@@ -25,6 +25,7 @@ from training.console import check_run_dir, quiet_progress_bars
 from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
 from training.reliability.faults import FaultInjector
 from training.layout import layout_world_size, process_pp
+from training.rendezvous import AttemptStore, attempt_store
 from training.restarts import RestartBudget, newest_step, restart_resume
 from training.specs import checkpoint_spec
 from training.reliability.watchdog import EXIT_INTERRUPTED, Limits, report_hang, start_watchdog
@@ -74,7 +75,9 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
     p = cfg_dict["parallel"]
     limits = Limits(float(p["timeout_s"]), float(p["startup_timeout_s"]))
     watch = Watch(rank, groups={"world": list(range(int(os.environ.get("WORLD_SIZE", 1))))})
-    watch.run_dir = Path(run_dir)
+    # A torchrun rank >= 1 ran Hydra in the working directory: it learns the run directory from rank 0 at start-up,
+    # and until then writes no report anywhere (never into the working directory).
+    watch.run_dir = None if launched and announce and rank else Path(run_dir)
     if launched:
         name_process(f"sluice-rank{rank}")
         watch.beater = Beater(dict(os.environ), rank, len(watch.groups["world"]))
@@ -139,19 +142,27 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
     p = cfg.parallel
     watch = watch if watch is not None else Watch(int(os.environ.get("RANK", 0)))
     faults = FaultInjector(OmegaConf.select(cfg, "debug.fault"), watch.rank, on_stall=watch.enter)
+    start = None
     try:  # the grid too: a failure after the rendezvous must still destroy the process group
+        if under_torchrun():
+            peers = [r for r in range(int(os.environ["WORLD_SIZE"])) if r != watch.rank]
+            watch.enter("start-up: joining the process group", peers, startup=True)
+            # The rendezvous waits for peers still importing: bounded by the start-up timeout, not the step's.
+            start = attempt_store(os.environ, run_dir, max(p.timeout_s, p.startup_timeout_s))
+            if start is not None:  # rank 0's run directory, before anything else can fail on this rank
+                run_dir = start.run_dir
+                watch.run_dir = Path(run_dir)
         faults.start_up()
         if not under_torchrun():
             grid = ParallelGrid.single()
         else:
-            world = range(int(os.environ.get("WORLD_SIZE", 1)))
-            watch.enter("start-up: joining the process group", [r for r in world if r != watch.rank], startup=True)
+            watch.enter("start-up: joining the process group", peers, startup=True)
             if p.plan == "auto":
-                cfg = agreed_layout(cfg, watch)
+                cfg = agreed_layout(cfg, watch, start)
                 p = cfg.parallel
-            # The rendezvous waits for peers still importing: bounded by the start-up timeout, not the step's.
             grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend,
-                                      timeout_s=max(p.timeout_s, p.startup_timeout_s), ep=p.ep)
+                                      timeout_s=max(p.timeout_s, p.startup_timeout_s), ep=p.ep,
+                                      store=start.store if start else None)
         watch_grid(watch, grid)
         watch.collective("start-up: agreeing on the run directory", "world", startup=True)
         run_dir = agree_on_run_dir(run_dir, grid)
@@ -168,11 +179,11 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
     return losses
 
 
-def agreed_layout(cfg: DictConfig, watch: Watch) -> DictConfig:
+def agreed_layout(cfg: DictConfig, watch: Watch, start: AttemptStore | None) -> DictConfig:
     """parallel.plan=auto under torchrun: rank 0's choice, applied and checked on every rank."""
     from training.planner.auto import agree_on_layout
 
-    cfg = agree_on_layout(cfg, watch.rank)
+    cfg = agree_on_layout(cfg, watch.rank, start.store if start else None)
     validate(cfg, int(os.environ["WORLD_SIZE"]))
     return cfg
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -33,7 +34,7 @@ def plan_layout(cfg: DictConfig, world_size: int) -> DictConfig:
     return apply_candidate(cfg, candidate)
 
 
-def agree_on_layout(cfg: DictConfig, rank: int) -> DictConfig:
+def agree_on_layout(cfg: DictConfig, rank: int, store: dist.Store | None = None) -> DictConfig:
     """Under torchrun: rank 0 chooses and every rank applies its choice, so no two ranks run different layouts.
 
     Joins the default process group (the grid reuses it); a rank-0 failure reaches every rank as its message."""
@@ -41,7 +42,9 @@ def agree_on_layout(cfg: DictConfig, rank: int) -> DictConfig:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method="env://",  # peers may still be importing: start-up bound
+        where = {"init_method": "env://"} if store is None else {  # store: this start's own (training/rendezvous)
+            "store": store, "rank": rank, "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(backend, **where,  # peers may still be importing: start-up bound
                                 timeout=timedelta(seconds=max(cfg.parallel.timeout_s, cfg.parallel.startup_timeout_s)))
     decision: tuple[Candidate | None, str] = (None, "")
     if rank == 0:

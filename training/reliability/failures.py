@@ -27,11 +27,14 @@ def is_known(error: BaseException) -> bool:
     return type(error).__module__.split(".")[0] in PROJECT_PACKAGES
 
 
-def describe_failure(error: BaseException, run_dir: Path, rank: int) -> str:
-    """One line for `error`; an unexpected one also writes its traceback to logs/rank{R}.log (path in the line)."""
+def describe_failure(error: BaseException, run_dir: Path | None, rank: int) -> str:
+    """One line for `error`; an unexpected one also writes its traceback to logs/rank{R}.log (path in the line).
+    `run_dir` None: not known yet (a torchrun rank >= 1 before rank 0 told it), nothing is written."""
     text = " ".join(str(error).split()) or type(error).__name__
     if is_known(error):
         return text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}"  # P2P errors name their rank
+    if run_dir is None:
+        return f"rank {rank}: unexpected {type(error).__name__}: {text} (before the run directory was known)"
     path = Path(run_dir) / LOG_DIR / f"rank{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as log:
@@ -39,13 +42,13 @@ def describe_failure(error: BaseException, run_dir: Path, rank: int) -> str:
     return f"rank {rank}: unexpected {type(error).__name__}: {text} (traceback in {path})"
 
 
-def record_failure(run_dir: Path, rank: int, message: str, announce: bool, culprit: int | None = None,
+def record_failure(run_dir: Path | None, rank: int, message: str, announce: bool, culprit: int | None = None,
                    kind: str | None = None) -> None:
     """Leave the line for the launcher (with the rank the heartbeats blame, if any); print it too when no
-    launcher of ours will."""
-    path = Path(run_dir) / FAILURE_DIR / f"rank{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():  # the first failure of a rank is the cause; later ones are consequences
+    launcher of ours will. Only ever into the run directory: with `run_dir` None (not known yet) it is printed."""
+    path = None if run_dir is None else Path(run_dir) / FAILURE_DIR / f"rank{rank}.json"
+    if path is not None and not path.exists():  # the first failure of a rank is the cause; later: consequences
+        path.parent.mkdir(parents=True, exist_ok=True)
         record = {"rank": rank, "time": time.time(), "message": message, "culprit": culprit, "kind": kind}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))

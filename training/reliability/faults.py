@@ -6,6 +6,11 @@ KIND is one of
          so the non-finite check sees a single bad rank (`train.on_nonfinite` decides what happens);
   stall  global rank R blocks forever (until killed) at the start of step S, or right before compute action
          A of step S (e.g. `action=F2@s1`); step 0 stalls during start-up, before the process group exists.
+  stop   global rank R's process stops itself (SIGSTOP: every thread frozen, as on a wedged host) at the start of
+         step S; its heartbeats stop, and its peers name it and end it after parallel.timeout_s.
+  kill   global rank R's process is killed (SIGKILL, as by the OOM killer) at the start of step S of the group's first
+         start only: a group that torchrun --max-restarts started again runs on (a rehearsal of its recovery; under
+         train.max_restarts every start is a first one, so the kill comes back, as a crash does).
 A stall is what the hang doctor (`parallel.timeout_s`) must catch: every other rank times out, dumps where it
 waits and the launcher names the stalled rank. Steps are 1-based, as in metrics.jsonl. On the command line
 quote the value for Hydra: `python train.py parallel.pp=2 "debug.fault='stall@rank=1,step=3,action=F0@s1'"`.
@@ -14,6 +19,8 @@ quote the value for Hydra: `python train.py parallel.pp=2 "debug.fault='stall@ra
 from __future__ import annotations
 
 import math
+import os
+import signal
 import threading
 from dataclasses import dataclass
 
@@ -21,8 +28,8 @@ import torch
 
 from parallel.pipeline.actions import Action
 
-FAULT_KINDS = ("stall", "crash", "nan")
-SYNTAX = "use stall|crash|nan@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3,action=F2@s1"
+FAULT_KINDS = ("stall", "crash", "nan", "stop", "kill")
+SYNTAX = "use stall|crash|nan|stop|kill@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3,action=F2@s1"
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,10 @@ class FaultInjector:
         self.step = step
         if self._here("crash", step):
             raise InjectedCrash(f"debug.fault: injected crash on rank {self.rank} at step {step}")
+        if self._here("stop", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self._here("kill", step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
         if self._here("stall", step) and self.spec.action is None:
             self._stall(f"start of step {step}")
 

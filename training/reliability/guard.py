@@ -31,8 +31,9 @@ class StepGuard:
     def begin(self, step: int) -> None:
         """Start of 1-based `step`: an injected crash or stall; the engine's waits are recorded as they come."""
         self.watch.step = step
-        self.faults.begin_step(step)
         self.watch.enter(f"step {step}: starting")  # no collective here: the data carries the token count
+        self.watch.publish()  # said before any fault: a rank that stops or dies in this step is described by it
+        self.faults.begin_step(step)
 
     def after_engine(self, step: int, loss: float, params: list[torch.nn.Parameter]) -> float:
         """The step's gradients are summed: an injected NaN; the grad-norm collective comes next."""

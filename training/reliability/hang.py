@@ -58,6 +58,13 @@ class Watch:
         peers = sorted({r for g in groups for r in self.groups.get(g, [])} - {self.rank})
         self.enter(f"{what} over {'+'.join(groups)}", peers, startup)
 
+    def publish(self) -> None:
+        """Tell the heartbeats this rank's state now (a new step or start-up phase) rather than at the next periodic
+        beat: a rank frozen or killed a moment later is then described by what it was doing, not by a phase of a
+        second ago (steps of a small model take a fraction of that)."""
+        if self.beater is not None:
+            self.beater.publish(self)
+
     def done(self, what: object) -> None:
         """`what` completed: progress."""
         self.last_done = what
@@ -77,9 +84,12 @@ class Watch:
                 out.append(describe(rank, p.message))
         return out
 
-    def dump(self, reason: str) -> Path:
-        """Write `hang/rank{R}.json` into the run directory; return its path."""
-        path = Path(self.run_dir or ".") / DUMP_DIR / f"rank{self.rank}.json"
+    def dump(self, reason: str) -> Path | None:
+        """Write `hang/rank{R}.json` into the run directory; return its path. None, writing nothing, while the run
+        directory is not known (a torchrun rank >= 1 before rank 0 told it): never into the working directory."""
+        if self.run_dir is None:
+            return None
+        path = Path(self.run_dir) / DUMP_DIR / f"rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         state = asdict(self.state)
         state["blocked_s"] = round(self.blocked_s(), 1)

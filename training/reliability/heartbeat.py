@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -183,6 +184,8 @@ class Beater:
         self.env, self.rank, self.world_size = env, rank, world_size
         self.link: Heartbeats | None = None
         self.attempts, self.next_try, self.next_beat = 0, 0.0, 0.0
+        self.lock = threading.Lock()  # the watchdog's periodic beats and the main thread's Watch.publish
+        self.prompt = True  # the main thread publishes too, until the store fails it once (it must not wait on it)
 
     def tick(self, watch) -> None:
         now = time.monotonic()
@@ -191,13 +194,24 @@ class Beater:
             self.link = Heartbeats.connect(self.env, self.rank, self.world_size)
             self.next_try = now + 5.0
         if self.link is not None and now >= self.next_beat:
-            self.next_beat = now + PERIOD_S
+            self._beat(watch)
+
+    def publish(self, watch) -> None:
+        """A beat now, from the main thread (a new step or phase), once the watchdog has connected."""
+        if self.link is not None and self.prompt and not self._beat(watch):
+            self.prompt = False
+
+    def _beat(self, watch) -> bool:
+        """Publish `watch`'s state; False when the store did not take it (the launcher is ending the group)."""
+        with self.lock:
+            self.next_beat = time.monotonic() + PERIOD_S
             state = watch.state
             try:
                 self.link.publish(Beat(self.rank, watch.step, str(state.what), list(state.waits_for),
                                        round(time.monotonic() - state.since, 1)))
-            except Exception:  # noqa: BLE001  the store went away (the launcher is ending the group)
-                pass
+            except Exception:  # noqa: BLE001  the store went away
+                return False
+            return True
 
     def blame(self, rank: int, waited_s: float = 0.0, dead_only: bool = False) -> tuple[Culprit, str] | None:
         """The culprit and its blame line as this rank sees the beats now, or None."""
