@@ -20,7 +20,8 @@ def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     problem = check_run_dir(tmp_path, None)
     assert problem and "already holds metrics.jsonl" in problem and "hydra.run.dir" in problem and "checkpoint.resume" in problem
-    assert check_run_dir(tmp_path, "auto") is None
+    assert check_run_dir(tmp_path, "auto").startswith("checkpoint.resume=auto: ")  # no checkpoint to resume from
+    assert check_run_dir(tmp_path, str(tmp_path / "checkpoints" / "step_00000001")) is None  # checked when loaded
     assert check_run_dir(tmp_path, "none") == problem  # `none` is the explicit "do not resume"
 
 

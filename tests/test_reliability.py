@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,14 +105,19 @@ def start_long_run(cmd: list[str], run_dir: Path, cache: Path) -> subprocess.Pop
     return proc
 
 
-def test_ctrl_c_stops_a_two_worker_run_with_one_line_and_exit_130(tmp_path, data_cache):
+def test_ctrl_c_saves_a_two_worker_run_and_exits_130_with_the_resume_command(tmp_path, data_cache):
     proc = start_long_run([sys.executable, "train.py", "parallel.pp=2"], tmp_path / "run", data_cache)
     try:
         assert len(pids_where(3, proc.pid)) >= 2  # the two workers are the launcher's children
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 130, stderr[-3000:]  # once -6: an elastic daemon thread aborted the exit
-        assert sluice_lines(stderr) == ["sluice: interrupted; every worker was stopped"]
+        lines = sluice_lines(stderr)  # the launcher passed it on: the workers finished the step and saved it
+        notice = re.fullmatch(r"sluice: SIGINT: stopping after step (\d+); send it again to stop at once", lines[0])
+        assert notice and len(lines) == 3 and lines[2] == "sluice: interrupted; every worker was stopped", lines
+        step = int(notice.group(1))
+        assert lines[1].startswith(f"sluice: interrupted by SIGINT at step {step}: saved checkpoint step {step} to ")
+        assert (tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file()
         wait_until(lambda: not pids_where(4, proc.pid), 30, "no process of the run's group left")
     finally:
         if proc.poll() is None or pids_where(4, proc.pid):

@@ -1,25 +1,59 @@
 """What rank 0 shows on the terminal: the run directory, one progress bar, log lines above it, a summary."""
 
 import logging
+import os
+import shlex
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import yaml
 from tqdm import tqdm
 
+from checkpoint.manager import complete_checkpoints
+
 log = logging.getLogger("sluice")
+TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 
 
-def check_run_dir(run_dir: Path, resume: str | None) -> str | None:
-    """One line when a fresh run would mix its metrics into an earlier run's directory; None when it may start."""
+def check_run_dir(run_dir: Path, resume: str | None, checkpoints: Path | None = None) -> str | None:
+    """One line when a run would mix its metrics into an earlier run's: a fresh run into a used directory, or
+    `checkpoint.resume=auto` where `checkpoints` (default `<run dir>/checkpoints`) holds nothing to resume from."""
     metrics = Path(run_dir) / "metrics.jsonl"
-    if resume not in (None, "", "none") or not metrics.exists():
+    if not metrics.exists():
+        return None
+    if resume == "auto":
+        checkpoints = Path(checkpoints) if checkpoints is not None else Path(run_dir) / "checkpoints"
+        if complete_checkpoints(checkpoints):
+            return None
+        return (f"checkpoint.resume=auto: run directory {run_dir} holds {metrics.name} but {checkpoints} holds no "
+                "complete checkpoint to resume from; start a fresh run (a new hydra.run.dir, or drop it), or resume "
+                "from an explicit checkpoint with checkpoint.resume=<checkpoint folder>")
+    if resume not in (None, "", "none"):
         return None
     return (f"run directory {run_dir} already holds {metrics.name} from an earlier run; choose a new "
             "hydra.run.dir (or drop it for a fresh timestamped one), delete the old run, "
             "or continue it with checkpoint.resume")
+
+
+def resume_command(run_dir: Path, env: dict[str, str], argv: list[str]) -> str:
+    """The command that continues an interrupted run in the same run directory from its newest checkpoint: this
+    interpreter, train.py, the run's own overrides (Hydra's record, else `argv`), then hydra.run.dir and
+    checkpoint.resume=auto."""
+    record = Path(run_dir) / ".hydra" / "overrides.yaml"
+    try:
+        overrides = [str(o) for o in yaml.safe_load(record.read_text())] if record.is_file() else list(argv[1:])
+    except (OSError, ValueError, TypeError, yaml.YAMLError):
+        overrides = list(argv[1:])
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+") not in ("checkpoint.resume", "hydra.run.dir")]
+    script = os.path.relpath(TRAIN_PY) if TRAIN_PY.is_relative_to(Path.cwd()) else str(TRAIN_PY)
+    # A torchrun rank cannot see its launcher's options; a self-launched worker's root is python train.py.
+    torchrun = "TORCHELASTIC_RUN_ID" in env and env.get("SLUICE_SELF_LAUNCHED") != "1"
+    launcher = ["torchrun", "<same torchrun options>"] if torchrun else [sys.executable]
+    words = [*launcher, script, *kept, f"hydra.run.dir={run_dir}", "checkpoint.resume=auto"]
+    return " ".join(word if word.startswith("<") else shlex.quote(word) for word in words)
 
 
 class TqdmHandler(logging.Handler):
@@ -83,24 +117,35 @@ class RunSummary:
     final_val_loss: float | None
     mean_tokens_per_s: float | None
     outputs: dict[str, str]  # label -> where, only the outputs that exist
+    start_step: int = 0  # the step this run resumed from: `steps` counts this run's own
+    interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.steps
 
 
 def format_summary(summary: RunSummary, planned_steps: int) -> list[str]:
     """The summary as a few lines: figures first, then where everything was written."""
-    figures = [f"{summary.steps} steps in {summary.wall_time_s:.1f} s"]
+    resumed = f" from step {summary.start_step}" if summary.start_step else ""
+    figures = [f"{summary.steps} steps{resumed} in {summary.wall_time_s:.1f} s"]
     if summary.final_loss is not None:
         figures.append(f"final loss {summary.final_loss:.4f}")
     if summary.final_val_loss is not None:
         figures.append(f"val loss {summary.final_val_loss:.4f}")
     if summary.mean_tokens_per_s is not None:
         figures.append(f"mean {summary.mean_tokens_per_s:.0f} tokens/s")
-    ended = "done" if summary.steps >= planned_steps else f"stopped early (of {planned_steps} steps)"
+    if summary.interrupted:
+        ended = f"interrupted by {summary.interrupted} at step {summary.last_step} (of {planned_steps} steps)"
+    else:
+        ended = "done" if summary.last_step >= planned_steps else f"stopped early (of {planned_steps} steps)"
     lines = [f"{ended}: " + ", ".join(figures)]
     lines += [f"  {label}: {path}" for label, path in summary.outputs.items()]
     if "checkpoints" in summary.outputs:  # what a user does next, with the paths filled in
         checkpoints = summary.outputs["checkpoints"]
-        lines += ["next:",
-                  f"  continue: python train.py <same overrides> train.steps=<new total> checkpoint.resume={checkpoints}",
+        continued = [] if summary.interrupted else [  # an interrupted run's line after this gives its command
+            f"  continue: python train.py <same overrides> train.steps=<new total> checkpoint.resume={checkpoints}"]
+        lines += ["next:", *continued,
                   f"  export:   python scripts/export_hf.py {checkpoints} <out folder>",
                   "  generate: python scripts/generate.py <out folder> \"<prompt>\""]
     return lines

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +29,7 @@ from training.layout import layout_world_size, process_pp
 from training.rendezvous import AttemptStore, attempt_store
 from training.restarts import RestartBudget, newest_step, restart_resume
 from training.specs import checkpoint_spec
-from training.reliability.watchdog import EXIT_INTERRUPTED, Limits, report_hang, start_watchdog
+from training.reliability.watchdog import EXIT_INTERRUPTED, Interrupted, Limits, exit_code, report_hang, start_watchdog
 
 log = logging.getLogger("sluice")
 SELF_LAUNCHED = "SLUICE_SELF_LAUNCHED"  # set for the workers of self_launch: their root reports failures
@@ -55,7 +56,9 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
 
             cfg = plan_layout(cfg, world_size)
         validate(cfg, world_size)
-        if is_launch_leader(os.environ) and (problem := check_run_dir(run_dir, cfg.checkpoint.resume)):
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restart continues its own run
+        if is_launch_leader(os.environ) and first_start and (problem := check_run_dir(
+                run_dir, cfg.checkpoint.resume, checkpoint_spec(cfg, run_dir).dir)):
             raise ConfigError(problem)
         if is_launch_leader(os.environ) and (problem := check_ownership(checkpoint_spec(cfg, run_dir))):
             raise ConfigError(problem)  # another run's checkpoint.dir: refused before any worker starts
@@ -81,9 +84,11 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
     if launched:
         name_process(f"sluice-rank{rank}")
         watch.beater = Beater(dict(os.environ), rank, len(watch.groups["world"]))
-    watchdog = start_watchdog(watch, limits, announce) if launched else None
+    watchdog = start_watchdog(watch, limits, announce, follow_launcher=launched)  # one process: for its signals
     try:
         return run_worker(cfg_dict, run_dir, watch)
+    except Interrupted as stop:  # the loop saved (or said why not) and rank 0 printed the line
+        sys.exit(stop.code)
     except KeyboardInterrupt:
         print("sluice: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
@@ -233,6 +238,12 @@ def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
                 launch_workers(node, attempt, cfg_dict, Path(run_dir))
                 return
             except ChildFailedError as error:
+                # Interrupted: the workers saved and rank 0 said so; a rank still leaving when the launcher stopped
+                # the group after the first one's exit shows as killed by the launcher's SIGTERM.
+                interrupted = {exit_code(signal.SIGINT), exit_code(signal.SIGTERM)}
+                codes = {f.exitcode for f in error.failures.values()}
+                if codes & interrupted and codes <= interrupted | {-signal.SIGTERM, -signal.SIGINT}:
+                    leave_at_once(max(codes))
                 cause = launch_failure(error, Path(run_dir))
                 step = newest_step(checkpoints)
                 if not budget.allow(step):
@@ -243,9 +254,9 @@ def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
                 say_over_bar(note)
                 log.warning("restart: %s", note)
                 cfg_dict["checkpoint"]["resume"] = restart_resume(cfg_dict["checkpoint"]["resume"], checkpoints)
-    except (KeyboardInterrupt, SignalException):
+    except (KeyboardInterrupt, SignalException) as error:  # the agent passed the signal on: workers save first
         print("sluice: interrupted; every worker was stopped", file=sys.stderr)
-        leave_at_once(EXIT_INTERRUPTED)
+        leave_at_once(exit_code(error.sigval) if isinstance(error, SignalException) else EXIT_INTERRUPTED)
     finally:
         os.environ.pop(SELF_LAUNCHED, None)
 

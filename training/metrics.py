@@ -1,7 +1,9 @@
 """Rank-0 metrics: one record per logged step to every sink, the progress bar, and the end-of-run summary."""
 
+import json
 import logging
 import math
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,17 +29,22 @@ def peak_tflops_for(cfg: DictConfig, device) -> float | None:
 class MetricsLogger:
     """Writes one record per logged step to every configured sink; a no-op on ranks other than 0.
 
-    Opening prints the run directory and starts the bar (at `start_step` when resuming); closing prints the
-    summary. `device` is the compute device (for the MFU peak); the world size is the process count, for
-    per-device TFLOP/s."""
+    Opening prints the run directory and starts the bar (at `start_step` when resuming: metrics.jsonl keeps only
+    the rows up to it, as the steps after it are done again); closing prints the summary. `device` is the compute
+    device (for the MFU peak); the world size is the process count, for per-device TFLOP/s."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0, device=None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.records: list[dict[str, Any]] = []
+        self.start_step, self.steps = start_step, 0  # this run's steps, counted as the bar moves
         if not enabled:
             return
+        dropped = drop_rows_after(self.run_dir / "metrics.jsonl", start_step)
+        if dropped:
+            log.info("metrics.jsonl: %d row(s) after step %d dropped; this run does those steps again", dropped,
+                     start_step)
         self.started = time.perf_counter()
         self.flops_token = flops_per_token(model_decoder(cfg), cfg.train.seq_len)
         self.peak_tflops = peak_tflops_for(cfg, device) if device is not None else OmegaConf.select(
@@ -67,30 +74,58 @@ class MetricsLogger:
 
     def advance(self, steps: int, postfix: dict[str, Any]) -> None:
         """Move the console progress bar."""
+        self.steps += steps
         if self.enabled:
             self.progress.set_postfix(postfix, refresh=False)
             self.progress.update(steps)
 
-    def summary(self) -> RunSummary:
-        """Steps, final losses, wall time, mean tokens/s (over logged steps after the first, which warms up)."""
+    def summary(self, interrupted: str | None = None) -> RunSummary:
+        """This run's steps, final losses, wall time, mean tokens/s (over logged steps after the first, which
+        warms up); `interrupted` names the signal that stopped the run."""
         last = self.records[-1] if self.records else {}
         rates = [r["tokens_per_s"] for r in self.records[1:] or self.records if r.get("tokens_per_s")]
         val = [r["val_loss"] for r in self.records if r.get("val_loss") is not None]
-        return RunSummary(steps=last.get("step", 0), wall_time_s=time.perf_counter() - self.started,
+        return RunSummary(steps=self.steps, wall_time_s=time.perf_counter() - self.started,
                           final_loss=last.get("loss"), final_val_loss=val[-1] if val else None,
                           mean_tokens_per_s=sum(rates) / len(rates) if rates else None,
-                          outputs=run_outputs(self.run_dir, OmegaConf.select(self.cfg, "checkpoint.dir")))
+                          outputs=run_outputs(self.run_dir, OmegaConf.select(self.cfg, "checkpoint.dir")),
+                          start_step=self.start_step, interrupted=interrupted)
 
-    def close(self) -> None:
+    def close(self, interrupted: str | None = None) -> None:
         """Close the bar, print the summary below it, then close every sink."""
         if not self.enabled:
             return
         self.progress.close()
         try:
-            for line in format_summary(self.summary(), self.cfg.train.steps):
+            for line in format_summary(self.summary(interrupted), self.cfg.train.steps):
                 log.info(line)
         finally:
             self._stack.close()
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Keep only the rows of metrics.jsonl up to `step` (a resumed run redoes the ones after it), rewritten
+    atomically; a torn last line (a kill mid-write) goes too. Returns how many rows were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            row_step = None
+        if isinstance(row_step, int) and row_step <= step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.writelines(kept)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)  # a kill during the rewrite leaves the old file whole
+    return dropped
 
 
 def _short(value: Any) -> str:

@@ -2,15 +2,20 @@
 
 import logging
 import math
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from checkpoint.distributed import TrainingState
-from checkpoint.manager import CheckpointManager
+from checkpoint.manager import CheckpointManager, find_checkpoint
 from models import build_model as build_module, decoder_of
 from parallel.decoder import Decoder
 from parallel.engine import build_engine
@@ -19,9 +24,11 @@ from parallel.expert_load import ExpertLoad
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
+from training.console import resume_command
 from training.data import build_data, build_val_batches
 from training.flops import peak_memory_record, world_group
 from training.reliability.guard import StepGuard
+from training.reliability.watchdog import Interrupted, exit_code
 from training.metrics import MetricsLogger
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -106,7 +113,9 @@ class Trainer:
         """Train for train.steps optimizer steps; return the per-step losses (the same on every rank).
 
         `on_grads(step)` runs once the step's gradients are final and synchronised, before clipping;
-        `on_step(step)` runs after each optimizer step (tests use both to inspect gradients and weights)."""
+        `on_step(step)` runs after each optimizer step (tests use both to inspect gradients and weights).
+        SIGINT/SIGTERM (agreed by every rank in the step's vote) end the loop after that step: it is saved where
+        checkpointing is on, and Interrupted carries the exit status (130/143)."""
         cfg, steps = self.cfg, self.cfg.train.steps
         first = self.checkpoints.resume()
         metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first,
@@ -116,6 +125,8 @@ class Trainer:
         guard = self.guard
         # The same Parameter objects all run (resuming loads in place): list them once, not twice per step.
         params, norm_params = self.engine.parameters(), self.engine.norm_parameters()
+        stopped: int | None = None  # the step after which SIGINT/SIGTERM stopped the run
+        saved: Path | None = None
         try:
             for step, micro_batches in zip(range(first, steps), self.data):
                 guard.begin(step + 1)
@@ -173,9 +184,45 @@ class Trainer:
                     metrics.log(step + 1, record)
                 self.checkpoints.after_step(step + 1)
                 guard.end(step + 1)
-            self.checkpoints.finish(max(first, steps))
+                if guard.stop_signal and step + 1 < steps:  # at the last step the run simply ends
+                    stopped = step + 1
+                    break
+            if stopped is not None:
+                saved = self.save_interrupted(stopped)
+            else:
+                self.checkpoints.finish(max(first, steps))
             if len(unlabeled) > 1 and self.grid.rank == 0:
-                log.warning(no_label_warning(unlabeled, cfg, of=steps - first))
+                log.warning(no_label_warning(unlabeled, cfg, of=(stopped or steps) - first))
         finally:
-            metrics.close()
+            metrics.close(signal.Signals(guard.stop_signal).name if stopped is not None else None)
+        if stopped is not None:
+            self.leave_interrupted(stopped, guard.stop_signal, saved)
         return losses
+
+    def save_interrupted(self, step: int) -> Path | None:
+        """The checkpoint of `step` after SIGINT/SIGTERM (every rank), unless checkpointing is off
+        (checkpoint.every=0 and checkpoint.save_final=false); returns it."""
+        self.guard.saving_on_interrupt()
+        spec = self.checkpoints.spec
+        if spec.every <= 0 and not spec.save_final:
+            return None
+        self.checkpoints.save(step)  # nothing to do when checkpoint.every saved this step already
+        return find_checkpoint(spec.dir)
+
+    def leave_interrupted(self, step: int, signo: int, saved: Path | None) -> None:
+        """Rank 0 says what was saved and how to resume; every rank waits for that, then raises Interrupted."""
+        name = signal.Signals(signo).name
+        if saved is not None:
+            line = (f"interrupted by {name} at step {step}: saved checkpoint step {step} to {saved}; resume with: "
+                    f"{resume_command(self.run_dir, dict(os.environ), sys.argv)}")
+        else:
+            line = (f"interrupted by {name} at step {step}: nothing was saved (checkpoint.every=0 and "
+                    "checkpoint.save_final=false); set checkpoint.save_final=true or checkpoint.every=N to save "
+                    "when interrupted")
+        if self.grid.rank == 0:
+            tqdm.write(f"sluice: {line}", file=sys.stderr)
+            sys.stderr.flush()
+        if self.grid.world_size > 1:  # no rank exits (and has its launcher stop the others) before rank 0 spoke
+            self.guard.watch.collective(f"after step {step}: leaving on {name}", "world")
+            dist.barrier()
+        raise Interrupted(exit_code(signo))

@@ -6,6 +6,8 @@ KIND is one of
          so the non-finite check sees a single bad rank (`train.on_nonfinite` decides what happens);
   stall  global rank R blocks forever (until killed) at the start of step S, or right before compute action
          A of step S (e.g. `action=F2@s1`); step 0 stalls during start-up, before the process group exists.
+  sigint, sigterm  global rank R's process receives SIGINT (Ctrl-C) or SIGTERM (Slurm's preemption) at the start
+         of step S; it counts as received in step S (the watchdog thread may take it a moment later).
   stop   global rank R's process stops itself (SIGSTOP: every thread frozen, as on a wedged host) at the start of
          step S; its heartbeats stop, and its peers name it and end it after parallel.timeout_s.
   kill   global rank R's process is killed (SIGKILL, as by the OOM killer) at the start of step S of the group's first
@@ -28,8 +30,9 @@ import torch
 
 from parallel.pipeline.actions import Action
 
-FAULT_KINDS = ("stall", "crash", "nan", "stop", "kill")
-SYNTAX = "use stall|crash|nan|stop|kill@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3,action=F2@s1"
+SIGNAL_FAULTS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
+FAULT_KINDS = ("stall", "crash", "nan", "stop", "kill", *SIGNAL_FAULTS)
+SYNTAX = "use stall|crash|nan|stop|kill|sigint|sigterm@rank=R,step=S[,action=A], e.g. stall@rank=1,step=3,action=F2@s1"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class FaultInjector:
         self.rank = rank
         self.on_stall = on_stall  # tells the hang doctor what this rank is (not) doing, before blocking
         self.step = 0
+        self.signalled = 0  # the signal this rank sent itself (sigint/sigterm faults)
 
     def _here(self, kind: str, step: int) -> bool:
         spec = self.spec
@@ -101,6 +105,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         if self._here("kill", step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.spec is not None and self.spec.kind in SIGNAL_FAULTS and self._here(self.spec.kind, step):
+            self.signalled = int(SIGNAL_FAULTS[self.spec.kind])
+            os.kill(os.getpid(), self.signalled)
         if self._here("stall", step) and self.spec.action is None:
             self._stall(f"start of step {step}")
 

@@ -9,7 +9,8 @@ from omegaconf import DictConfig, OmegaConf
 from parallel.grid import ParallelGrid
 from training.reliability.hang import Watch
 from training.reliability.faults import FaultInjector
-from training.reliability.nonfinite import SkipPolicy, nonfinite_vote
+from training.reliability.nonfinite import SkipPolicy, step_vote
+from training.reliability.watchdog import Interrupt
 
 
 class StepGuard:
@@ -22,6 +23,7 @@ class StepGuard:
         self.faults = faults if faults is not None else FaultInjector(OmegaConf.select(cfg, "debug.fault"), grid.rank)
         self.policy = SkipPolicy(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
         self.world = dist.group.WORLD if grid.world_size > 1 else None
+        self.stop_signal = 0  # SIGINT/SIGTERM every rank agreed on in the last vote: save after this step and stop
 
     @property
     def skipped(self) -> int:
@@ -42,12 +44,20 @@ class StepGuard:
         return loss
 
     def should_step(self, step: int, loss: float, grad_norm: float) -> bool:
-        """One verdict on every rank: update, skip (False) or stop (NonFiniteError)."""
+        """One verdict on every rank: update, skip (False) or stop (NonFiniteError); and whether to stop after it."""
         self.watch.collective(f"step {step}: non-finite check", "world")
-        what = nonfinite_vote(loss, grad_norm, self.world, self.grid.device)
+        signo = max(self.watch.interrupt.signo if self.watch.interrupt else 0, self.faults.signalled)
+        what, self.stop_signal = step_vote(loss, grad_norm, signo, self.world, self.grid.device)
+        if self.stop_signal and self.watch.interrupt is None:  # a peer got it: this rank's copy may still come
+            self.watch.interrupt = Interrupt(self.stop_signal, own=False)
         verdict = self.policy.should_step(step, what, loss, grad_norm)
         self.watch.collective(f"step {step}: optimizer step", "dp")  # ZeRO-1 broadcasts its shards
         return verdict
+
+    def saving_on_interrupt(self) -> None:
+        """The stop agreed on is being saved: the watchdog's bound on the step in flight no longer applies."""
+        if self.watch.interrupt is not None:
+            self.watch.interrupt.saving = True
 
     def evaluating(self, step: int) -> None:
         """Validation after `step`: forward-only pipeline waits and loss sums over the whole grid."""

@@ -48,6 +48,7 @@ class Watch:
         self.posted: list[tuple[int, Pending]] = []  # (sender/receiver rank, transfer) not known complete
         self.report_lock = threading.Lock()  # the main thread and the watchdog may both see the same timeout
         self.reported = False
+        self.interrupt = None  # the watchdog's Interrupt on SIGINT/SIGTERM: the loop saves after this step and stops
 
     def enter(self, what: object, waits_for: list[int] | None = None, startup: bool = False) -> None:
         """This rank now does (or waits for) `what`; the timeout clock restarts."""

@@ -21,9 +21,16 @@ class NonFiniteError(RuntimeError):
 
 def nonfinite_vote(loss: float, grad_norm: float, group, device: torch.device) -> str | None:
     """What was non-finite on any rank of `group` ("loss", "grad norm" or both), or None: the same on every rank."""
-    bad = torch.tensor([not math.isfinite(loss), not math.isfinite(grad_norm)], dtype=torch.int32, device=device)
+    return step_vote(loss, grad_norm, 0, group, device)[0]
+
+
+def step_vote(loss: float, grad_norm: float, signo: int, group, device: torch.device) -> tuple[str | None, int]:
+    """The non-finite verdict and the stop signal (0: none; the highest any rank of `group` received), agreed by
+    one small all-reduce: a signal reaches ranks at different moments, or only some of them."""
+    bad = torch.tensor([not math.isfinite(loss), not math.isfinite(grad_norm), signo], dtype=torch.int32,
+                       device=device)
     flags = all_reduce_(bad, group, dist.ReduceOp.MAX).tolist()  # element-wise MAX of 0/1 = OR over ranks
-    return " and ".join(name for name, flag in zip(("loss", "grad norm"), flags) if flag) or None
+    return " and ".join(name for name, flag in zip(("loss", "grad norm"), flags[:2]) if flag) or None, flags[2]
 
 
 class SkipPolicy:

@@ -9,8 +9,12 @@ a C call that never returns, and it must not print a traceback per rank):
   failure, exit 1 (local work is not timed: its peers time out waiting for it);
 - SIGTERM / SIGINT arrived: their Python handlers do nothing, and the C-level handler writes the signal
   number to a wakeup socket this thread selects on, so it acts even while the main thread sits in a C call
-  (a blocked sigmask does not work: torch starts threads at import that would take the signal). SIGTERM (the
-  launcher stopping the workers after another rank failed) writes a dump if this rank was blocked.
+  (a blocked sigmask does not work: torch starts threads at import that would take the signal).
+  The first one during training is a request (Ctrl-C, Slurm's preemption SIGTERM): it is set on the watch as an
+  `Interrupt`, the ranks agree on it in the step's non-finite vote, finish that step, save and exit 128+signal.
+  It ends the process at once instead (a dump if this rank was blocked, as before) during start-up, when a peer
+  already failed or died (the launcher stopping the survivors), on a second signal, and when the step in flight
+  does not end within parallel.timeout_s.
 """
 
 from __future__ import annotations
@@ -21,25 +25,60 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
 
 from training.reliability.hang import Watch
 from training.reliability.heartbeat import end_stopped
-from training.reliability.failures import record_failure
+from training.reliability.failures import FAILURE_DIR, record_failure
 
 POLL_S = 0.2
 EXIT_INTERRUPTED = 130
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# The same signal again this soon is the same request delivered twice: Slurm signals every process of a job step
+# and torchrun's agent forwards its own copy to the workers a moment later.
+REPEAT_S = 2.0
 
 
-def route_signals() -> tuple[socket.socket, socket.socket]:
-    """Route SIGTERM/SIGINT to the watchdog (call in the main thread); returns the wakeup socket pair."""
+def exit_code(signo: int) -> int:
+    """The shell's exit status of a process ended by `signo`: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signo
+
+
+@dataclass
+class Interrupt:
+    """A stop asked by SIGINT/SIGTERM: the loop saves after the step in flight (`saving` once it began); `own`:
+    this rank received the signal (not only learned of it in the ranks' vote)."""
+
+    signo: int
+    at: float = field(default_factory=time.monotonic)
+    saving: bool = False
+    own: bool = True
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signo).name
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised by the loop once an interrupted run saved (or said why not): the process exits with `code`."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def route_signals() -> tuple[socket.socket, socket.socket, dict]:
+    """Route SIGTERM/SIGINT to the watchdog (call in the main thread); returns the wakeup socket pair and the
+    handlers they replace."""
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    for signo in SIGNALS:
-        signal.signal(signo, lambda *_: None)  # the watchdog acts; the main thread must not raise or die
-    return reader, writer
+    previous = {signo: signal.signal(signo, lambda *_: None) for signo in SIGNALS}  # the watchdog acts; the main
+    return reader, writer, previous  # thread must not raise or die
 
 
 @dataclass(frozen=True)
@@ -66,6 +105,7 @@ class Watchdog:
 
     thread: threading.Thread
     stopping: threading.Event
+    previous: dict  # signal -> the handler before route_signals (SIG_DFL in a worker, KeyboardInterrupt in Python)
 
     def stop(self) -> None:
         """End the thread and wait for it. A daemon thread still inside a C++ call (a store beat) when Python
@@ -73,30 +113,33 @@ class Watchdog:
         and SIGABRT: a run that trained to the end would exit as a crash."""
         self.stopping.set()
         self.thread.join(timeout=10 * POLL_S)
-        signal.set_wakeup_fd(-1)  # from here on SIGTERM/SIGINT end the process as usual (call in the main thread)
-        for signo in SIGNALS:
-            signal.signal(signo, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)  # from here on SIGTERM/SIGINT act as before (call in the main thread)
+        for signo, handler in self.previous.items():
+            signal.signal(signo, handler)
 
 
-def start_watchdog(watch: Watch, limits: Limits, announce: bool) -> Watchdog:
-    """Start the daemon thread watching `watch`; `announce` also prints failures (no launcher of ours)."""
-    sockets = route_signals()
+def start_watchdog(watch: Watch, limits: Limits, announce: bool, follow_launcher: bool = True) -> Watchdog:
+    """Start the daemon thread watching `watch`; `announce` also prints failures (no launcher of ours);
+    `follow_launcher` ends this process when its parent dies (a launched worker, not a one-process run)."""
+    *sockets, previous = route_signals()
     stopping = threading.Event()
-    thread = threading.Thread(target=_loop, args=(watch, limits, os.getppid(), announce, sockets, stopping),
+    parent = os.getppid() if follow_launcher else None
+    thread = threading.Thread(target=_loop, args=(watch, limits, parent, announce, sockets, stopping),
                               name="sluice-watchdog", daemon=True)
     thread.start()
-    return Watchdog(thread, stopping)
+    return Watchdog(thread, stopping, previous)
 
 
-def _loop(watch: Watch, limits: Limits, parent: int, announce: bool, sockets: tuple,
+def _loop(watch: Watch, limits: Limits, parent: int | None, announce: bool, sockets: list,
           stopping: threading.Event) -> None:
     reader = sockets[0]  # the pair stays referenced here: closing the writer would silence the signals
+    started = time.time()  # failure records older than this process are an earlier run's
     while not stopping.is_set():
         if select.select([reader], [], [], POLL_S)[0]:
             for signo in reader.recv(64):
                 if signo in SIGNALS:
-                    _on_signal(watch, signo)
-        if os.getppid() != parent:
+                    _on_signal(watch, signo, started, alone=parent is None)
+        if parent is not None and os.getppid() != parent:
             os._exit(1)  # the launcher is gone: nobody will collect this rank's result
         if watch.beater is not None:
             watch.beater.tick(watch)
@@ -104,12 +147,50 @@ def _loop(watch: Watch, limits: Limits, parent: int, announce: bool, sockets: tu
             report_hang(watch, limits, announce)
             sys.stderr.flush()
             os._exit(1)
+        interrupt = watch.interrupt
+        if interrupt is not None and not interrupt.saving and time.monotonic() - interrupt.at > limits.timeout_s:
+            _say(watch, f"interrupted by {interrupt.name}: step {watch.step} did not end within "
+                        f"parallel.timeout_s={limits.timeout_s:g}; nothing was saved")
+            os._exit(exit_code(interrupt.signo))
 
 
-def _on_signal(watch: Watch, signo: int) -> None:
-    if signo == signal.SIGTERM and watch.blocked_s() > 1.0:
+def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
+    """A first signal during training asks for a stop with a checkpoint; anything else ends the process now
+    (`alone`: a one-process run, which says so; a launcher reports for its workers)."""
+    interrupt = watch.interrupt
+    if interrupt is None and watch.step > 0 and not _peers_failed(watch, started):
+        watch.interrupt = Interrupt(signo)
+        _say(watch, f"{signal.Signals(signo).name}: stopping after step {watch.step}; send it again to stop at once")
+        return
+    if interrupt is not None and signo == interrupt.signo and (
+            not interrupt.own or time.monotonic() - interrupt.at < REPEAT_S):
+        interrupt.own = True  # the request the ranks agreed on reaching this rank too, or delivered twice (Slurm
+        return  # signals every process of a job step, and torchrun's agent forwards its own copy)
+    if signo == signal.SIGTERM and watch.blocked_s() > 1.0 and interrupt is None:
         watch.dump("terminated")  # stopped while blocked: part of another rank's hang report
-    os._exit(EXIT_INTERRUPTED if signo == signal.SIGINT else 128 + signo)
+    if alone:
+        _say(watch, f"interrupted by {signal.Signals(signo).name} "
+                    + (f"again in step {watch.step}: stopped at once, nothing saved" if interrupt else "in start-up"))
+    os._exit(exit_code(signo))
+
+
+def _peers_failed(watch: Watch, started: float) -> bool:
+    """A peer failed (its failure record) or died (the heartbeats): the signal is the launcher stopping the
+    survivors, whose next collective would only wait for the dead."""
+    if watch.run_dir is not None:
+        try:
+            if any(p.stat().st_mtime >= started for p in (Path(watch.run_dir) / FAILURE_DIR).glob("rank*.json")):
+                return True
+        except OSError:
+            pass  # a record removed while looked at: the heartbeats still tell
+    return watch.beater is not None and watch.beater.blame(watch.rank, dead_only=True) is not None
+
+
+def _say(watch: Watch, message: str) -> None:
+    """Rank 0 prints a `sluice:` line (through tqdm: a progress bar on the screen is cleared first)."""
+    if watch.rank == 0:
+        tqdm.write(f"sluice: {message}", file=sys.stderr)
+        sys.stderr.flush()
 
 
 def report_hang(watch: Watch, limits: Limits, announce: bool) -> None:

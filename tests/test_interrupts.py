@@ -1,0 +1,161 @@
+"""SIGINT and SIGTERM finish the step in flight, save, exit 130/143 with the resume command; a resumed run equals an
+uninterrupted one bit for bit, and its metrics.jsonl holds each step once; resume=auto with nothing to resume from
+is refused before launch."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import ROOT
+from training.console import check_run_dir
+from training.metrics import drop_rows_after
+
+TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=2",
+        "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1", "optim.warmup_steps=1"]
+STEPS = 5
+
+
+def train(args: list[str], cache: Path, run_dir: Path) -> subprocess.CompletedProcess:
+    """A run of train.py (one process, or self-launched workers) that must end by itself."""
+    cmd = [sys.executable, "train.py", *TINY, f"train.steps={STEPS}", *args, f"data.cache_dir={cache}",
+           f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def sluice_lines(stderr: str) -> list[str]:
+    """The `sluice:` lines as a terminal shows them (a progress bar's carriage returns start a line over)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return [s.strip() for line in stderr.split("\n") for s in line.split("\r") if s.strip().startswith("sluice:")]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every row of metrics.jsonl, in file order."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"]) for row in rows]
+
+
+def final_tensors(run_dir: Path, tmp: Path) -> dict:
+    """Every tensor of the run's step-STEPS checkpoint (weights, optimizer state), read back from DCP."""
+    flat = tmp / f"{run_dir.name}.pt"
+    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step_{STEPS:08d}"), str(flat))
+    state = torch.load(flat, weights_only=False)
+    out = {}
+
+    def walk(node, name):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{name}/{key}")
+        elif isinstance(node, torch.Tensor):
+            out[name] = node
+
+    walk(state, "")
+    return out
+
+
+def assert_resumed_equals(resumed: Path, baseline: Path, tmp: Path) -> None:
+    """The same losses at every step, each step once, and bit-for-bit equal final weights and optimizer state."""
+    assert losses(resumed) == losses(baseline)
+    assert [step for step, _ in losses(resumed)] == list(range(1, STEPS + 1))
+    ours, theirs = final_tensors(resumed, tmp), final_tensors(baseline, tmp)
+    assert ours.keys() == theirs.keys() and len(ours) > 10
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+
+
+def resume_line(line: str, signal: str, step: int, run_dir: Path) -> None:
+    """The one line an interrupted run ends with: the signal, the step, the checkpoint and the command."""
+    saved = run_dir / "checkpoints" / f"step_{step:08d}"
+    prefix = f"sluice: interrupted by {signal} at step {step}: saved checkpoint step {step} to {saved}; resume with: "
+    assert line.startswith(prefix), line
+    command = line.removeprefix(prefix)
+    assert command.startswith(f"{sys.executable} train.py ") and command.endswith(
+        f" hydra.run.dir={run_dir} checkpoint.resume=auto"), command
+    assert (saved / "COMPLETE").is_file()
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, data_cache) -> Path:
+    """An uninterrupted one-process run of STEPS steps."""
+    run_dir = tmp_path_factory.mktemp("baseline") / "run"
+    result = train([], data_cache, run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def test_sigterm_saves_the_step_and_resume_auto_equals_an_uninterrupted_run(tmp_path, data_cache, baseline):
+    run_dir = tmp_path / "run"
+    result = train(["debug.fault='sigterm@rank=0,step=3'"], data_cache, run_dir)
+    assert result.returncode == 143, result.stderr[-3000:]
+    lines = sluice_lines(result.stderr)
+    assert lines[0].startswith("sluice: SIGTERM: stopping after step 3"), lines
+    resume_line(lines[-1], "SIGTERM", 3, run_dir)
+    assert "interrupted by SIGTERM at step 3 (of 5 steps): 3 steps in" in result.stdout
+    assert [step for step, _ in losses(run_dir)] == [1, 2, 3]
+
+    resumed = train(["checkpoint.resume=auto"], data_cache, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "done: 2 steps from step 3 in" in resumed.stdout  # this run's steps, not the global step
+    assert_resumed_equals(run_dir, baseline, tmp_path)
+
+
+def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is_then_refused(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    result = train(["debug.fault='sigint@rank=0,step=2'", "checkpoint.save_final=false"], data_cache, run_dir)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert sluice_lines(result.stderr)[-1] == (
+        "sluice: interrupted by SIGINT at step 2: nothing was saved (checkpoint.every=0 and checkpoint.save_final="
+        "false); set checkpoint.save_final=true or checkpoint.every=N to save when interrupted")
+    assert not (run_dir / "checkpoints").exists()
+
+    refused = train(["checkpoint.resume=auto"], data_cache, run_dir)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert sluice_lines(refused.stderr) == [
+        f"sluice: config error: checkpoint.resume=auto: run directory {run_dir} holds metrics.jsonl but "
+        f"{run_dir / 'checkpoints'} holds no complete checkpoint to resume from; start a fresh run (a new "
+        "hydra.run.dir, or drop it), or resume from an explicit checkpoint with checkpoint.resume=<checkpoint folder>"]
+    assert [step for step, _ in losses(run_dir)] == [1, 2]  # untouched
+
+
+def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_step_and_resumes_equal(
+        tmp_path, data_cache):
+    layout = ["parallel.dp=2", "parallel.timeout_s=60"]
+    baseline = tmp_path / "baseline"
+    result = train(layout, data_cache, baseline)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    result = train([*layout, "debug.fault='sigterm@rank=1,step=2'"], data_cache, run_dir)  # rank 1 only: they agree
+    assert result.returncode == 143, result.stderr[-3000:]
+    lines = sluice_lines(result.stderr)
+    assert len(lines) == 1, lines  # rank 0 got no signal itself: no notice; the root adds nothing
+    resume_line(lines[0], "SIGTERM", 2, run_dir)
+    resumed = train([*layout, "checkpoint.resume=auto"], data_cache, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed_equals(run_dir, baseline, tmp_path)
+
+
+def test_resume_auto_is_refused_only_where_metrics_have_no_checkpoint(tmp_path):
+    assert check_run_dir(tmp_path, "auto") is None  # a fresh directory: nothing to mix
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    problem = check_run_dir(tmp_path, "auto")
+    assert problem and problem.startswith("checkpoint.resume=auto: run directory") and "hydra.run.dir" in problem
+    elsewhere = tmp_path / "elsewhere" / "step_00000001"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "COMPLETE").write_text("complete\n")
+    (elsewhere / "meta.json").write_text("{}")
+    assert check_run_dir(tmp_path, "auto", elsewhere.parent) is None  # checkpoint.dir set: looked for there
+    assert check_run_dir(tmp_path, "auto") is not None
+
+
+def test_resuming_drops_the_metrics_rows_after_the_checkpoint_atomically(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": step, "loss": 1.0 / step}) for step in range(1, 6)]
+    metrics.write_text("\n".join(rows) + '\n{"step": 6, "lo')  # killed mid-write
+    assert drop_rows_after(metrics, 3) == 3
+    assert metrics.read_text().splitlines() == rows[:3]
+    assert drop_rows_after(metrics, 3) == 0 and not list(tmp_path.glob(".*tmp"))
+    assert re.fullmatch(r"(\{.*\}\n){3}", metrics.read_text())
