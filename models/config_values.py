@@ -15,10 +15,12 @@ from typing import Any
 # Sizes a model allocates from: a positive integer (bool is an int to Python, not to a config).
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-         "moe_intermediate_size", "num_local_experts")
-# Sizes whose null means "derive it" (MiniMind's widths, transformers' key/value heads and head_dim).
-DERIVED_WHEN_NULL = ("intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size")
-POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
+         "moe_intermediate_size", "num_local_experts", "sliding_window")
+# Sizes whose null means "derive it" (MiniMind's widths, transformers' key/value heads and head_dim) or "none"
+# (Mistral's sliding window).
+NULL_ALLOWED = ("intermediate_size", "num_key_value_heads", "head_dim", "moe_intermediate_size", "sliding_window")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range", "query_pre_attn_scalar")
+ACTIVATIONS = ("hidden_act", "hidden_activation")  # Gemma 3 names it hidden_activation
 ROPE_KEYS = ("rope_parameters", "rope_scaling")
 MINIMIND_ACTIVATION = "silu"  # MiniMind's MLP runs SwiGLU whatever hidden_act says
 
@@ -27,7 +29,7 @@ def config_values_problem(data: dict[str, Any], where: str) -> str | None:
     """One line naming the first field of `data` (a config.json's fields) whose value no model can be built from,
     or None; `where` starts the line (e.g. "model.hf_config=FOLDER: config.json's")."""
     for name in SIZES:
-        if name in data and not (data[name] is None and name in DERIVED_WHEN_NULL):
+        if name in data and not (data[name] is None and name in NULL_ALLOWED):
             value = data[name]
             if type(value) is not int or value <= 0:
                 return f"{where} {name}={value!r} must be a positive integer; fix it in config.json"
@@ -35,24 +37,25 @@ def config_values_problem(data: dict[str, Any], where: str) -> str | None:
         value = data.get(name)
         if name in data and (type(value) not in (int, float) or not math.isfinite(value) or value <= 0):
             return f"{where} {name}={value!r} must be a finite number > 0; fix it in config.json"
-    if "hidden_act" in data and (problem := _activation_problem(data["hidden_act"], data.get("model_type"))):
-        return f"{where} {problem}"
+    for name in ACTIVATIONS:
+        if name in data and (problem := _activation_problem(name, data[name], data.get("model_type"))):
+            return f"{where} {problem}"
     for name in ROPE_KEYS:
         if data.get(name) is not None and (problem := _rope_problem(name, data[name])):
             return f"{where} {problem}"
     return None
 
 
-def _activation_problem(value: Any, model_type: str | None) -> str | None:
-    """hidden_act names an activation of transformers' ACT2FN (MiniMind: silu, the only one its MLP runs)."""
+def _activation_problem(name: str, value: Any, model_type: str | None) -> str | None:
+    """The activation is one of transformers' ACT2FN (MiniMind: silu, the only one its MLP runs)."""
     from transformers.activations import ACT2FN
 
     if model_type == "minimind":
         return None if value == MINIMIND_ACTIVATION else \
-            f"hidden_act={value!r}: MiniMind's MLP runs {MINIMIND_ACTIVATION} only; set \"hidden_act\": \"silu\""
+            f"{name}={value!r}: MiniMind's MLP runs {MINIMIND_ACTIVATION} only; set \"{name}\": \"silu\""
     if isinstance(value, str) and value in ACT2FN:
         return None
-    return f"hidden_act={value!r} is not an activation transformers knows; use one of {', '.join(sorted(ACT2FN))}"
+    return f"{name}={value!r} is not an activation transformers knows; use one of {', '.join(sorted(ACT2FN))}"
 
 
 def _rope_problem(name: str, value: Any) -> str | None:

@@ -18,6 +18,7 @@ from training.config import register_schema
 from training.memory_fit import GIB, memory_problem, per_rank_bytes
 
 LLAMA = json.loads((ROOT / "models" / "configs" / "llama-tiny" / "config.json").read_text())
+GEMMA3 = json.loads((ROOT / "models" / "configs" / "gemma3-tiny" / "config.json").read_text())
 MINIMIND = {"model_type": "minimind", "vocab_size": 2048, "hidden_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 SEVEN_B = ["model.hidden_size=4096", "model.num_hidden_layers=32", "model.num_attention_heads=32",
@@ -41,6 +42,11 @@ BAD_HF_CONFIGS = [
     (LLAMA, {"rms_norm_eps": -1e-6}, "config.json's rms_norm_eps=-1e-06 must be a finite number > 0"),
     (LLAMA, {"attention_bias": "no"}, "config.json's field 'attention_bias' expected bool, got str (value: 'no'); "
                                       "fix it in config.json"),  # transformers' own type check, in one line
+    (GEMMA3, {"hidden_activation": "gelu_fancy"}, "config.json's hidden_activation='gelu_fancy' is not an "
+                                                  "activation transformers knows"),
+    (GEMMA3, {"rope_parameters": {**GEMMA3["rope_parameters"], "full_attention": {"rope_type": "yarnish"}}},
+     "config.json's rope_parameters.full_attention: rope_type 'yarnish' is not one transformers implements"),
+    (GEMMA3, {"sliding_window": 0}, "config.json's sliding_window=0 must be a positive integer"),
     (MINIMIND, {"vocab_size": -5}, "config.json's vocab_size=-5 must be a positive integer"),
     (MINIMIND, {"hidden_act": "gelu"}, "config.json's hidden_act='gelu': MiniMind's MLP runs silu only"),
 ]
