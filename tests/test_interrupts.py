@@ -122,11 +122,10 @@ def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is
 
 
 def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_step_and_resumes_equal(
-        tmp_path, data_cache):
-    layout = ["parallel.dp=2", "parallel.timeout_s=60"]
-    baseline = tmp_path / "baseline"
-    result = train(layout, data_cache, baseline)
-    assert result.returncode == 0, result.stderr[-3000:]
+        tmp_path, data_cache, baseline):
+    # dp2 with one micro-batch per replica: the baseline's global batch (two micro-batches accumulated), so the
+    # one-process run is the reference (fp32: equal to rounding; the one-process test above is bit for bit).
+    layout = ["parallel.dp=2", "schedule.n_microbatches=1", "parallel.timeout_s=60"]
     run_dir = tmp_path / "run"
     result = train([*layout, "debug.fault='sigterm@rank=1,step=2'"], data_cache, run_dir)  # rank 1 only: they agree
     assert result.returncode == 143, result.stderr[-3000:]
@@ -135,7 +134,14 @@ def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_st
     resume_line(lines[0], "SIGTERM", 2, run_dir)
     resumed = train([*layout, "checkpoint.resume=auto"], data_cache, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_resumed_equals(run_dir, baseline, tmp_path)
+    ours, theirs = losses(run_dir), losses(baseline)
+    assert [step for step, _ in ours] == list(range(1, STEPS + 1))
+    assert all(abs(a - b) <= 1e-5 * abs(b) for (_, a), (_, b) in zip(ours, theirs)), (ours, theirs)
+    ours, theirs = final_tensors(run_dir, tmp_path), final_tensors(baseline, tmp_path)
+    ours = {k: v for k, v in ours.items() if not k.startswith("/rng/")}  # every rank's own RNG stream
+    assert ours.keys() == {k for k in theirs if not k.startswith("/rng/")} and len(ours) > 10
+    far = [k for k in ours if (ours[k].double() - theirs[k].double()).norm() > 1e-4 * theirs[k].double().norm() + 1e-12]
+    assert not far, far
 
 
 def test_resume_auto_is_refused_only_where_metrics_have_no_checkpoint(tmp_path):
