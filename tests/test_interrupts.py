@@ -165,3 +165,57 @@ def test_resuming_drops_the_metrics_rows_after_the_checkpoint_atomically(tmp_pat
     assert metrics.read_text().splitlines() == rows[:3]
     assert drop_rows_after(metrics, 3) == 0 and not list(tmp_path.glob(".*tmp"))
     assert re.fullmatch(r"(\{.*\}\n){3}", metrics.read_text())
+
+
+WATCHDOG = """
+import os, signal, sys, time
+from pathlib import Path
+from training.reliability.hang import Watch
+from training.reliability.watchdog import Limits, start_watchdog
+
+case, run_dir = sys.argv[1], Path(sys.argv[2])
+watch = Watch(0)
+watch.run_dir = run_dir
+watch.step = 0 if case == "start-up" else 3
+timeout_s = 0.5 if case == "deadline" else 60  # a step that never ends (a dead peer, a wedged call)
+start_watchdog(watch, Limits(timeout_s, 60), announce=True, follow_launcher=case == "peer failed")  # launched
+
+
+def wait_for(condition):  # a condition polled, bounded: the watchdog thread acts on its own
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit("timed out")
+        time.sleep(0.01)
+
+
+if case == "peer failed":
+    (run_dir / "failures").mkdir()
+    (run_dir / "failures" / "rank1.json").write_text("{}")  # a peer's failure: the launcher is stopping this rank
+os.kill(os.getpid(), signal.SIGTERM)
+if case == "twice":
+    wait_for(lambda: watch.interrupt is not None)
+    os.kill(os.getpid(), signal.SIGTERM)  # at once: the same request delivered twice (Slurm and torchrun)
+    watch.interrupt.at -= 10  # as if the user sent it again later
+    print("still running", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+wait_for(lambda: False)
+"""
+
+
+@pytest.mark.parametrize("case, lines", [
+    ("start-up", ["sluice: interrupted by SIGTERM in start-up"]),
+    ("peer failed", []),
+    ("twice", ["sluice: SIGTERM: stopping after step 3; send it again to stop at once",
+               "sluice: interrupted by SIGTERM again in step 3: stopped at once, nothing saved"]),
+    ("deadline", ["sluice: SIGTERM: stopping after step 3; send it again to stop at once",
+                  "sluice: interrupted by SIGTERM: step 3 did not end within parallel.timeout_s=0.5; nothing was "
+                  "saved"]),
+])
+def test_the_watchdog_ends_the_process_in_start_up_after_a_peer_failed_on_a_second_signal_or_past_the_timeout(
+        tmp_path, case, lines):
+    result = subprocess.run([sys.executable, "-c", WATCHDOG, case, str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert sluice_lines(result.stderr) == lines
+    assert ("still running" in result.stdout) == (case == "twice")  # the duplicate within REPEAT_S was ignored
