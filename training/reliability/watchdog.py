@@ -72,10 +72,12 @@ class Interrupted(KeyboardInterrupt):
 
 
 def route_signals() -> tuple[socket.socket, socket.socket, dict]:
-    """Route SIGTERM/SIGINT to the watchdog (call in the main thread); returns the wakeup socket pair and the
-    handlers they replace."""
+    """Route SIGTERM/SIGINT to the watchdog; returns the wakeup socket pair and the handlers they replace. Only the
+    main thread may: from another (a launcher running jobs in threads) the signals stay as they are."""
     reader, writer = socket.socketpair()
     writer.setblocking(False)
+    if threading.current_thread() is not threading.main_thread():
+        return reader, writer, {}
     signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     previous = {signo: signal.signal(signo, lambda *_: None) for signo in SIGNALS}  # the watchdog acts; the main
     return reader, writer, previous  # thread must not raise or die
@@ -113,7 +115,8 @@ class Watchdog:
         and SIGABRT: a run that trained to the end would exit as a crash."""
         self.stopping.set()
         self.thread.join(timeout=10 * POLL_S)
-        signal.set_wakeup_fd(-1)  # from here on SIGTERM/SIGINT act as before (call in the main thread)
+        if self.previous:  # from here on SIGTERM/SIGINT act as before (call in the main thread)
+            signal.set_wakeup_fd(-1)
         for signo, handler in self.previous.items():
             signal.signal(signo, handler)
 
