@@ -9,6 +9,7 @@ folder) is named by its cause, with the same figures.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def space_problem(directory: Path, needed: int, what: str) -> str | None:
 
 def write_problem(error: BaseException, directory: Path, needed: int, what: str) -> str | None:
     """One line for a failed write whose cause is the disk (full, read-only, no permission), else None."""
-    cause = disk_cause(error)
+    cause = disk_cause(error) or volume_cause(directory, needed)
     if cause is None:
         return None
     return (f"{what}: writing to {directory} failed: {cause}; the checkpoint needs about {human(needed)} there: free "
@@ -56,3 +57,18 @@ def disk_cause(error: BaseException | None, seen: int = 0) -> str | None:
         if cause := disk_cause(inner, seen + 1):
             return cause
     return disk_cause(error.__cause__ or error.__context__, seen + 1)
+
+
+def volume_cause(directory: Path, needed: int) -> str | None:
+    """The disk's state when a write failed without an errno, or None: torch's zip writer turns a short write on a
+    full disk into 'RuntimeError: ... unexpected pos', so the folder's file system is asked (before the partial save
+    is removed) whether it is read-only or has less free than the checkpoint needs."""
+    try:
+        volume = os.statvfs(directory)
+    except OSError:
+        return None
+    if volume.f_flag & os.ST_RDONLY:
+        return f"{CAUSES[errno.EROFS]} (EROFS)"
+    if volume.f_bavail * volume.f_frsize < needed:
+        return f"{CAUSES[errno.ENOSPC]} (ENOSPC)"
+    return None

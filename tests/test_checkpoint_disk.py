@@ -16,6 +16,7 @@ import pytest
 from checkpoint import manager
 from checkpoint.checksums import SUMS, check
 from checkpoint.dense import CheckpointError
+from checkpoint.disk import write_problem
 from checkpoint.export import read_training_weights
 from checkpoint.manager import COMPLETE, complete_checkpoints
 from parallel.grid import ParallelGrid
@@ -110,6 +111,20 @@ def test_a_read_only_disk_is_named_and_the_previous_checkpoint_stays(disk, tmp_p
                     "the checkpoint needs about 4.9 MB there: free space, make it writable or set checkpoint.dir to "
                     "another disk")
     assert_only_step1_kept(folder, kept)
+
+
+def test_a_short_write_without_errno_on_a_full_disk_is_named(small_disk):
+    """torch's zip writer reports a full disk as 'RuntimeError: ... unexpected pos' (seen in CI under dp2)."""
+    with open(small_disk / "filler", "wb") as filler, pytest.raises(OSError):
+        while True:
+            filler.write(b"x" * 65536)
+            filler.flush()
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert write_problem(error, small_disk, 5_000_000, "checkpoint of step 2 not written") == (
+        f"checkpoint of step 2 not written: writing to {small_disk} failed: the disk is full (ENOSPC); the checkpoint "
+        "needs about 5.0 MB there: free space, make it writable or set checkpoint.dir to another disk")
+    (small_disk / "filler").unlink()
+    assert write_problem(error, small_disk, 5_000_000, "x") is None  # room enough: not the disk's doing
 
 
 def _dp2_full_disk_worker(rank: int, world_size: int, root: str, folder: str) -> tuple[str, list[str]]:
