@@ -44,9 +44,9 @@ def sums_text(sums: dict[str, str]) -> str:
 
 def read_sums(folder: Path) -> dict[str, str] | None:
     """name -> sha256 recorded in `folder`, or None for a checkpoint saved without checksums."""
-    path = Path(folder) / SUMS
-    if not path.exists():
+    if not (Path(folder) / SUMS).exists():
         return None
+    path = inside(folder, SUMS, f"checkpoint {folder}")  # a FIFO would block the read; a link may leave the folder
     sums: dict[str, str] = {}
     for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         value, _, name = line.partition("  ")

@@ -68,10 +68,11 @@ def is_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(directory: Path) -> list[Path]:
-    """The complete checkpoints in `directory`, oldest first."""
+    """The complete checkpoints in `directory`, oldest first; a `step_N` link is not one of them (resuming, pruning
+    or taking over through it would reach another folder)."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.is_dir() and is_complete(p)]
+    found = [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink() and is_complete(p)]
     return sorted(found, key=_step)
 
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from checkpoint.checksums import verify
 from checkpoint.dense import CheckpointError, check_dense_files, read_dense_state_dict
 from checkpoint.dense_source import dense_source
 from checkpoint.export import export_checkpoint, read_training_weights
-from checkpoint.manager import TOKENIZER, check_resume, find_checkpoint
+from checkpoint.manager import TOKENIZER, check_resume, complete_checkpoints, find_checkpoint
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from parallel.grid import ParallelGrid
 from tests.conftest import ROOT
@@ -153,6 +154,25 @@ def test_a_fifo_as_a_tensor_file_is_refused_before_dcp_reads(saved, tmp_path):
     assert problem == f"checkpoint: {fifo} is a FIFO, not a regular file; refusing to open it (replace it with the " \
         "real file)", problem
     refused(lambda: read_training_weights(checkpoint), fifo)
+
+
+def test_a_fifo_as_sha256sums_is_refused_in_bounded_time(saved, tmp_path):
+    checkpoint = copied_checkpoint(saved, tmp_path)
+    fifo = checkpoint / "SHA256SUMS"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    refused(lambda: verify(checkpoint), fifo)  # what a resume checks before DCP reads
+    refused(lambda: read_training_weights(checkpoint), fifo)
+
+
+def test_a_step_link_to_another_folder_is_not_a_checkpoint_of_this_one(saved, tmp_path):
+    """Resuming, pruning or taking a folder over through a `step_N` link would reach the folder it points to."""
+    checkpoint = copied_checkpoint(saved, tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "step_00000009").symlink_to(checkpoint, target_is_directory=True)
+    assert complete_checkpoints(mine) == [] and find_checkpoint(mine) is None
+    assert complete_checkpoints(checkpoint.parent) == [checkpoint]
 
 
 def test_a_meta_json_link_leaving_the_checkpoint_is_refused(saved, tmp_path):
