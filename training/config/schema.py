@@ -292,7 +292,8 @@ class DebugSchema:
     """Rehearsal switches."""
 
     fault: Optional[str] = key(
-        None, "fault injection for rehearsals and tests: `stall`, `crash` or `nan` `@rank=R,step=S[,action=A]`, e.g. "
+        None, "fault injection for rehearsals and tests: `stall`, `crash`, `nan`, `stop` (SIGSTOP: a frozen host), "
+        "`kill` (SIGKILL, first start only), `sigint` or `sigterm` (an interrupt) `@rank=R,step=S[,action=A]`, e.g. "
         "`stall@rank=1,step=3`", optional(fault))
 
 
