@@ -30,16 +30,38 @@ def _adamw(params: list[torch.nn.Parameter], cfg: DictConfig, group, zero: int) 
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]  # experts are all matrices: no empty group for ZeRO to partition
-    # foreach=False keeps the update order identical whatever the parameter grouping of a layout.
-    options = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=False)
+    options = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernel(params))
     if zero and group_size(group) > 1:
         # ZeRO-1 with torch's own ZeroRedundancyOptimizer: each rank of `group` keeps the AdamW state of whole
         # parameters (greedy by size) and broadcasts them after its step. Gradients stay fully summed on every rank,
         # so the global norm and clipping are exact, and AdamW is element-wise, so the numbers equal zero=0.
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=group, **options)
-    return torch.optim.AdamW(groups, **options)
+        optimizer = ZeroRedundancyOptimizer(groups, torch.optim.AdamW, process_group=group, **options)
+        local = optimizer.optim
+    else:
+        optimizer = local = torch.optim.AdamW(groups, **options)
+    if options.get("fused"):
+        local.register_step_pre_hook(place_steps)
+    return optimizer
+
+
+def kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """AdamW's implementation: the fused kernel on CUDA (one launch per step instead of several per parameter),
+    foreach elsewhere. Both update each element as the one-parameter loop does (foreach: bit for bit on CPU)."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def place_steps(optimizer: torch.optim.Optimizer, *_) -> None:
+    """Before a fused step: a resumed `step` count (loaded as a host scalar) moves to its parameter's device, where the
+    fused kernel reads it, as float32; a no-op once there."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is not None and (step.device != param.device or step.dtype != torch.float32):
+                optimizer.state[param]["step"] = step.to(param.device, torch.float32)
 
 
 class OptimizerSet:
