@@ -52,7 +52,17 @@ def test_cpus_and_threads_reach_srun(tmp_path):
     assert result.returncode == 0, result.stderr
     env_line, command = result.stdout.strip().splitlines()[-2:]
     assert env_line == "SRUN_CPUS_PER_TASK=32 OMP_NUM_THREADS=8"
-    assert "--nnodes 2 --nproc-per-node 4" in command and "--rdzv-endpoint node7:29500" in command
+    assert "--nnodes 2 --nproc-per-node 4" in command and "--rdzv-endpoint node7:20042" in command  # job 42
     assert command.endswith("train.py hydra.run.dir=outputs/slurm/42 parallel.tp=2")
     kept = sbatch(tmp_path / "kept", {"GPUS_PER_NODE": "4", "SLURM_CPUS_PER_TASK": "32", "OMP_NUM_THREADS": "3"})
     assert "OMP_NUM_THREADS=3" in kept.stdout
+
+
+def test_the_port_follows_the_job_and_the_network_variables_are_shown(tmp_path):
+    """Two jobs on one head node rendezvous on two ports; the NCCL/gloo interface settings in force are printed."""
+    other = sbatch(tmp_path, {"GPUS_PER_NODE": "4", "SLURM_JOB_ID": "123456", "NCCL_SOCKET_IFNAME": "ib0"})
+    assert other.returncode == 0, other.stderr
+    assert "--rdzv-endpoint node7:23456" in other.stdout
+    assert "train.sbatch: network: NCCL_SOCKET_IFNAME=ib0" in other.stdout
+    chosen = sbatch(tmp_path / "set", {"GPUS_PER_NODE": "4", "RDZV_PORT": "29400"})
+    assert "--rdzv-endpoint node7:29400" in chosen.stdout
