@@ -1,11 +1,15 @@
 """A trained model out: training checkpoint -> dense weights -> a self-contained HF folder or a MiniMind .pth.
 
-transformers' own families (Llama, Qwen3, Qwen3-MoE) export as plain folders that load without custom code;
-MiniMind's folder carries its modeling files (`trust_remote_code=True`). A LoRA checkpoint exports its adapters merged
-into the base weights (W + lora_B @ lora_A * alpha / rank), or, `adapters_only`, as a PEFT folder."""
+Formats: `hf` (default) a folder of the stock transformers family that computes the model, loading without custom
+code: transformers' own families as themselves, MiniMind as Qwen3 / Qwen3-MoE (`checkpoint.stock`, proven on the
+weights before writing; MiniMind's own format where no stock family equals it, said in a warning); `minimind` a
+folder carrying MiniMind's modeling files (`trust_remote_code=True`); `pth` a MiniMind state_dict file. A LoRA
+checkpoint exports its adapters merged into the base weights (W + lora_B @ lora_A * alpha / rank), or,
+`adapters_only`, as a PEFT folder (`hf`) or MiniMind's LoRA .pth (`pth`)."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,20 +22,23 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch import nn
 
 import minimind
-from checkpoint.adapters import save_adapters
+from checkpoint.adapters import save_adapters, save_minimind_lora
 from checkpoint.checksums import check as verify_checksums
 from checkpoint.confine import files_inside
 from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
 from checkpoint.safe_reader import SafeReader
+from checkpoint.stock import stock_model
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
 from models import build_model as build_module, config_from_record, native
 from parallel.decoder import DecoderPlan
-from parallel.lora import merge_adapters
+from checkpoint.lora_merge import is_adapter, merge_adapters
 
 # The model's own source files travel with the weights, so `trust_remote_code=True` needs no Sluice install.
 MODELING_FILES = ("config.py", "model.py")
 AUTO_MAP = {"AutoConfig": "config.MiniMindConfig", "AutoModelForCausalLM": "model.MiniMindForCausalLM"}
+FORMATS = ("hf", "minimind", "pth")
+log = logging.getLogger("sluice")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "chat_template.jinja")
 
@@ -93,16 +100,27 @@ def copy_tokenizer(files: list[Path], out_dir: Path) -> bool:
 
 
 def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                   root: str | Path | None = None) -> Path:
+                   root: str | Path | None = None, fmt: str = "hf") -> Path:
     """config.json, safetensors weights and (if given) the tokenizer, its files inside `root` (default: the
-    tokenizer folder); a MiniMind folder adds its modeling files and the auto_map that names them."""
+    tokenizer folder). A MiniMind model goes out as the stock family it equals (`fmt="hf"`, where one does) or with
+    its modeling files and the auto_map that names them (`fmt="minimind"`)."""
     out_dir = Path(out_dir)
     tokenizer = [] if tokenizer_dir is None else \
         tokenizer_files(Path(tokenizer_dir), None if root is None else Path(root))  # refused before any write
-    if not native(model.config):
+    own = not native(model.config)
+    if fmt == "minimind" and not own:
+        raise CheckpointError(f"--format minimind: this is a {model.config.model_type} model, not MiniMind; use "
+                              "--format hf (its own transformers family) or pth")
+    if own and fmt == "hf":
+        stock, why = stock_model(model)
+        if stock is None:
+            log.warning(f"export: {why}: writing MiniMind's own format (load it with trust_remote_code=True)")
+        else:
+            model, own = stock, False
+    if own:
         model.config.auto_map = dict(AUTO_MAP)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    if not native(model.config):
+    if own:
         source = Path(minimind.__file__).parent
         for name in MODELING_FILES:
             shutil.copy(source / name, out_dir / name)
@@ -128,23 +146,28 @@ def save_pth(model: nn.Module, out: str | Path) -> Path:
 
 
 def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapters_only: bool = False) -> Path:
-    """Export the training checkpoint at `path` (or the newest in a run dir) as an HF folder or a .pth; a LoRA
-    checkpoint's adapters merged into the weights, or alone as a PEFT folder (`adapters_only`)."""
+    """Export the training checkpoint at `path` (or the newest in a run dir) as an HF folder (`hf`: the stock
+    family, `minimind`: MiniMind's own code) or a .pth; a LoRA checkpoint's adapters merged into the weights, or alone
+    (`adapters_only`) as a PEFT folder (`hf`) or MiniMind's LoRA .pth (`pth`)."""
+    if fmt not in FORMATS:
+        raise CheckpointError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     state, meta = read_training_weights(path)
     lora = meta.get("lora")
     if adapters_only:
         if lora is None:
             raise CheckpointError(f"--adapters-only: checkpoint {locate(path)} was trained without LoRA (lora.rank=0) "
                                   "and holds no adapters; drop --adapters-only to export its weights")
+        if fmt == "pth":
+            base = build_model(meta["model"], {k: v for k, v in state.items() if not is_adapter(k)})
+            return save_minimind_lora(state, lora, base, out)
         if fmt != "hf":
-            raise CheckpointError("--adapters-only writes a PEFT folder; drop --format pth")
+            raise CheckpointError(f"--adapters-only --format {fmt}: adapters go out as a PEFT folder (hf) or "
+                                  "MiniMind's LoRA .pth (pth)")
         return save_adapters(state, lora, out)
     if lora is not None:
         state = merge_adapters(state, lora["alpha"] / lora["rank"])
     model = build_model(meta["model"], state)
     if fmt == "pth":
         return save_pth(model, out)
-    if fmt != "hf":
-        raise CheckpointError(f"--format {fmt}: use hf or pth")
     folder = locate(path)
-    return save_hf_folder(model, out, folder / TOKENIZER, root=folder)  # a tokenizer link may not leave the checkpoint
+    return save_hf_folder(model, out, folder / TOKENIZER, root=folder, fmt=fmt)  # a tokenizer link stays inside

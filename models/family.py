@@ -61,8 +61,8 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
         raise ModelError(_unsupported(folder, model_type))
     if problem := config_values_problem({**data, **given}, f"model.hf_config={folder}: config.json's"):
         raise ModelError(problem)
-    if model_type == "minimind":
-        _check_minimind_fields({**data, **given})
+    if model_type == "minimind":  # MiniMindConfig writes every MoE field: only the overrides are checked
+        _check_minimind_fields(given, bool({**data, **given}.get("use_moe", False)))
         return MiniMindConfig(**{**_plain(data), **given})
     default = AutoConfig.for_model(model_type)
     for key in given:
@@ -98,9 +98,9 @@ def _unsupported(folder: str, model_type: str | None) -> str:
             f"Sluice trains {SUPPORTED}")
 
 
-def _check_minimind_fields(fields: dict[str, Any]) -> None:
+def _check_minimind_fields(fields: dict[str, Any], use_moe: bool | None = None) -> None:
     """MoE keys are read only when use_moe is on (setting one on a dense model would be silently ignored)."""
-    use_moe = bool(fields.get("use_moe", False))
+    use_moe = bool(fields.get("use_moe", False)) if use_moe is None else use_moe
     for key in MOE_KEYS:
         if not use_moe and key in fields:
             raise ModelError(f"model.{key}={fields[key]} is read only when model.use_moe=True (here "

@@ -1,25 +1,31 @@
 """Export a trained model: a self-contained Hugging Face folder (default) or a MiniMind .pth.
 
 Usage:
-  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|pth] [--adapters-only] [--force]
-  python scripts/export_hf.py DENSE.pth|DENSE.safetensors|HF_DIR OUT [--format hf|pth] [--tokenizer DIR] [model=...]
+  python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|minimind|pth] [--adapters-only] [--force]
+  python scripts/export_hf.py DENSE.pth|DENSE.safetensors|HF_DIR OUT [--format hf|minimind|pth] [--tokenizer DIR] \
+[model=...]
 
 A training checkpoint (a run directory, its checkpoints/ folder or one step_<N>/) carries its model config and
 tokenizer. A dense file does not: give the model with Hydra overrides (e.g. model=tiny) and --tokenizer.
-A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone as a PEFT
-folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`.
+--format hf (default) writes the stock transformers family that computes the model: a MiniMind model as Qwen3 or
+Qwen3-MoE (checked on the weights: same keys, same logits), so `AutoModelForCausalLM.from_pretrained(OUT)` and
+`AutoTokenizer.from_pretrained(OUT)` load it without custom code; --format minimind writes MiniMind's own classes
+(load with trust_remote_code=True); --format pth a MiniMind state_dict (pretrain_<hidden>.pth).
+A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone: a PEFT
+folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`, or with
+--format pth MiniMind's LoRA .pth for its `apply_lora(model)` then `load_lora(model, OUT)`.
 OUT must be new (or an empty folder): --force writes into an existing one, replacing files of the same name.
-The folder loads anywhere with `AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`.
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint.dense import CheckpointError, load_dense_into  # noqa: E402
-from checkpoint.export import export_checkpoint, save_hf_folder, save_pth  # noqa: E402
+from checkpoint.export import FORMATS, export_checkpoint, save_hf_folder, save_pth  # noqa: E402
 from checkpoint.manager import find_checkpoint, read_meta  # noqa: E402
 
 
@@ -39,7 +45,22 @@ def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrid
             raise CheckpointError(f"overrides {' '.join(overrides)}: {str(error).strip().splitlines()[0]}") from None
     model = build_model(model_config(cfg), "cpu")
     load_dense_into(model, source)
-    return save_pth(model, out) if fmt == "pth" else save_hf_folder(model, out, tokenizer)
+    return save_pth(model, out) if fmt == "pth" else save_hf_folder(model, out, tokenizer, fmt=fmt)
+
+
+def written(out: Path, adapters_only: bool) -> str:
+    """What the export wrote and how it loads, in one line."""
+    config = out / "config.json"
+    if out.suffix == ".pth":
+        how = "MiniMind's LoRA: apply_lora(model) then load_lora(model, path)" if adapters_only else \
+            "a MiniMind state_dict: model.load_state_dict(torch.load(path))"
+        return f"wrote {out} ({how})"
+    if not config.is_file():
+        return f"wrote {out} (a PEFT folder: PeftModel.from_pretrained(base, folder))"
+    architecture = (json.loads(config.read_text()).get("architectures") or ["?"])[0]
+    custom = "auto_map" in json.loads(config.read_text())
+    how = "its own code: load with trust_remote_code=True" if custom else "loads without trust_remote_code"
+    return f"wrote {out} ({architecture}; {how})"
 
 
 def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
@@ -68,11 +89,12 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source")
     parser.add_argument("out")
-    parser.add_argument("--format", choices=("hf", "pth"), default="hf")
+    parser.add_argument("--format", choices=FORMATS, default="hf")
     parser.add_argument("--tokenizer", help="tokenizer folder (dense sources only)")
     parser.add_argument("--force", action="store_true", help="write into an existing, non-empty OUT")
     parser.add_argument("--adapters-only", action="store_true",
-                        help="a LoRA checkpoint's adapters alone, as a PEFT folder (training checkpoints only)")
+                        help="a LoRA checkpoint's adapters alone: a PEFT folder, or MiniMind's LoRA .pth with "
+                        "--format pth (training checkpoints only)")
     args, overrides = parser.parse_known_args(argv)
     try:
         check_paths(Path(args.source), Path(args.out), args.format, args.force)
@@ -88,7 +110,7 @@ def main(argv: list[str]) -> int:
     except CheckpointError as error:
         print(f"export_hf: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    print(written(Path(out), args.adapters_only))
     return 0
 
 

@@ -1,9 +1,11 @@
 """Greedy or sampled text generation from an exported folder (scripts/export_hf.py): model + tokenizer.
 
 Usage: python scripts/generate.py MODEL_DIR "prompt" [--chat] [--max-new-tokens N] [--temperature T]
+                                  [--trust-remote-code]
 `--chat` sends the prompt as a user turn rendered with the folder's chat template, as SFT and DPO trained on it.
-The folder carries its own modeling code (trust_remote_code), so generate only from folders you trust
-(docs/checkpoints.md). Bad input (config values, a failing chat template) is one line and exit 2.
+Code shipped in a folder (its config.json's auto_map: `--format minimind` exports, other projects' folders) runs only
+with `--trust-remote-code`; pass it only for folders you trust (docs/checkpoints.md). Bad input (config values, a
+failing chat template, custom code not trusted) is one line and exit 2.
 """
 
 import argparse
@@ -31,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn of a conversation")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the modeling code the folder ships (its config.json's auto_map)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
@@ -43,7 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_config_values(folder: str) -> None:
+def check_config_values(folder: str) -> dict:
     """The folder's config.json holds values a model can be built from (sizes, activation, rope type)."""
     try:
         data = json.loads((Path(folder) / "config.json").read_text())
@@ -53,6 +57,15 @@ def check_config_values(folder: str) -> None:
         raise InputError(f"{folder}: its config.json holds {type(data).__name__}, not an object of fields")
     if problem := config_values_problem(data, f"{folder}: its config.json's"):
         raise InputError(problem)
+    return data
+
+
+def check_trust(folder: str, data: dict, trusted: bool) -> None:
+    """Code the folder ships runs only when asked: without --trust-remote-code such a folder is one line, exit 2."""
+    if "auto_map" in data and not trusted:
+        raise InputError(f"{folder} ships its own modeling code (auto_map in its config.json); pass "
+                         "--trust-remote-code to run it if you trust the folder, or export with --format hf (stock "
+                         "transformers classes)")
 
 
 def loading(what: str, folder: str, load):
@@ -95,16 +108,16 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None) 
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
-        check_config_values(args.model_dir)
+        trust = args.trust_remote_code
+        check_trust(args.model_dir, check_config_values(args.model_dir), trust)
         config = loading("config", args.model_dir,
-                         lambda f: AutoConfig.from_pretrained(f, local_files_only=True, trust_remote_code=True))
+                         lambda f: AutoConfig.from_pretrained(f, local_files_only=True, trust_remote_code=trust))
         tokenizer = loading("tokenizer", args.model_dir,
-                            lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True,
-                                                                  trust_remote_code=True))
+                            lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True, trust_remote_code=trust))
         ids = prompt_ids(tokenizer, args.prompt, args.chat, args.model_dir)
         check_context(ids.shape[1], args.max_new_tokens, getattr(config, "max_position_embeddings", None))
         model = loading("model", args.model_dir, lambda f: AutoModelForCausalLM.from_pretrained(
-            f, local_files_only=True, trust_remote_code=True).eval())
+            f, local_files_only=True, trust_remote_code=trust).eval())
     except InputError as error:
         print(f"generate: {error}", file=sys.stderr)
         return 2

@@ -263,7 +263,7 @@ import importlib.util, sys, torch
 assert importlib.util.find_spec("minimind") is None and importlib.util.find_spec("checkpoint") is None
 from transformers import AutoModelForCausalLM
 
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=False).eval()  # stock Qwen3
 ids = torch.arange(3, 19).view(1, 16)
 with torch.no_grad():
     torch.save(model(input_ids=ids).logits, sys.argv[2])
@@ -290,7 +290,7 @@ def test_export_loads_without_the_repository(trained, tmp_path):
 
     export_checkpoint(root / "tp2pp2", tmp_path / "pth", fmt="pth")  # the script's --format pth, in-process
     written = {p.name for p in (tmp_path / "hf").iterdir()}
-    assert {"config.py", "model.py", "model.safetensors", "tokenizer.json"} <= written
+    assert {"model.safetensors", "tokenizer.json"} <= written and "model.py" not in written  # no custom code
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HOME": str(tmp_path / "hf-home")}
     outside = tmp_path / "elsewhere"
@@ -319,11 +319,18 @@ def test_export_of_moe_and_untied_models_gives_the_trained_logits(exact, name, t
     from minimind import MiniMindForCausalLM
 
     root, runs = exact
-    folder = export_checkpoint(root / name, tmp_path / "hf")
-    exported = MiniMindForCausalLM.from_pretrained(str(folder)).eval()
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint.manager import read_meta
+    from models import config_from_record
+
+    folder = export_checkpoint(root / name, tmp_path / "hf")  # the stock family: Qwen3-MoE, Qwen3 untied
+    exported = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     tied = exported.config.tie_word_embeddings
-    assert tied == (name != "untied") and exported.config.use_moe == (name == "moe")
-    trained_model = MiniMindForCausalLM(exported.config).eval()
+    assert tied == (name != "untied")
+    assert type(exported).__name__ == ("Qwen3MoeForCausalLM" if name == "moe" else "Qwen3ForCausalLM")
+    config = read_meta(complete_checkpoints(root / name / "checkpoints")[-1])["model"]
+    trained_model = MiniMindForCausalLM(config_from_record(config)).eval()
     dense = dense_params(runs[name], tied=tied)
     trained_model.load_state_dict({**dense, **({"lm_head.weight": dense["model.embed_tokens.weight"]} if tied else {})})
     ids = torch.arange(3, 35).view(2, 16)
