@@ -37,7 +37,9 @@ class Pending(Protocol):
         ...
 
     def wait(self) -> None:
-        """Block until ready; raise TransportTimeout naming the transfer when it takes too long."""
+        """Make `tensor` safe to use: block until ready (gloo), or order the device's current stream after the
+        transfer and return at once (NCCL: the host never polls; the watchdog asks `ready()` to catch a hang).
+        Raise TransportTimeout naming the transfer when a blocking wait takes too long."""
         ...
 
 
@@ -99,7 +101,8 @@ class P2PPending:
     tensor: torch.Tensor | None
     works: list  # one work per op, or the batch's coalesced work(s) under NCCL
     transport: "P2PTransport"
-    waited: bool = False
+    waited: bool = False  # known complete
+    ordered: bool = False  # the device stream waits for it (NCCL), complete or not
 
     def ready(self) -> bool:
         # The runtime asks about every posted send before each compute: answer from the flag once known.
@@ -111,10 +114,12 @@ class P2PPending:
         return True
 
     def wait(self) -> None:
-        if not self.waited:
-            for work in self.works:
-                self.transport.wait(work, self.message)
-            self.waited = True
+        if self.waited or self.ordered:
+            return
+        for work in self.works:
+            self.transport.wait(work, self.message)
+        self.ordered = self.transport.stream_ordered
+        self.waited = not self.ordered  # in stream order only: ready() asks the device when it is asked
 
 
 class P2PTransport:
@@ -128,6 +133,9 @@ class P2PTransport:
         # gloo (CPU tensors) progresses every op on its own; NCCL runs a peer pair's ops on one stream in
         # posting order, where a receive posted early could hold up a send the peer waits for.
         self.receives_early = device.type == "cpu"
+        # NCCL's wait() without a timeout only makes the current stream wait for the transfer; with one it sleep-polls
+        # the host until the transfer lands, and the device drains at every hop.
+        self.stream_ordered = device.type == "cuda"
 
     def post(self, messages: list[Message]) -> list[Pending]:
         if self.device.type == "cpu":
@@ -165,9 +173,9 @@ class P2PTransport:
         return torch.empty(self.boundary.shape, dtype=self.boundary.dtype, device=self.device)
 
     def wait(self, work: dist.Work, msg: Message) -> None:
-        """Wait for one transfer; on timeout or a dead peer raise naming what we waited for."""
+        """Wait for one transfer (in stream order under NCCL); on timeout or a dead peer raise naming it."""
         try:
-            completed = work.wait(timeout=self.timeout)
+            completed = work.wait() if self.stream_ordered else work.wait(timeout=self.timeout)
         except RuntimeError as error:
             raise TransportTimeout(f"{describe(self.rank, msg)} failed after at most "
                                    f"{self.timeout.total_seconds():.0f}s: {str(error).splitlines()[0]}") from error

@@ -7,4 +7,5 @@ guard.py      the step guard the loop calls at fixed points: fault injection, no
 faults.py     `debug.fault` (stall, crash, nan) parsed and injected for rehearsals and tests
 nonfinite.py  `train.on_nonfinite`: the all-rank vote on a non-finite loss or norm, stop or skip
 failures.py   per-rank failure records and the launcher's choice of the first failure to report
+flight_recorder.py  NCCL's flight recorder on, its dumps in the run directory (hang/) when a rank hangs
 """

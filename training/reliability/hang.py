@@ -74,6 +74,23 @@ class Watch:
         """Seconds since the current state began."""
         return time.monotonic() - self.state.since
 
+    def device_wait(self, older_than: float) -> State | None:
+        """The oldest transfer this rank waited for in stream order (NCCL: the host went on, the device waits) that
+        has not landed `older_than` seconds after: where this rank is really stuck, whatever its host does now."""
+        now = time.monotonic()
+        for rank, p in list(self.posted):
+            awaited = getattr(p, "awaited_at", None)
+            try:
+                if awaited is not None and now - awaited > older_than and not p.ready():
+                    return State(Waiting(rank, p.message), [p.message.peer], since=awaited)
+            except Exception:  # a broken process group: the host side reports it
+                return None
+        return None
+
+    def current(self, older_than: float = 1.0) -> State:
+        """What this rank waits for now: a transfer the device waits for past `older_than`, else the host's state."""
+        return self.device_wait(older_than) or self.state
+
     def pending(self) -> list[str]:
         """Posted sends and receives that have not completed."""
         out = []
@@ -110,6 +127,7 @@ class WatchedPending:
 
     inner: Pending
     watch: Watch
+    awaited_at: float | None = None  # when the runtime waited for it (the watchdog times one still in flight)
 
     @property
     def message(self) -> Message:
@@ -124,7 +142,9 @@ class WatchedPending:
 
     def wait(self) -> None:
         self.watch.enter(Waiting(self.watch.rank, self.message), [self.message.peer])
-        self.inner.wait()
+        self.inner.wait()  # under NCCL it returns at once: the device waits; Watch.device_wait times it
+        if self.awaited_at is None:
+            self.awaited_at = self.watch.state.since
         self.watch.done(Waited(self.message))
 
 

@@ -6,7 +6,8 @@ a C call that never returns, and it must not print a traceback per rank):
   self-launching root (polling works whatever the launcher is; PR_SET_PDEATHSIG follows the parent *thread*);
 - this rank has waited for peers (P2P, a collective) longer than parallel.timeout_s, or during start-up (peers
   still importing and joining) longer than parallel.startup_timeout_s: write the hang dump and a one-line
-  failure, exit 1 (local work is not timed: its peers time out waiting for it);
+  failure, exit 1 (local work is not timed: its peers time out waiting for it); under NCCL a P2P wait only orders
+  the device's stream, so the thread also polls `is_completed()` of the transfers waited for (`Watch.device_wait`);
 - SIGTERM / SIGINT arrived: their Python handlers do nothing, and the C-level handler writes the signal
   number to a wakeup socket this thread selects on, so it acts even while the main thread sits in a C call
   (a blocked sigmask does not work: torch starts threads at import that would take the signal).
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from training.reliability import flight_recorder
 from training.reliability.hang import Watch
 from training.reliability.heartbeat import end_stopped
 from training.reliability.failures import FAILURE_DIR, record_failure
@@ -146,7 +148,7 @@ def _loop(watch: Watch, limits: Limits, parent: int | None, announce: bool, sock
             os._exit(1)  # the launcher is gone: nobody will collect this rank's result
         if watch.beater is not None:
             watch.beater.tick(watch)
-        if limits.exceeded(watch):
+        if limits.exceeded(watch) or _device_stuck(watch, limits):
             report_hang(watch, limits, announce)
             sys.stderr.flush()
             os._exit(1)
@@ -155,6 +157,16 @@ def _loop(watch: Watch, limits: Limits, parent: int | None, announce: bool, sock
             _say(watch, f"interrupted by {interrupt.name}: step {watch.step} did not end within "
                         f"parallel.timeout_s={limits.timeout_s:g}; nothing was saved")
             os._exit(exit_code(interrupt.signo))
+
+
+def _device_stuck(watch: Watch, limits: Limits) -> bool:
+    """A transfer the device waits for in stream order (NCCL) has not landed within parallel.timeout_s: that is the
+    hang, reported as this rank's wait (the host, gone on, would block later somewhere else, under another name)."""
+    stuck = watch.device_wait(limits.timeout_s)
+    if stuck is None:
+        return False
+    watch.state = stuck
+    return True
 
 
 def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
@@ -207,6 +219,7 @@ def report_hang(watch: Watch, limits: Limits, announce: bool) -> None:
 
 def _report(watch: Watch, limits: Limits, announce: bool) -> None:
     path = watch.dump("timeout")  # None while the run directory is not known (a torchrun rank >= 1 in start-up)
+    flight_recorder.dump(watch.run_dir, watch.rank)  # NCCL's own record of the ops in flight, beside it
     bound, key = limits.of(watch)
     message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s ({key}={bound:g}) "
                f"in: {watch.state.what}" + (f"; hang dump in {path.parent}" if path else ""))
