@@ -6,6 +6,10 @@ once: a rank whose heartbeat stopped (stopped by SIGSTOP, dead, wedged in C with
 has been busy with local work all along is the culprit; the ranks whose beats say "waiting" are its victims.
 The launcher's store is the one place every rank can reach under self-launch and torchrun alike; each rank
 opens its own client connection so a beat never waits behind the process group's store traffic.
+
+A beat's age is judged by the store's clock, never by another host's: every beat takes the next value of one counter
+in the store, so the store orders all beats, and a reader dates a peer's beat by its own beats around it, on its own
+monotonic clock. Hosts whose wall clocks disagree by minutes are judged alike.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 PERIOD_S = 1.0  # one beat a second: cheap for the store, fresh enough for a timeout of seconds
 STALE_S = 5.0  # a beat older than this: its rank stopped (a live watchdog thread beats every PERIOD_S)
 KEY = "sluice/heartbeat/"
+OWN_BEATS = 4096  # this rank's own beats remembered to date others' (over an hour at one a second)
 
 
 @dataclass
@@ -33,9 +39,10 @@ class Beat:
     what: str
     waits_for: list[int]
     blocked_s: float
-    time: float = field(default_factory=time.time)
+    time: float = 0.0  # when the reader last knew it fresh, on the reader's monotonic clock (dated by `tick`)
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
+    tick: int = 0  # the store's clock when it was published: the order of every rank's beats
 
     def age(self, now: float) -> float:
         return now - self.time
@@ -55,9 +62,10 @@ class Culprit:
 class Heartbeats:
     """This rank's beats out, every rank's beats in, over a client of the launcher's store."""
 
-    def __init__(self, store, rank: int, world_size: int, attempt: str = "0"):
-        self.store, self.rank, self.world_size = store, rank, world_size
+    def __init__(self, store, rank: int, world_size: int, attempt: str = "0", clock=time.monotonic):
+        self.store, self.rank, self.world_size, self.clock = store, rank, world_size, clock
         self.prefix = f"{KEY}{attempt}/"  # torchrun keeps its store across --max-restarts: no stale beats
+        self.own: deque[tuple[int, float]] = deque(maxlen=OWN_BEATS)  # (store tick, this host's clock) of our beats
 
     @classmethod
     def connect(cls, env: dict, rank: int, world_size: int, timeout_s: float = 2.0) -> Heartbeats | None:
@@ -75,16 +83,28 @@ class Heartbeats:
         return cls(store, rank, world_size, env.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def publish(self, beat: Beat) -> None:
+        beat.tick = self.store.add(f"{self.prefix}clock", 1)
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(asdict(beat)))
+        self.own.append((beat.tick, self.clock()))
 
     def read(self) -> dict[int, Beat]:
-        """The last beat of every rank that has published one."""
+        """The last beat of every rank that has published one, its `time` set on this host's clock (`heard`)."""
         beats = {}
         for rank in range(self.world_size):
             key = f"{self.prefix}{rank}"
             if self.store.check([key]):
                 beats[rank] = Beat(**json.loads(self.store.get(key)))
+                beats[rank].time = self.heard(beats[rank].tick)
         return beats
+
+    def heard(self, tick: int) -> float:
+        """When a beat published at store tick `tick` was last known fresh, on this host's clock: at the first of our
+        own beats after it (it was published before that one: its age is at least that long); now when we have not
+        beaten since. A lower bound, never more than a beat period off: a live rank is never taken for stopped."""
+        for own_tick, at in list(self.own):  # a copy: the other thread may beat meanwhile
+            if own_tick > tick:
+                return at
+        return self.clock()
 
 
 PF_EXITING = 0x4  # include/linux/sched.h: set on every thread as it starts to exit, before its files close
@@ -131,7 +151,8 @@ def _at(beat: Beat) -> str:
 
 def find_culprit(beats: dict[int, Beat], me: int, now: float, world_size: int, waited_s: float = 0.0
                  ) -> Culprit | None:
-    """The rank that stopped progressing, judged from every rank's last beat; None when the beats cannot say.
+    """The rank that stopped progressing, judged from every rank's last beat (`now` on the clock of their `time`);
+    None when the beats cannot say.
 
     In order: a rank whose process is gone (this host), a rank whose beats stopped (the oldest), a rank busy with
     local work rather than waiting for a peer (the longest, and for about as long as `me` has waited)."""
@@ -205,7 +226,7 @@ class Beater:
         """Publish `watch`'s state; False when the store did not take it (the launcher is ending the group)."""
         with self.lock:
             self.next_beat = time.monotonic() + PERIOD_S
-            state = watch.state
+            state = watch.current()  # a transfer the device is stuck in (NCCL) is what this rank waits for
             try:
                 self.link.publish(Beat(self.rank, watch.step, str(state.what), list(state.waits_for),
                                        round(time.monotonic() - state.since, 1)))
@@ -221,7 +242,7 @@ class Beater:
             beats = self.link.read()
         except Exception:  # noqa: BLE001  the store is gone: no verdict from the beats
             return None
-        culprit = find_culprit(beats, rank, time.time(), self.world_size, waited_s)
+        culprit = find_culprit(beats, rank, self.link.clock(), self.world_size, waited_s)
         if culprit is None or (dead_only and culprit.kind != "died"):
             return None
         return culprit, blame_line(culprit, beats, rank)
