@@ -182,6 +182,7 @@ class Trainer:
 
                         record.update(prediction_record(cfg, self.grid, record))
                     metrics.log(step + 1, record)
+                guard.checkpointing(step + 1)
                 self.checkpoints.after_step(step + 1)
                 guard.end(step + 1)
                 if guard.stop_signal and step + 1 < steps:  # at the last step the run simply ends

@@ -54,6 +54,12 @@ class StepGuard:
         self.watch.collective(f"step {step}: optimizer step", "dp")  # ZeRO-1 broadcasts its shards
         return verdict
 
+    def checkpointing(self, step: int) -> None:
+        """After `step`'s update: a checkpoint save when one is due. Local work with no peer to wait for, so not timed:
+        a save longer than parallel.timeout_s is slow storage, not a hang (a peer that dies meanwhile is named by the
+        heartbeats)."""
+        self.watch.enter(f"after step {step}: saving a checkpoint if one is due")
+
     def saving_on_interrupt(self) -> None:
         """The stop agreed on is being saved: the watchdog's bound on the step in flight no longer applies."""
         if self.watch.interrupt is not None:
