@@ -28,6 +28,21 @@ def resolve_backend(backend: str) -> tuple[str, torch.device]:
     raise ValueError(f"parallel.backend={backend!r} is not one of 'auto', 'nccl', 'gloo'")
 
 
+def local_device_problem(backend: str, local_workers: int) -> str | None:
+    """Why `local_workers` processes on this host cannot each take a GPU (cuda:LOCAL_RANK) under `backend`, or None;
+    judged before launch, where CUDA would say only 'invalid device ordinal' in every worker past the last GPU."""
+    if resolve_backend(backend)[0] != "nccl":
+        return None
+    visible = torch.cuda.device_count()
+    if local_workers <= visible:
+        return None
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{local_workers} local workers need a GPU each (parallel.backend={backend} puts worker i on cuda:i), but "
+            f"this host sees {visible}" + ("" if shown is None else f" (CUDA_VISIBLE_DEVICES={shown!r})") +
+            f"; start at most {visible} workers per node (torchrun --nproc-per-node, or a smaller parallel layout) "
+            "or use parallel.backend=gloo")
+
+
 @dataclass
 class ParallelGrid:
     """This rank's place in the (pp, dp, tp) grid (TP fastest) and its process groups; None = no peers."""
@@ -87,9 +102,9 @@ class ParallelGrid:
         mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         rank = dist.get_rank()
         pp_rank, dp_rank, tp_rank = (int(c) for c in mesh.get_coordinate())
-        grid = cls(pp=pp, dp=dp, tp=tp, ep=ep, ep_rank=dp_rank % ep, rank=rank, world_size=world_size, pp_rank=pp_rank, dp_rank=dp_rank,
-                   tp_rank=tp_rank, device=device, backend=backend, mesh=mesh, tp_group=mesh.get_group("tp"),
-                   dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"))
+        grid = cls(pp=pp, dp=dp, tp=tp, ep=ep, ep_rank=dp_rank % ep, rank=rank, world_size=world_size, pp_rank=pp_rank,
+                   dp_rank=dp_rank, tp_rank=tp_rank, device=device, backend=backend, mesh=mesh,
+                   tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"))
         timeout = timedelta(seconds=timeout_s)
         edp = dp // ep
         grid.mp_group = grid._my_group([[grid.global_rank_of(p, e * ep + i, t) for p in range(pp) for i in range(ep)
@@ -123,7 +138,10 @@ class ParallelGrid:
                                      mesh_dim_names=("ep", "tp"))
 
     def _my_group(self, rank_lists: list[list[int]], timeout: timedelta) -> ProcessGroup:
-        """Create every group in rank_lists (new_group is collective: all ranks, same order); return ours."""
+        """Create every group in rank_lists (collective: all ranks, same order); return ours. Under NCCL one split of
+        the world's communicator makes them all; new_group would split the whole world once per group."""
+        if self.device.type == "cuda":
+            return dist.split_group(split_ranks=rank_lists, timeout=timeout)
         mine = None
         for ranks in rank_lists:
             group = dist.new_group(ranks, timeout=timeout)

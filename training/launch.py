@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import check_ownership
+from parallel.grid import local_device_problem
 from parallel.collectives import broadcast_object
 from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
 from training.reliability.heartbeat import Beater
@@ -24,6 +25,7 @@ from training.cluster import is_launch_leader, node_launch, omp_threads
 from training.config import CONF_DIR, ConfigError, validate
 from training.console import check_run_dir, quiet_progress_bars
 from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
+from training.reliability import flight_recorder
 from training.reliability.faults import FaultInjector
 from training.layout import layout_world_size, process_pp
 from training.rendezvous import AttemptStore, attempt_store
@@ -56,6 +58,8 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
 
             cfg = plan_layout(cfg, world_size)
         validate(cfg, world_size)
+        if problem := local_device_problem(cfg.parallel.backend, local_workers(world_size)):
+            raise ConfigError(problem)  # CUDA would say 'invalid device ordinal' in the workers past the last GPU
         first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restart continues its own run
         if is_launch_leader(os.environ) and first_start and (problem := check_run_dir(
                 run_dir, cfg.checkpoint.resume, checkpoint_spec(cfg, run_dir).dir)):
@@ -69,6 +73,16 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         worker_main(OmegaConf.to_container(cfg, resolve=True), str(run_dir))
     else:
         self_launch(cfg, world_size, run_dir)
+
+
+def local_workers(world_size: int) -> int:
+    """The workers this host runs: torchrun's LOCAL_WORLD_SIZE, else this node's share of the self-launch."""
+    if under_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    try:
+        return node_launch(world_size, os.environ).nproc_per_node
+    except ValueError as error:  # the layout does not split over the job's nodes
+        raise ConfigError(str(error)) from None
 
 
 def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
@@ -139,7 +153,7 @@ def name_process(name: str) -> None:
 
 def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list[float]:
     """Body of every rank: grid, trainer, loop, clean shutdown. Returns the per-step losses."""
-    from parallel.grid import ParallelGrid
+    from parallel.grid import ParallelGrid, resolve_backend
     from training.reliability.guard import StepGuard
     from training.trainer import Trainer
 
@@ -165,6 +179,8 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
             if p.plan == "auto":
                 cfg = agreed_layout(cfg, watch, start)
                 p = cfg.parallel
+            if watch.run_dir is not None:  # before the process group: NCCL reads it as it starts
+                flight_recorder.enable(watch.run_dir, resolve_backend(p.backend)[0])
             grid = ParallelGrid.build(p.dp, p.tp, process_pp(cfg), backend=p.backend,
                                       timeout_s=max(p.timeout_s, p.startup_timeout_s), ep=p.ep,
                                       store=start.store if start else None)
