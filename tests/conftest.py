@@ -8,6 +8,10 @@ from pathlib import Path
 # on synchronisation): measured on 2 cores, the whole suite 487 s -> 405 s. Set before torch is imported, so that
 # every process a test starts inherits it; `OMP_NUM_THREADS=N pytest` overrides.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite is CPU tests: on a GPU host `parallel.backend=auto` would put every run a test starts on NCCL and CUDA
+# (other numbers, other errors, GPUs shared by two pytest workers). SLUICE_TEST_GPU=1 keeps the GPUs visible.
+if os.environ.get("SLUICE_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
