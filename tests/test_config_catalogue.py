@@ -60,8 +60,9 @@ BAD = [
     (["parallel.plan=manual"], "parallel.plan=manual is not supported; use one of auto"),
     (["parallel.memory_budget_gb=-1"], "parallel.memory_budget_gb=-1.0 must be positive"),
     (["parallel.vpp=2"], "parallel.vpp=2 needs a pipeline; set parallel.pp>=2"),
-    ([*PP2, "parallel.vpp=2"], "schedule '1f1b' runs one stage per rank; set parallel.vpp=1"),
-    ([*PP2, "schedule=interleaved-1f1b"], "schedule 'interleaved-1f1b' needs virtual stages; set parallel.vpp>=2"),
+    ([*PP2, "parallel.vpp=2"], "schedule '1f1b' runs 1 stage per rank; set parallel.vpp=1 (got 2)"),
+    ([*PP2, "schedule=interleaved-1f1b"], "schedule 'interleaved-1f1b' runs 2 or more stages per rank; set "
+                                          "parallel.vpp>=2 (got 1)"),
     ([*TINY, "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
     ([*TINY, "parallel.pp=5"], "5 stages but the model has 4 layers; use at most 4 stages"),
     ([*TINY, "parallel.pp=3", "parallel.layers_per_stage=[1,3,1]"], "sums to 5 but the model has 4 layers"),
@@ -76,6 +77,12 @@ BAD = [
     ([*PP2, "schedule.n_microbatches=0"], "schedule.n_microbatches=0 must be positive"),
     (["schedule.path=my.csv"], "schedule.path=my.csv is read only when schedule.name=table"),
     ([*PP2, "schedule=table"], "schedule=table needs schedule.path="),
+    ([*PP2, "schedule=module"], "schedule=module needs schedule.module=<package.module:function>"),
+    (["schedule.module=a.b:c"], "schedule.module=a.b:c is read only when schedule.name=module"),
+    ([*PP2, "schedule=module", "schedule.module=no_such_package:f"], "schedule.module=no_such_package:f: cannot "
+                                                                     "import no_such_package (No module named"),
+    ([*PP2, "schedule=module", "schedule.module=tests.late_w_schedule:one_f_one_b_late_w", "parallel.vpp=2"],
+     "schedule 'tests.late_w_schedule:one_f_one_b_late_w' runs 1 stage per rank; set parallel.vpp=1 (got 2)"),
     # train
     (["train.steps=0"], "train.steps=0 must be positive"),
     (["train.steps=many"], "train.steps: Value 'many' of type 'str' could not be converted to Integer"),
@@ -196,6 +203,7 @@ def test_bad_config_is_one_line_exit_2(args, expected, tmp_path, capsys):
 
 def test_good_configs_pass(capsys):
     for args in ([], ["experiment=demo"], [*PP2, "parallel.vpp=2", "schedule=interleaved-1f1b"],
+                 [*PP2, "schedule=module", "schedule.module=tests.late_w_schedule:one_f_one_b_late_w"],
                  ["model=tiny-moe", "model.num_experts=8"], ["logger=wandb"],
                  ["parallel.zero=1", "parallel.bucket_mb=50", "train.recompute=full"], ["-m", "train.steps=100,200"],
                  ["-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=5", "hydra.launcher.partition=gpu",

@@ -30,9 +30,9 @@ def computes_before(order: list) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name, vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
-                                       ("zbv", 2)])
-def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name, vpp):
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name):
+    vpp = SCHEDULES[name].default_vpp
     plan = prepare_pipeline(PipelineSpec(pp=4, vpp=vpp, schedule=name, n_microbatches=8), 4 * vpp)
     for actions in plan.lowered:
         actions = list(actions)
@@ -71,7 +71,7 @@ def test_emulated_steps_with_early_receives_give_single_process_gradients(monkey
         pp = rng.randint(2, 3)
         placement, vpp = rng.choice([("loop", 1), ("loop", 2), ("v", 2)])
         compute = random_feasible(rng, pp, 4, vpp, placement, split=trial % 2 == 1)
-        monkeypatch.setitem(SCHEDULES, "random", RegisteredSchedule(lambda *_, c=compute: c, placement))
+        monkeypatch.setitem(SCHEDULES, "random", RegisteredSchedule(lambda *_, c=compute: c, placement, (vpp, vpp)))
         engine = ParallelEngine(layout_cfg("random", pp, 4, vpp), tiny(layers=6), ParallelGrid.single(CPU))
         engine.step(mbs)
         assert_grads_match(engine, reference)

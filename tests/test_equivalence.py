@@ -68,6 +68,9 @@ LAYOUTS = [Layout(*case) for case in [
     ("padded-dp2", PADDED, ["parallel.dp=2"], 2, 2),
     # Emulated pipelines: in this process (world 1) or one spawn per world size for all of them.
     ("padded-pp2-gpipe-emu", PADDED, ["parallel.pp=2", "schedule=gpipe", EMU], 1, 1),
+    # A schedule from a module outside the core (the README's example; nothing under parallel/ names it).
+    ("module-late-w-pp2-emu", TINY, ["parallel.pp=2", "schedule=module",
+                                     "schedule.module=tests.late_w_schedule:one_f_one_b_late_w", EMU], 1, 1),
     ("interleaved-pp2-vpp3-emu", ["model=tiny", "model.num_hidden_layers=6"],
      ["parallel.pp=2", "parallel.vpp=3", "schedule=interleaved-1f1b", EMU], 1, 1),
     ("padded-dp2-pp2-1f1b-emu", PADDED, ["parallel.dp=2", "parallel.pp=2", EMU], 2, 2),

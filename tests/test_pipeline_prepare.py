@@ -43,7 +43,7 @@ def lines_run(fn) -> int:
 def phases(name: str, pp: int, m: int) -> tuple[int, dict[str, int]]:
     """Lowered actions, and lines run by lower, verify and simulate, for a built-in schedule."""
     spec = SCHEDULES[name]
-    vpp = 2 if spec.needs_vpp else 1
+    vpp = spec.default_vpp
     n = pp * vpp
     compute = spec.generate(pp, m, vpp)
     lowered = lower(compute, pp, n, spec.placement)
@@ -144,7 +144,7 @@ def test_random_faults_are_refused_with_the_action_named():
 
     rng, cases = random.Random(0), []
     for name, spec in SCHEDULES.items():
-        vpp = 2 if spec.needs_vpp else 1
+        vpp = spec.default_vpp
         for pp, m in ((2, 4), (3, 3), (4, 8)):
             lowered = lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement)
             cases += [(mutate(lowered, rng, m, pp * vpp), pp, pp * vpp, m, spec.placement) for _ in range(25)]

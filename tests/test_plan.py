@@ -107,7 +107,7 @@ def acts(measured: dict) -> dict:
 
 def sim(name: str, pp: int = 4, m: int = 8):
     spec = SCHEDULES[name]
-    vpp = 2 if spec.needs_vpp else 1
+    vpp = spec.default_vpp
     return simulate(lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement), pp, pp * vpp, m,
                     spec.placement, Costs(f=1, b=2, i=1, w=1))
 

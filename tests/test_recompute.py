@@ -90,7 +90,7 @@ class _Held:
 def engine(mode: str, moe: bool = False, seq: int = 16, schedule: str = "1f1b", m: int = 4,
            dropout: float = 0.0) -> ParallelEngine:
     """A pp2 engine emulated in this process, its stage modules passed through `apply_recompute(mode)`."""
-    vpp = 2 if SCHEDULES[schedule].needs_vpp else 1
+    vpp = SCHEDULES[schedule].default_vpp
     spec = default_engine_spec(PipelineSpec(pp=2, vpp=vpp, schedule=schedule, n_microbatches=m), micro_batch_size=2,
                       seq_len=seq, timeout_s=30, emulate=True)
     built = ParallelEngine(spec, tiny(moe=moe, dropout=dropout), ParallelGrid.single(CPU))

@@ -119,7 +119,7 @@ def test_random_feasible_schedules_give_single_process_gradients(monkeypatch):
         pp, m = rng.randint(2, 3), rng.randint(1, 4)
         placement, vpp = rng.choice([("loop", 1), ("loop", 2), ("v", 2)])
         compute = random_feasible(rng, pp, m, vpp, placement, split=trial % 2 == 1)
-        monkeypatch.setitem(SCHEDULES, "random", RegisteredSchedule(lambda *_, c=compute: c, placement))
+        monkeypatch.setitem(SCHEDULES, "random", RegisteredSchedule(lambda *_, c=compute: c, placement, (vpp, vpp)))
         engine = ParallelEngine(layout_cfg("random", pp, m, vpp), tiny(layers=6), ParallelGrid.single(CPU))
         engine.step(mbs[:m])
         want = reference if m == 4 else dense_grads(tiny(layers=6), mbs[:m])
@@ -129,7 +129,7 @@ def test_random_feasible_schedules_give_single_process_gradients(monkeypatch):
 def test_v_placement_ties_embedding_and_head_into_one_parameter(monkeypatch):
     engine = ParallelEngine(layout_cfg("1f1b", 2, 2), tiny(), ParallelGrid.single(CPU))
     assert engine.first is not engine.head  # looped: two copies, summed every step
-    monkeypatch.setitem(SCHEDULES, "v", RegisteredSchedule(lambda pp, m, vpp: _v_gpipe(pp, m), "v"))
+    monkeypatch.setitem(SCHEDULES, "v", RegisteredSchedule(lambda pp, m, vpp: _v_gpipe(pp, m), "v", (2, 2)))
     engine = ParallelEngine(layout_cfg("v", 2, 2, vpp=2), tiny(), ParallelGrid.single(CPU))
     assert engine.first is engine.head
     assert engine.stages[0].module.model.embed_tokens.weight is engine.stages[3].module.lm_head.weight

@@ -34,10 +34,10 @@ def launch_check(path, pp: int, m: int, vpp: int = 1) -> None:
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_builtin_schedule_dumps_and_reloads_identically(tmp_path, name, suffix):
     spec = SCHEDULES[name]
-    vpps = {"interleaved-1f1b": (2, 3), "zbv": (2,)}.get(name, (1,))
+    least, most = spec.vpp
     for pp in (1, 2, 3, 4):
-        for vpp in vpps:
-            for m in (pp, 2 * pp) if name == "interleaved-1f1b" else (1, 3, 8):
+        for vpp in (least, least + 1) if most is None else (least,):
+            for m in (pp, 2 * pp) if spec.microbatches_multiple_of_pp else (1, 3, 8):
                 path = tmp_path / f"{name}-{pp}-{vpp}-{m}.{suffix}"
                 dump_builtin(name, pp, m, path, vpp)
                 compute, meta = load_table(path, pp=pp, n_microbatches=m, vpp=vpp)

@@ -9,7 +9,10 @@ from parallel.pipeline.partition import rank_stages, stage_to_rank
 from parallel.pipeline.actions import comm_peer, hand_over, needs
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.render import plan_text
-from parallel.pipeline.schedules import SCHEDULES, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv
+from parallel.pipeline.prepare import load_schedule
+from parallel.pipeline.schedules import (SCHEDULES, RegisteredSchedule, find_schedule, gpipe, interleaved_1f1b,
+                                         one_f_one_b, zb_h1, zbv)
+from parallel.spec import PipelineSpec
 from parallel.pipeline.simulate import ScheduleError, simulate, verify
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
@@ -24,18 +27,21 @@ def text(schedule: Schedule) -> list[str]:
     return [" ".join(map(str, actions)) for actions in schedule]
 
 
-def vpp_of(name: str) -> int:
-    return 2 if SCHEDULES[name].needs_vpp else 1
-
-
 def built(name: str, pp: int, m: int, costs: Costs | None = None) -> Schedule:
-    spec, vpp = SCHEDULES[name], vpp_of(name)
+    spec = SCHEDULES[name]
+    vpp = spec.default_vpp
     return lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement, costs)
+
+
+def vpps(name: str, pp: int) -> list[int]:
+    """Chunks per rank worth checking: the default, and one more where the schedule takes it (small pp only)."""
+    least, most = SCHEDULES[name].vpp
+    return [v for v in (least, least + 1) if (most is None or v <= most) and (v == least or pp <= 4)]
 
 
 def shapes(name: str, pp: int) -> list[int]:
     """Micro-batch counts worth checking at pp: the edges around pp and 2pp, and 16 (as constraints allow)."""
-    if name == "interleaved-1f1b":
+    if SCHEDULES[name].microbatches_multiple_of_pp:
         return sorted({pp, 2 * pp, 16 // pp * pp})
     return sorted({1, 2, 3, pp - 1, pp, pp + 1, 2 * pp - 1, 2 * pp, 16} - {0})
 
@@ -68,9 +74,7 @@ def test_generators_emit_compute_in_the_documented_order():
         "F0@s2 B0@s2 F1@s2 B1@s2 F2@s2 B2@s2 F3@s2 B3@s2",
     ]
     assert all(not a.kind.is_comm for row in one_f_one_b(4, 8) for a in row)
-    with pytest.raises(ValueError, match="parallel.vpp=1"):
-        one_f_one_b(2, 4, vpp=2)
-    assert SCHEDULES["1f1b"].placement == "loop" and not SCHEDULES["gpipe"].needs_vpp
+    assert SCHEDULES["1f1b"].placement == "loop" and SCHEDULES["gpipe"].vpp == (1, 1)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -93,7 +97,7 @@ def test_lowered_1f1b_pairs_send_and_recv_into_one_batch():
 def test_lowering_sends_after_producer_and_receives_before_consumer():
     for pp, m in [(2, 4), (4, 8), (5, 5)]:
         for name, spec in SCHEDULES.items():
-            n = pp * vpp_of(name)
+            n = pp * spec.default_vpp
             for rank, actions in enumerate(built(name, pp, m)):
                 for k, a in enumerate(actions):
                     if a.kind in (Kind.SEND_F, Kind.SEND_B):
@@ -132,28 +136,33 @@ def test_new_generators_emit_compute_in_the_documented_order():
         "F0@s0 F1@s0 F2@s0 F0@s3 I0@s3 W0@s3 F1@s3 I1@s3 W1@s3 I0@s0 W0@s0 F2@s3 I2@s3 W2@s3 I1@s0 W1@s0 I2@s0 W2@s0",
         "F0@s1 F0@s2 F1@s1 F1@s2 I0@s2 W0@s2 F2@s1 I0@s1 W0@s1 F2@s2 I1@s2 W1@s2 I1@s1 I2@s2 I2@s1 W1@s1 W2@s2 W2@s1",
     ]
-    assert SCHEDULES["interleaved-1f1b"].needs_vpp and SCHEDULES["interleaved-1f1b"].placement == "loop"
-    assert SCHEDULES["zbv"].needs_vpp and SCHEDULES["zbv"].placement == "v"
-    assert not SCHEDULES["zb-h1"].needs_vpp and SCHEDULES["zb-h1"].placement == "loop"
+    assert (SCHEDULES["interleaved-1f1b"].vpp, SCHEDULES["interleaved-1f1b"].placement) == ((2, None), "loop")
+    assert (SCHEDULES["zbv"].vpp, SCHEDULES["zbv"].placement) == ((2, 2), "v")
+    assert (SCHEDULES["zb-h1"].vpp, SCHEDULES["zb-h1"].placement) == ((1, 1), "loop")
 
 
-def test_new_generators_refuse_shapes_they_cannot_run():
-    with pytest.raises(ValueError, match=r"schedule.n_microbatches to be a multiple of parallel.pp .*"
-                                         r"set schedule.n_microbatches=8"):
-        interleaved_1f1b(4, 6, 2)
-    with pytest.raises(ValueError, match=r"set parallel.vpp>=2"):
-        interleaved_1f1b(4, 8, 1)
-    with pytest.raises(ValueError, match=r"exactly two chunks per rank; set parallel.vpp=2 \(got 3\)"):
-        zbv(4, 8, 3)
-    with pytest.raises(ValueError, match="parallel.vpp=1"):
-        zb_h1(4, 8, 2)
+@pytest.mark.parametrize("name, pp, m, vpp, message", [
+    ("interleaved-1f1b", 4, 6, 2, "schedule 'interleaved-1f1b' needs schedule.n_microbatches to be a multiple of "
+                                  "parallel.pp (got 6 and 4); set schedule.n_microbatches=8"),
+    ("interleaved-1f1b", 4, 8, 1, "schedule 'interleaved-1f1b' runs 2 or more stages per rank; set parallel.vpp>=2 "
+                                  "(got 1)"),
+    ("zbv", 4, 8, 3, "schedule 'zbv' runs 2 stages per rank; set parallel.vpp=2 (got 3)"),
+    ("zb-h1", 4, 8, 2, "schedule 'zb-h1' runs 1 stage per rank; set parallel.vpp=1 (got 2)"),
+])
+def test_the_registry_refuses_layouts_a_schedule_cannot_run(name, pp, m, vpp, message):
+    with pytest.raises(ValueError) as refused:
+        load_schedule(PipelineSpec(pp=pp, vpp=vpp, schedule=name, n_microbatches=m))
+    assert str(refused.value) == message
+    bounded = RegisteredSchedule(gpipe, vpp=(1, 3))
+    with pytest.raises(ValueError, match=r"^schedule 'x' runs 1 to 3 stages per rank; set parallel.vpp<=3 \(got 4\)$"):
+        bounded.check("x", 2, 4, 4)
 
 
-@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "zbv"])
-def test_new_schedules_verify_with_and_without_comm_costs(name):
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_verifies_with_and_without_comm_costs(name):
     spec = SCHEDULES[name]
     for pp in range(2, 9):
-        for vpp in ((2, 3) if name == "interleaved-1f1b" and pp <= 4 else (vpp_of(name),)):
+        for vpp in vpps(name, pp):
             for m in shapes(name, pp):
                 compute = spec.generate(pp, m, vpp)
                 for costs in (Costs(), Costs(f=1, b=2, i=1, w=1, comm=0.5)):
@@ -391,33 +400,39 @@ def test_stage_to_rank_agrees_with_rank_stages():
                 assert all(stage_to_rank(s, pp, placement) == r for s in rank_stages(r, pp, vpp, placement))
 
 
-# --- The README's "Writing a schedule" example, kept honest. ---------------------------------------------
+# --- The README's "Writing a schedule" example, kept honest: a module outside the core. ----------------------
+
+LATE_W = "tests.late_w_schedule:one_f_one_b_late_w"
 
 
-def one_f_one_b_late_w(pp: int, n_microbatches: int, vpp: int = 1) -> list[list[Action]]:
-    """1F1B with the backward split: I at once (it unblocks the rank before), every W at the very end."""
-    m, schedule = n_microbatches, []
-    for r in range(pp):  # rank r runs stage r
-        warmup = min(pp - r - 1, m)  # forwards in flight before the first gradient comes back
-        actions = [Action(Kind.F, i, r) for i in range(warmup)]
-        for i in range(m):
-            if warmup + i < m:
-                actions.append(Action(Kind.F, warmup + i, r))
-            actions.append(Action(Kind.I, i, r))
-        actions += [Action(Kind.W, i, r) for i in range(m)]  # weight grads fill the tail; memory stays held
-        schedule.append(actions)
-    return schedule
-
-
-def test_readme_example_schedule(monkeypatch):
-    from parallel.pipeline.prepare import load_schedule
-    from parallel.pipeline.schedules import RegisteredSchedule
-    from parallel.spec import PipelineSpec
-
-    monkeypatch.setitem(SCHEDULES, "1f1b-late-w", RegisteredSchedule(one_f_one_b_late_w))
-    compute, placement = load_schedule(PipelineSpec(pp=4, schedule="1f1b-late-w", n_microbatches=8))
+def test_readme_example_schedule():
+    compute, placement = load_schedule(PipelineSpec(pp=4, schedule=LATE_W, n_microbatches=8))
     lowered = lower(compute, 4, 4, placement)
     verify(lowered, 4, 4, 8, placement)
     costs = Costs(f=1, b=2, i=1, w=1)
     res = simulate(lowered, 4, 4, 8, placement, costs)
     assert (res.makespan, res.peak_live) == (30, [8] * 4)  # 1F1B: 33 and [4, 3, 2, 1]; ZB-H1: 27 and [4] * 4
+
+
+@pytest.mark.parametrize("name, message", [
+    ("module", "schedule=module needs schedule.module=<package.module:function> (a schedule generator)"),
+    ("zigzag", "schedule.name=zigzag is not a known schedule; use one of 1f1b, gpipe, interleaved-1f1b, zb-h1, zbv, "
+               "table with schedule.path=<file>, or module with schedule.module=<package.module:function>"),
+    ("tests.no_such_module:f", "schedule.module=tests.no_such_module:f: cannot import tests.no_such_module (No module "
+                               "named 'tests.no_such_module'); check the name and that its folder is on PYTHONPATH"),
+    ("tests.late_w_schedule:nope", "schedule.module=tests.late_w_schedule:nope: tests.late_w_schedule has no function "
+                                   "nope; name a schedule generator (pp, n_microbatches, vpp) -> per-rank lists of "
+                                   "actions"),
+])
+def test_a_schedule_name_that_finds_nothing_says_what_to_write(name, message):
+    with pytest.raises(ValueError) as refused:
+        find_schedule(name)
+    assert str(refused.value) == message
+
+
+def test_a_module_may_register_its_schedule_with_its_rules(monkeypatch):
+    import tests.late_w_schedule as module
+
+    monkeypatch.setattr(module, "registered", RegisteredSchedule(gpipe, vpp=(1, 1)), raising=False)
+    with pytest.raises(ValueError, match=r"^schedule 'tests.late_w_schedule:registered' runs 1 stage per rank"):
+        load_schedule(PipelineSpec(pp=2, vpp=2, schedule="tests.late_w_schedule:registered", n_microbatches=2))

@@ -10,15 +10,15 @@ from parallel.pipeline.simulate import simulate
 
 def run(name: str, pp: int, m: int, costs: Costs):
     spec = SCHEDULES[name]
-    vpp = 2 if spec.needs_vpp else 1
+    vpp = spec.default_vpp
     lowered = lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement)
     return simulate(lowered, pp, pp * vpp, m, spec.placement, costs)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_uniform_per_stage_costs_replay_as_the_scalars(name):
     pp, m = 4, 8
-    n = pp * (2 if SCHEDULES[name].needs_vpp else 1)
+    n = pp * SCHEDULES[name].default_vpp
     scalar = Costs(f=1, b=2, i=1, w=1, comm=0.25)
     staged = Costs(f=9, b=9, i=9, w=9, comm=9, stage_f=(1.0,) * n, stage_b=(2.0,) * n, stage_i=(1.0,) * n,
                    stage_w=(1.0,) * n, stage_comm=(0.25,) * (n - 1))

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import CONF_DIR, ConfigError, register_schema, validate
-from training.config.schema import compose_config
+from training.config.schema import compose_config, group_presets
 from training.config.unknown_keys import check_override_keys
 from training.output_paths import output_dir_problem
 
@@ -89,9 +89,8 @@ def explain_compose_error(error: Exception, job: list[str]) -> str:
         text += "\n" + str(error.__cause__).strip()
     for override in job:
         key, _, value = override.lstrip("+~").partition("=")
-        group_dir = CONF_DIR / key
-        if group_dir.is_dir() and f"'{key}/{value}'" in text:
-            presets = sorted(p.stem for p in group_dir.glob("*.yaml"))
+        if (CONF_DIR / key).is_dir() and f"'{key}/{value}'" in text:
+            presets = group_presets(key)
             return f"{key}={value}: no such preset; use one of {', '.join(presets)}"
     deleted = [o[1:].partition("=")[0] for o in job if o.startswith("~")]
     if deleted and ("delet" in text.lower()):  # Hydra's words differ for a set key and a null one

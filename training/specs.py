@@ -18,10 +18,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def pipeline_spec(cfg: DictConfig) -> PipelineSpec:
-    """The pipeline the config asks for."""
+    """The pipeline the config asks for (a schedule from a module is named by its `package.module:function`)."""
     p, s = cfg.parallel, cfg.schedule
     layers = tuple(p.layers_per_stage) if p.layers_per_stage is not None else None
-    return PipelineSpec(pp=p.pp, vpp=p.vpp, schedule=s.name, n_microbatches=s.n_microbatches,
+    return PipelineSpec(pp=p.pp, vpp=p.vpp, schedule=s.get("module") or s.name, n_microbatches=s.n_microbatches,
                         table_path=s.get("path"), layers_per_stage=layers)
 
 

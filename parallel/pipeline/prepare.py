@@ -13,7 +13,7 @@ from .actions import Action, Costs, Schedule
 from .collector import collector_paused
 from .lowering import lower
 from .partition import layer_partition
-from .schedules import SCHEDULES, RegisteredSchedule
+from .schedules import RegisteredSchedule, find_schedule
 from .simulate import SimResult, predict, verify
 from .tables import load_table
 
@@ -39,16 +39,15 @@ class LoweredPipeline:
 
 
 def load_schedule(spec: PipelineSpec) -> tuple[Schedule, str]:
-    """Compute lists and placement of a pipeline spec: a registered schedule, or a table file."""
+    """Compute lists and placement of a pipeline spec: a registered schedule (checked against the layout it
+    accepts, the one place that check runs), one from a module, or a table file."""
     if spec.schedule == "table":
         if not spec.table_path or spec.table_path == "???":
             raise ValueError("schedule=table needs schedule.path=<a .csv or .json schedule table>")
         compute, meta = load_table(spec.table_path, pp=spec.pp, n_microbatches=spec.n_microbatches, vpp=spec.vpp)
         return compute, meta.placement
-    if spec.schedule not in SCHEDULES:
-        raise ValueError(f"schedule.name={spec.schedule} is not a known schedule; use one of "
-                         f"{', '.join(sorted(SCHEDULES))}, or table with schedule.path=<file>")
-    registered = SCHEDULES[spec.schedule]
+    registered = find_schedule(spec.schedule)
+    registered.check(spec.schedule, spec.pp, spec.n_microbatches, spec.vpp)
     return registered.generate(spec.pp, spec.n_microbatches, spec.vpp), registered.placement
 
 
@@ -57,8 +56,9 @@ def prepare_pipeline(spec: PipelineSpec, num_layers: int) -> LoweredPipeline:
 
     Cached: every caller in a process (validation, each emulated rank, the engine) shares one pipeline. The key
     holds what the schedule is made from, so a re-registered schedule or an edited table file is prepared anew."""
-    source: RegisteredSchedule | tuple[int, int] | None = SCHEDULES.get(spec.schedule)
-    if spec.schedule == "table" and spec.table_path and os.path.isfile(spec.table_path):
+    table = spec.schedule == "table"
+    source: RegisteredSchedule | tuple[int, int] | None = None if table else find_schedule(spec.schedule)
+    if table and spec.table_path and os.path.isfile(spec.table_path):
         stat = os.stat(spec.table_path)
         source = (stat.st_mtime_ns, stat.st_size)
     return _prepare(spec, num_layers, source)

@@ -1,11 +1,15 @@
 """Schedules as data: generators of per-rank compute actions and their registry.
 
 A generator is `(pp, n_microbatches, vpp) -> Schedule` and emits compute actions only (F/B, or F/I/W);
-`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `plan.prepare_pipeline` loads, lowers and checks.
+`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `prepare.prepare_pipeline` loads, lowers and checks.
+A generator is called only for a layout its registry entry accepts (`RegisteredSchedule.check`, run once by
+`load_schedule`), so it holds no checks of its own. Adding a schedule is its generator and its entry here; the
+config presets (`schedule=<name>`), the tests and the benchmarks read the registry.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,14 +23,12 @@ F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 
 def gpipe(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
     """All forwards, then all backwards, both in micro-batch order (as torch's ScheduleGPipe)."""
-    _one_chunk("gpipe", vpp)
     m = n_microbatches
     return [[Action(F, i, r) for i in range(m)] + [Action(B, i, r) for i in range(m)] for r in range(pp)]
 
 
 def one_f_one_b(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
     """1F1B: warm-up forwards, then alternate one forward and one backward, then drain the backwards."""
-    _one_chunk("1f1b", vpp)
     m = n_microbatches
     # Rank r has pp-r-1 forwards in flight before the first backward comes back to it.
     return [_one_f_one_b([Action(F, i, r) for i in range(m)], [Action(B, i, r) for i in range(m)], pp - r - 1)
@@ -35,13 +37,7 @@ def one_f_one_b(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
 
 def interleaved_1f1b(pp: int, n_microbatches: int, vpp: int) -> Schedule:
     """Megatron's interleaved 1F1B: vpp chunks per rank (looped), micro-batches in groups of pp, depth first."""
-    if vpp < 2:
-        raise ValueError(f"schedule 'interleaved-1f1b' needs virtual stages; set parallel.vpp>=2 (got {vpp})")
     m = n_microbatches
-    if m % pp:
-        raise ValueError(
-            f"schedule 'interleaved-1f1b' needs schedule.n_microbatches to be a multiple of parallel.pp "
-            f"(got {m} and {pp}); set schedule.n_microbatches={-(-m // pp) * pp}")
 
     def unit(k: int, r: int, backward: bool) -> tuple[int, int]:
         """(micro-batch, stage) of rank r's k-th forward or backward: a group of pp micro-batches runs
@@ -62,7 +58,6 @@ def interleaved_1f1b(pp: int, n_microbatches: int, vpp: int) -> Schedule:
 
 def zb_h1(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
     """ZB-H1 (Qi et al. 2023): 1F1B with the backward split into I and W, and rank r's W's deferred by r steps."""
-    _one_chunk("zb-h1", vpp)
     m, schedule = n_microbatches, []
     for r in range(pp):
         warmup = min(pp - r - 1, m)
@@ -83,8 +78,6 @@ def zb_h1(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
 
 def zbv(pp: int, n_microbatches: int, vpp: int = 2) -> Schedule:
     """ZB-V (Qi et al. 2023, sec. 6): two chunks per rank in a V, split backward; 1F1B's memory, ~no bubble."""
-    if vpp != 2:
-        raise ValueError(f"schedule 'zbv' holds exactly two chunks per rank; set parallel.vpp=2 (got {vpp})")
     m = n_microbatches
     n = max(m, 2 * pp - 1)  # plan a full pipeline, then drop the micro-batches that do not exist
     schedule = []
@@ -123,24 +116,65 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -
     return forwards[:warmup] + steady + backwards[len(forwards) - warmup:]
 
 
-def _one_chunk(name: str, vpp: int) -> None:
-    if vpp != 1:
-        raise ValueError(f"schedule {name!r} runs one stage per rank; set parallel.vpp=1 (got {vpp})")
-
-
 @dataclass(frozen=True)
 class RegisteredSchedule:
-    """A registered schedule: its generator, how its stages are placed on ranks, whether it needs vpp>1."""
+    """A generator and the layouts it runs: stage placement, chunks per rank (vpp), micro-batch multiple, preset."""
 
     generate: Callable[[int, int, int], Schedule]
-    placement: str = "loop"
-    needs_vpp: bool = False
+    placement: str = "loop"  # loop: stage s on rank s % pp; v: rank r holds stages r and 2pp-1-r
+    vpp: tuple[int, int | None] = (1, 1)  # chunks per rank it accepts: (least, most or None); the least is default
+    microbatches_multiple_of_pp: bool = False  # schedule.n_microbatches must be a multiple of parallel.pp
+    n_microbatches: int | None = None  # what the `schedule=<name>` preset sets (None: the schema's default)
+
+    @property
+    def default_vpp(self) -> int:
+        return self.vpp[0]
+
+    def check(self, name: str, pp: int, n_microbatches: int, vpp: int) -> None:
+        """Raise ValueError naming the key to change when this schedule cannot run the layout."""
+        least, most = self.vpp
+        if vpp < least or most is not None and vpp > most:
+            span = str(least) if least == most else f"{least} or more" if most is None else f"{least} to {most}"
+            fix = f"={least}" if least == most else f">={least}" if vpp < least else f"<={most}"
+            raise ValueError(f"schedule {name!r} runs {span} stage{'s' * (span != '1')} per rank; "
+                             f"set parallel.vpp{fix} (got {vpp})")
+        if self.microbatches_multiple_of_pp and n_microbatches % pp:
+            raise ValueError(
+                f"schedule {name!r} needs schedule.n_microbatches to be a multiple of parallel.pp (got "
+                f"{n_microbatches} and {pp}); set schedule.n_microbatches={-(-n_microbatches // pp) * pp}")
 
 
 SCHEDULES: dict[str, RegisteredSchedule] = {
     "gpipe": RegisteredSchedule(gpipe),
     "1f1b": RegisteredSchedule(one_f_one_b),
-    "interleaved-1f1b": RegisteredSchedule(interleaved_1f1b, needs_vpp=True),
-    "zb-h1": RegisteredSchedule(zb_h1),
-    "zbv": RegisteredSchedule(zbv, placement="v", needs_vpp=True),
+    "interleaved-1f1b": RegisteredSchedule(interleaved_1f1b, vpp=(2, None), microbatches_multiple_of_pp=True,
+                                           n_microbatches=8),
+    "zb-h1": RegisteredSchedule(zb_h1, n_microbatches=8),
+    "zbv": RegisteredSchedule(zbv, placement="v", vpp=(2, 2), n_microbatches=8),
 }
+
+
+def find_schedule(name: str) -> RegisteredSchedule:
+    """A registered schedule by name, or one outside the core named `package.module:attribute` (schedule.module):
+    a RegisteredSchedule, or a bare generator (loop placement, one stage per rank)."""
+    if name in SCHEDULES:
+        return SCHEDULES[name]
+    if name == "module":
+        raise ValueError("schedule=module needs schedule.module=<package.module:function> (a schedule generator)")
+    module_name, colon, attribute = name.partition(":")
+    if not colon:
+        raise ValueError(f"schedule.name={name} is not a known schedule; use one of {', '.join(sorted(SCHEDULES))}, "
+                         "table with schedule.path=<file>, or module with schedule.module=<package.module:function>")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # the user's module: any failure to import it is its own, said in one line
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"schedule.module={name}: cannot import {module_name} ({reason}); check the name and that "
+                         "its folder is on PYTHONPATH") from None
+    found = getattr(module, attribute, None)
+    if isinstance(found, RegisteredSchedule):
+        return found
+    if not callable(found):
+        raise ValueError(f"schedule.module={name}: {module_name} has no function {attribute}; name a schedule "
+                         "generator (pp, n_microbatches, vpp) -> per-rank lists of actions")
+    return RegisteredSchedule(found)

@@ -246,11 +246,12 @@ def _slots(schedule: Schedule, pp: int, n_stages: int, placement: str, costs: Co
 
 
 def dump_builtin(name: str, pp: int, n_microbatches: int, path: str | Path, vpp: int | None = None) -> Path:
-    """Dump a registered schedule (vpp defaults to 2 for schedules that need virtual stages, else 1)."""
+    """Dump a registered schedule (vpp defaults to the least it accepts)."""
     if name not in SCHEDULES:
         raise TableError(f"no schedule named {name!r}; use one of {', '.join(sorted(SCHEDULES))}")
     spec = SCHEDULES[name]
-    vpp = vpp or (2 if spec.needs_vpp else 1)
+    vpp = vpp or spec.default_vpp
+    spec.check(name, pp, n_microbatches, vpp)
     compute = spec.generate(pp, n_microbatches, vpp)
     return dump_table(compute, path, spec.placement, n_microbatches, vpp)
 

@@ -5,7 +5,7 @@ import re
 import textwrap
 from typing import Any
 
-from training.config.schema import CONF_DIR, SchemaKey, compose_config, schema_keys, schema_sections
+from training.config.schema import CONF_DIR, SchemaKey, compose_config, group_presets, schema_keys, schema_sections
 
 BEGIN = "<!-- keys: {section} (written by scripts/config_docs.py from the schema; do not edit) -->"
 END = "<!-- end of keys -->"
@@ -89,7 +89,7 @@ def help_text(overrides: tuple[str, ...] = ()) -> str:
     defaults = run_defaults(overrides)
     groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
     lines = [HEADER, "", "== Presets (group=option) =="]
-    lines += [f"  {g.name}: {', '.join(sorted(f.stem for f in g.glob('*.yaml')))}" for g in groups]
+    lines += [f"  {g.name}: {', '.join(group_presets(g.name))}" for g in groups]
     for section in schema_sections():
         lines += ["", f"== {section} =="]
         for k in section_keys(section):

@@ -134,12 +134,15 @@ class ParallelSchema:
 
 @dataclass
 class ScheduleSchema:
-    """Pipeline schedule by name (or a table file) and micro-batches per step."""
+    """Pipeline schedule by name (or a table file, or a generator in a module) and micro-batches per step."""
 
     name: str = key(MISSING, "the pipeline schedule (the preset sets it)", schedule_name)
     n_microbatches: int = key(4, "micro-batches per step and per DP replica", positive)
     path: Optional[str] = key(None, "CSV or JSON schedule table, with `schedule=table`", optional(text),
                               ReadWhen("schedule.name", ("table",), refuse=True))  # the table loader checks the file
+    module: Optional[str] = key(None, "a schedule generator outside the core, `package.module:function` (a "
+                                "RegisteredSchedule or a bare generator), with `schedule=module`; importing it runs it",
+                                optional(text), ReadWhen("schedule.name", ("module",), refuse=True))
 
 
 @dataclass
@@ -340,8 +343,22 @@ def schema_keys(node: type = RunSchema, prefix: str = "") -> list[SchemaKey]:
 
 
 def register_schema() -> None:
-    """Make `base_config` available to the defaults list of conf/config.yaml."""
-    ConfigStore.instance().store(name="base_config", node=RunSchema)
+    """Make `base_config` available to the defaults list of conf/config.yaml, and a `schedule=<name>` preset of every
+    registered schedule (the registry is their one home; conf/schedule/ holds `table` and `module`)."""
+    from parallel.pipeline.schedules import SCHEDULES
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=RunSchema)
+    for name, registered in SCHEDULES.items():
+        preset = {"name": name} if registered.n_microbatches is None else {"name": name,
+                                                                          "n_microbatches": registered.n_microbatches}
+        store.store(group="schedule", name=name, node=preset)
+
+
+def group_presets(group: str) -> list[str]:
+    """The presets of a config group: its files under conf/ and the ones `register_schema` stores."""
+    stored = ConfigStore.instance().repo.get(group, {})
+    return sorted({p.stem for p in (CONF_DIR / group).glob("*.yaml")} | {Path(n).stem for n in stored})
 
 
 def compose_config(overrides: list[str], with_hydra: bool = False) -> Any:

@@ -120,7 +120,7 @@ def layer_counts(key: str, value: Any) -> str | None:
 def schedule_name(key: str, value: Any) -> str | None:
     from parallel.pipeline.schedules import SCHEDULES  # the registry is the closed set
 
-    return one_of(*sorted(SCHEDULES), "table")(key, value)
+    return one_of(*sorted(SCHEDULES), "module", "table")(key, value)
 
 
 LOGGER_BACKENDS = ("tensorboard", "wandb", "none")

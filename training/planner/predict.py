@@ -14,6 +14,7 @@ from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
 from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
 from training.config.schema import model_config
+from training.specs import pipeline_spec
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,17 @@ def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
     p = cfg.parallel
     counts = p.layers_per_stage
     layers = None if counts is None or isinstance(counts, str) else tuple(counts)  # `auto` not resolved: even
-    return Candidate(dp=dp or p.dp or 1, tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=cfg.schedule.name,
+    return Candidate(dp=dp or p.dp or 1, tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=pipeline_spec(cfg).schedule,
                      n_microbatches=cfg.schedule.n_microbatches, micro_batch_size=cfg.train.micro_batch_size,
                      recompute=cfg.train.recompute, layers_per_stage=layers, ep=p.ep)
 
 
-def plan_of(candidate: Candidate, num_layers: int) -> LoweredPipeline:
-    """The checked pipeline of a candidate (pp=1: one stage under 1F1B, i.e. gradient accumulation)."""
+def plan_of(candidate: Candidate, num_layers: int, table_path: str | None = None) -> LoweredPipeline:
+    """The checked pipeline of a candidate (pp=1: one stage under 1F1B, i.e. gradient accumulation); `table_path`:
+    the file of `schedule=table`."""
     c = candidate
     spec = PipelineSpec(pp=c.pp, vpp=c.vpp, schedule=c.schedule if c.pp > 1 else "1f1b",
-                        n_microbatches=c.n_microbatches, layers_per_stage=c.layers_per_stage)
+                        n_microbatches=c.n_microbatches, table_path=table_path, layers_per_stage=c.layers_per_stage)
     return prepare_pipeline(spec, num_layers)
 
 
@@ -191,7 +193,7 @@ def _zero_shards(cfg: DictConfig, replicas: int) -> int:
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
     """Predicted step time (simulated pipeline + TP/EP/DP communication + optimizer) and peak bytes per rank."""
     config = model_config(cfg)
-    plan = plan_of(candidate, config.num_hidden_layers)
+    plan = plan_of(candidate, config.num_hidden_layers, cfg.schedule.get("path"))
     tied = bool(config.tie_word_embeddings)
     model = stage_model(candidate, plan, costs, tied, getattr(config, "num_experts_per_tok", 1) or 1)
     sim = plan.simulate(model.costs)

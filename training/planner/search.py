@@ -105,7 +105,7 @@ def schedule_choices(pp: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]  # a single stage is gradient accumulation whatever the schedule's name
     return [(name, vpp) for name, spec in sorted(SCHEDULES.items())
-            for vpp in (VIRTUAL_STAGES if spec.needs_vpp else (1,))]
+            for vpp in (VIRTUAL_STAGES if spec.default_vpp > 1 else (1,))]
 
 
 def micro_batch_sizes(cfg: DictConfig, per_replica: int) -> list[int]:
