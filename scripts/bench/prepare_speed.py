@@ -26,8 +26,6 @@ from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
 from parallel.pipeline.simulate import simulate, verify  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
 
-CASES = (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))
-
 
 def best_of(repeat: int, fn) -> tuple[float, float, object]:
     """The shortest CPU and wall times of `repeat` runs of fn(), and its last result."""
@@ -64,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for size in args.sizes:
         pp, m = (int(x) for x in size.split("x"))
-        for name, vpp in CASES:
-            print(bench(name, vpp, pp, m, args.repeat), flush=True)
+        for name, registered in SCHEDULES.items():
+            print(bench(name, registered.default_vpp, pp, m, args.repeat), flush=True)
 
 
 if __name__ == "__main__":

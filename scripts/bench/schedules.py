@@ -35,12 +35,13 @@ from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.pipeline.actions import Costs  # noqa: E402
 from parallel.pipeline.prepare import prepare_pipeline  # noqa: E402
+from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
+from torch_pipe import COUNTERPARTS  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 
 PP = 4
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zbv": 2}  # name -> chunks per rank
 HIDDEN, VOCAB, SEQ = 64, 128, 128  # boundary tensor 1 x 128 x 64 fp32 = 32 KiB
 
 
@@ -53,7 +54,7 @@ class Setup:
     warmup: int
     rounds: int
     png_dir: str | None
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    schedules: tuple[str, ...] = tuple(n for n in SCHEDULES if n in COUNTERPARTS)  # the registry's, where torch has one
 
 
 def costs(setup: Setup, vpp: int) -> Costs:
@@ -80,7 +81,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
         tokens = sum(mb.num_label_tokens() for mb in micro)
         variants, ideal, nominal, engines = {}, {}, {}, {}
         for name in setup.schedules:
-            vpp = SCHEDULES[name]
+            vpp = SCHEDULES[name].default_vpp
             c = costs(setup, vpp)
             model = sleep_model(PP * vpp, HIDDEN, VOCAB, c.f, c.i, c.w)
             if vpp not in stage_costs:
@@ -98,15 +99,16 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
                 on_gloo = build_engine(replace(spec, transport="p2p"), decoder_of(model), grid)
                 variants[f"sluice_gloo {name}"] = lambda e=on_gloo: e.step(micro)
         times = alternate(variants, setup.warmup, setup.rounds)
-        traced = {name: traced_step(engine, name, setup, m, rank, stage_costs[SCHEDULES[name]])
+        traced = {name: traced_step(engine, name, setup, m, rank, stage_costs[SCHEDULES[name].default_vpp])
                   for name, engine in engines.items()}
         out[m] = {name: {"ideal_s": ideal[name], "nominal_ideal_s": nominal[name],
                          "sluice_transport": type(engines[name].transport).__name__,
                          **(times[f"sluice_gloo {name}"].summary("sluice_gloo") if f"sluice_gloo {name}" in times
                             else {}),
-                         "stage_f_s": stage_costs[SCHEDULES[name]].stage_f,
-                         "stage_b_s": stage_costs[SCHEDULES[name]].stage_b, **times[f"sluice {name}"].summary("sluice"),
-                         **times[f"torch {name}"].summary("torch"), **traced[name]} for name in setup.schedules}
+                         "stage_f_s": stage_costs[SCHEDULES[name].default_vpp].stage_f,
+                         "stage_b_s": stage_costs[SCHEDULES[name].default_vpp].stage_b,
+                         **times[f"sluice {name}"].summary("sluice"), **times[f"torch {name}"].summary("torch"),
+                         **traced[name]} for name in setup.schedules}
     return out if rank == 0 else None
 
 
@@ -126,7 +128,7 @@ def traced_step(engine, name: str, setup: Setup, m: int, rank: int, ideal: Costs
     _, _, result = timed(lambda: engine.step(batches(m), trace=True))
     if rank != 0:
         return {}
-    vpp = SCHEDULES[name]
+    vpp = SCHEDULES[name].default_vpp
     spans: dict[str, list[float]] = {}
     records = [r for rank_records in result.trace.values() for r in rank_records]
     for action, start, end in records:
@@ -167,7 +169,7 @@ def main(argv: list[str]) -> dict:
     parser = bench_parser(__doc__, "tiny run to check the script works (m=4, 1 round, 1f1b and zbv unless "
                           "--schedules)", rounds=7, warmup=1)  # sleeps: 11 rounds spread under 1%, 7 do as well
     parser.add_argument("--f-ms", type=float, default=40.0, help="forward sleep of one rank's share of the model")
-    parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES))
+    parser.add_argument("--schedules", nargs="+", choices=list(Setup.schedules))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
     parser.add_argument("--png-dir", type=Path, default=ROOT / "bench" / "timelines")
     args = parser.parse_args(argv)
@@ -175,7 +177,7 @@ def main(argv: list[str]) -> dict:
         setup = Setup((4,), 0.004, 1, 1, str(args.png_dir), tuple(args.schedules or ("1f1b", "zbv")))
     else:
         setup = Setup(tuple(args.microbatches), args.f_ms / 1000, args.warmup, args.rounds, str(args.png_dir),
-                      tuple(args.schedules or SCHEDULES))
+                      tuple(args.schedules or Setup.schedules))
     section = summarise(run_workers(worker, PP, setup, timeout=1200)[0])
     pngs = sorted(args.png_dir.glob(f"sleep_*_m{min(setup.microbatches)}.png"))
     timelines = [str(p.resolve().relative_to(ROOT)) if p.resolve().is_relative_to(ROOT) else str(p) for p in pngs]

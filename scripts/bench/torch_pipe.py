@@ -13,19 +13,15 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from minimind import MiniMindForCausalLM
 from parallel.pipeline.partition import layer_partition, rank_stages
+from parallel.pipeline.schedules import SCHEDULES
 from models import decoder_of
 from parallel.decoder import Decoder
 from parallel.step import MicroBatch, shifted_loss_sum
 
-# Sluice schedule name -> (torch class, chunks per rank, placement). zb-h1 is ZB1P with one chunk per rank,
-# which torch runs as its interleaved zero-bubble schedule with a single local stage.
-COUNTERPARTS = {
-    "gpipe": (ScheduleGPipe, 1, "loop"),
-    "1f1b": (Schedule1F1B, 1, "loop"),
-    "interleaved-1f1b": (ScheduleInterleaved1F1B, 2, "loop"),
-    "zb-h1": (ScheduleInterleavedZeroBubble, 1, "loop"),
-    "zbv": (ScheduleZBVZeroBubble, 2, "v"),
-}
+# Sluice schedule name -> torch's class, run at the registry's default vpp and placement. zb-h1 is ZB1P with one
+# chunk per rank, which torch runs as its interleaved zero-bubble schedule with a single local stage.
+COUNTERPARTS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+                "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
 
 
 class StageModule(nn.Module):
@@ -76,7 +72,8 @@ class TorchPipeline:
 def build(name: str, model: MiniMindForCausalLM, pp: int, n_microbatches: int, rank: int, tokens: int,
           embed_group) -> TorchPipeline:
     """torch.distributed.pipelining's counterpart of Sluice schedule `name` on pipeline rank `rank`."""
-    cls, vpp, placement = COUNTERPARTS[name]
+    cls, registered = COUNTERPARTS[name], SCHEDULES[name]
+    vpp, placement = registered.default_vpp, registered.placement
     n_stages = pp * vpp
     partition = layer_partition(model.config.num_hidden_layers, n_stages)
     stages, modules, copies = [], [], []
