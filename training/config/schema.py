@@ -217,10 +217,11 @@ class DataSchema:
     tokenizer: Optional[str] = key(
         None, "a local tokenizer folder (for example MiniMind's) (`data=jsonl`), or `synthetic` for the embedded "
         "tokenizer (`data.vocab_size` tokens, with the chat template)", read_when=JSONL_ONLY)
-    format: str = key(
-        "packed", "`packed` (documents concatenated and cut to `seq_len`), `padded` (one document per sample, "
-        "MiniMind style; the `jsonl` preset's default) or `chat` (MiniMind's `conversations` rows, loss on assistant "
-        "tokens only)", one_of("packed", "padded", "chat", "chat_packed"))
+    format: Optional[str] = key(
+        None, "`packed` (documents concatenated and cut to `seq_len`), `padded` (one document per sample, "
+        "MiniMind style) or `chat` (MiniMind's `conversations` rows, loss on assistant tokens only; `chat_packed` "
+        "packs them); `null` follows `train.task`: `chat` for `sft` and `dpo`, else `padded` for `data=jsonl` and "
+        "`packed` for the embedded corpus", optional(one_of("packed", "padded", "chat", "chat_packed")))
     num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
     seed: int = key(0, "seed of the synthetic corpus", at_least(0))
     shuffle: bool = key(True, "reshuffle the training samples every epoch (seeded by `train.seed`); `false` keeps "
@@ -235,6 +236,16 @@ class DataSchema:
     skip_bad_lines: bool = key(False, "skip (and count) unusable rows instead of stopping with the file and the "
                                       "line (JSONL) or the 0-based row index (tables)")
     max_line_bytes: int = key(4 * MIB, "longest JSONL line accepted (4 MiB)", positive)
+    think: str = key(
+        "keep", "the empty `<think>` block MiniMind's chat template writes before a reply without reasoning: `keep` "
+        "it, `drop` it, or `minimind` (dropped from 80% of the conversations, as MiniMind's datasets do; drawn per "
+        "row from `data.seed`, so every layout and a resumed run see the same samples)",
+        one_of("keep", "drop", "minimind"))
+    system_prompts: Optional[list[str]] = key(
+        None, "system prompts to put before `data.system_ratio` of the SFT conversations that have none (MiniMind's "
+        "`pre_processing_chat`; drawn per row from `data.seed`); `null` = none added")
+    system_ratio: float = key(0.2, "share of the SFT conversations without a system message that get one of "
+                                   "`data.system_prompts` (MiniMind: 0.2)", fraction(closed_top=True))
 
 
 @dataclass
@@ -274,7 +285,7 @@ class DpoSchema:
     """Direct preference optimisation (`train.task=dpo`)."""
 
     beta: float = key(0.1, "the DPO temperature: the loss is `-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r)))` "
-                           "and the logged rewards `beta * (pi - ref)` (MiniMind's default 0.1)", positive,
+                           "and the logged rewards `beta * (pi - ref)` (MiniMind's train_dpo.py passes 0.15)", positive,
                       ReadWhen("train.task", ("dpo",), refuse=False))
 
 

@@ -44,14 +44,23 @@ def _never(line: int, problem: str) -> None:
 
 def source_folder(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase,
                   source: Source | None = None) -> Path:
-    """The token-cache folder of `key` ("data.path", "data.val_path" or the synthetic corpus)."""
+    """The token-cache folder of `key` ("data.path", "data.val_path" or the synthetic corpus); chat rows prepared
+    by other rules (data.think, data.system_prompts) are another folder."""
+    rules = spec.chat_rules.identity() if spec.chat else {}
     if spec.name == "synthetic":
-        identity = {"synthetic": CORPUS_VERSION, "num_docs": spec.num_docs, "seed": spec.seed}
+        identity = {"synthetic": CORPUS_VERSION, "num_docs": spec.num_docs, "seed": spec.seed, **rules}
         kind = "pairs" if spec.preference else "chat" if spec.chat else "seed"
         return cache_folder(spec.cache_dir, f"synthetic-{kind}{spec.seed}-docs{spec.num_docs}", identity,
                             tokenizer, spec.chat, spec.preference)
     source = source or data_source(spec, key)
-    return cache_folder(spec.cache_dir, source.label(), source.identity(), tokenizer, spec.chat, spec.preference)
+    return cache_folder(spec.cache_dir, source.label(), {**source.identity(), **rules}, tokenizer, spec.chat,
+                        spec.preference)
+
+
+def row_preparation(spec: DataSpec):
+    """What prepares a chat row before tokenising (`chat_rules`), or None when the rows go in as they are."""
+    rules = spec.chat_rules
+    return rules.prepare if spec.chat and rules.active else None
 
 
 def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase, verbose: bool) -> Documents:
@@ -67,7 +76,7 @@ def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBas
             else:
                 corpus = synthetic_corpus(spec.num_docs, spec.seed)
             write_cache(folder, ((i + 1, t) for i, t in enumerate(corpus)), _never, tokenizer, spec.chat,
-                        total=len(corpus) if verbose else None, pairs=spec.preference)
+                        total=len(corpus) if verbose else None, pairs=spec.preference, prepare=row_preparation(spec))
     else:
         source = data_source(spec, key)
         folder = source_folder(spec, key, tokenizer, source)
@@ -76,7 +85,7 @@ def source_documents(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBas
             rows = source.reader()
             write_cache(folder, rows, rows.reject, tokenizer, spec.chat, progress=rows.progress,
                         total=rows.total if verbose else None, skipped=lambda: rows.skipped,
-                        unit=rows.progress_unit, pairs=spec.preference)
+                        unit=rows.progress_unit, pairs=spec.preference, prepare=row_preparation(spec))
             rows.report()
     documents = cached_documents(folder, build)
     if len(documents) == 0:

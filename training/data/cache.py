@@ -112,12 +112,15 @@ def _batches(rows: Rows) -> Iterator[list[tuple[int, Any]]]:
 
 
 def encoded_batches(rows: Rows, reject: Callable[[int, str], None], tokenizer: PreTrainedTokenizerBase, chat: bool,
-                    pairs: bool = False) -> Iterator[tuple[int, list[list[Doc]]]]:
+                    pairs: bool = False, prepare: Callable[[int, Any], Any] | None = None
+                    ) -> Iterator[tuple[int, list[list[Doc]]]]:
     """Per tokenizer call: how many rows it read, and the documents of each usable one; a row that does not encode
-    (the chat template fails on it, or it leaves no tokens or no assistant token) goes to `reject`."""
+    (the chat template fails on it, or it leaves no tokens or no assistant token) goes to `reject`. `prepare(number,
+    payload)` changes a row before it is encoded (`chat_rules`)."""
     for batch in _batches(rows):
         usable = []
-        for (line, _), docs in zip(batch, _encode_rows(tokenizer, [payload for _, payload in batch], chat, pairs)):
+        payloads = [payload if prepare is None else prepare(line, payload) for line, payload in batch]
+        for (line, _), docs in zip(batch, _encode_rows(tokenizer, payloads, chat, pairs)):
             problem = docs if isinstance(docs, str) else _unusable(docs, chat, pairs)
             if problem is not None:
                 reject(line, problem)
@@ -129,7 +132,7 @@ def encoded_batches(rows: Rows, reject: Callable[[int, str], None], tokenizer: P
 def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
                 tokenizer: PreTrainedTokenizerBase, chat: bool, progress: Callable[[], int] | None = None,
                 total: int | None = None, skipped: Callable[[], int] = lambda: 0, unit: str = "doc",
-                pairs: bool = False) -> None:
+                pairs: bool = False, prepare: Callable[[int, Any], Any] | None = None) -> None:
     """Tokenise `rows` into `folder` batch by batch (memory bounded by one batch), then rename it into place;
     the bar shows `progress()` of `total` `unit`s (bytes of a JSONL file, rows of a table), or rows counted.
     With `pairs` each row is a (chosen, rejected) pair of conversations, kept as two documents or not at all."""
@@ -140,7 +143,7 @@ def write_cache(folder: Path, rows: Rows, reject: Callable[[int, str], None],
                disable=True if total is None else None, leave=False)  # None: off when not a terminal
     try:
         with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "mask.bin", "wb") as mask:
-            for read, rows_docs in encoded_batches(rows, reject, tokenizer, chat, pairs):
+            for read, rows_docs in encoded_batches(rows, reject, tokenizer, chat, pairs, prepare):
                 kept = []
                 for docs in rows_docs:
                     for ids, labels in docs:

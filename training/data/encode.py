@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from training.data.chat_rules import finish
+
 # Texts longer than this are tokenised in pieces cut before a space: a whole-text Encoding (token strings,
 # offsets, alignments) costs ~100 bytes per input byte, and the tokenizer slows down on very long inputs.
 PIECE_CHARS = 1 << 14
@@ -126,8 +128,9 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str,
 
 def encode_conversations(tokenizer: PreTrainedTokenizerBase,
                          conversations: list[list[dict[str, Any]]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each conversation rendered with the tokenizer's chat template: (ids, assistant-only label mask)."""
-    texts = [render_chat(tokenizer, c) for c in conversations]
+    """Each conversation rendered with the tokenizer's chat template (and its think rule, `chat_rules`): (ids,
+    assistant-only label mask)."""
+    texts = [finish(c, render_chat(tokenizer, c)) for c in conversations]
     start, end = chat_patterns(tokenizer)
     return [(ids, assistant_mask(ids, start, end)) for ids in _ids(tokenizer, texts)]
 

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from training.data.chat_rules import ChatRules
+
 NAMES = ("synthetic", "jsonl")
 FORMATS = ("packed", "padded", "chat", "chat_packed")  # chat: MiniMind conversations
 PACKED_FORMATS = ("packed", "chat_packed")
@@ -34,12 +36,20 @@ class DataSpec:
     val_fraction: float
     skip_bad_lines: bool
     max_line_bytes: int
+    think: str = "keep"  # the empty think block of chat rows (training.data.chat_rules)
+    system_prompts: tuple[str, ...] = ()
+    system_ratio: float = 0.2
     train_task: str = "pretrain"  # train.task: "dpo" reads preference pairs
 
     @property
     def chat(self) -> bool:
         """True when rows are MiniMind conversations rendered with the chat template (pairs of them under DPO)."""
         return self.format.startswith("chat")
+
+    @property
+    def chat_rules(self) -> ChatRules:
+        """How chat rows are prepared before tokenising (think block, system prompts), seeded by data.seed."""
+        return ChatRules(self.think, self.system_prompts, self.system_ratio, self.seed)
 
     @property
     def preference(self) -> bool:
@@ -93,13 +103,27 @@ def optional_field(node: Any, key: str) -> Any:
         return None
 
 
+def default_format(name: str, train_task: str) -> str:
+    """`data.format` when the config leaves it null: conversations (`chat`) for sft and dpo; for pretraining one
+    padded document per sample from files (MiniMind's PretrainDataset), packed documents from the embedded corpus."""
+    if train_task in ("sft", "dpo"):
+        return "chat"
+    return "padded" if name == "jsonl" else "packed"
+
+
 def data_spec(node: Any, train_task: str = "pretrain") -> DataSpec:
     """A DataSpec from the `data` section (a DictConfig, a dict or an object) and the run's train.task; a DataSpec
-    passes through."""
+    passes through. A null `format` follows the task (`default_format`)."""
     if isinstance(node, DataSpec):
         return node
-    return DataSpec(**{f.name: _field(node, f.name, "data") for f in fields(DataSpec) if f.name != "train_task"},
-                    train_task=train_task)
+    optional = {"think", "system_prompts", "system_ratio"}  # a section without them keeps the defaults
+    values = {f.name: _field(node, f.name, "data") for f in fields(DataSpec)
+              if f.name != "train_task" and f.name not in optional}
+    for name in optional:
+        if (value := optional_field(node, name)) is not None:
+            values[name] = tuple(str(p) for p in value) if name == "system_prompts" else value
+    values["format"] = values["format"] or default_format(values["name"], train_task)
+    return DataSpec(**values, train_task=train_task)
 
 
 def train_task(cfg: Any) -> str:
