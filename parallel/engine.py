@@ -35,7 +35,6 @@ from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
 from parallel.compile import apply_compile
-from parallel.preference import RowLogps
 from parallel.recompute import apply_recompute
 from parallel.spec import EngineSpec
 from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult, TokenLoss, dense_token_loss
@@ -93,7 +92,7 @@ def choose_transport(spec: EngineSpec, pipeline: LoweredPipeline, grid: Parallel
 
 def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid,
                         count: Callable[[MicroBatch], torch.Tensor] = MicroBatch.label_tokens) -> int | torch.Tensor:
-    """Label tokens of the global batch (what `count` counts: preference pairs under DPO): the data layer's stamp as
+    """Label tokens of the global batch (or what else the objective's `count` counts): the data layer's stamp as
     a host int, else a device tensor.
 
     The data layer stamps the count on every micro-batch (it knows the whole global batch), so a training step
@@ -304,27 +303,15 @@ class ParallelEngine:
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches through the same stages, transport and runtime."""
         tokens = global_label_tokens(micro_batches, self.grid, self.objective.count)
-        self._forward_only(micro_batches, self.objective)
-        sums = sum(s.loss_sums for s in self.stages.values())
-        sums = all_reduce_(all_reduce_(sums, self.grid.pp_group), self.grid.dp_group)
+        sums = all_reduce_(self.forward_sums(micro_batches, self.objective), self.grid.dp_group)
         *values, count = read_back(sums, tokens)
         count = int(count)
         return StepResult(values[0] / max(count, 1), 0.0, count, metrics=self.objective.metrics(values, count))
 
     @torch.no_grad()
-    def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """Forward only through the same stages, transport and runtime: each row's summed label log-probability, this
-        replica's micro-batches in order, float64 on every rank (DPO's reference pass)."""
-        rows = micro_batches[0].input_ids.shape[0]
-        self._forward_only(micro_batches, RowLogps(rows))
-        last = self.stages.get(self.pipeline.n_stages - 1)
-        # Forward-only lists run each stage's micro-batches in order: the last stage's parts are micro-batch k's.
-        parts = (torch.stack(last.loss_parts) if last is not None else
-                 torch.zeros(len(micro_batches), rows, dtype=torch.float64, device=self.grid.device))
-        return all_reduce_(parts, self.grid.pp_group).flatten().cpu()
-
-    def _forward_only(self, micro_batches: list[MicroBatch], objective: Objective) -> None:
-        """Every micro-batch through every stage in eval mode, no backward; the last stage's sums under `objective`."""
+    def forward_sums(self, micro_batches: list[MicroBatch], objective: Objective) -> torch.Tensor:
+        """Every micro-batch through every stage in eval mode, no backward, through the same stages, transport and
+        runtime: `objective`'s sums over this replica's micro-batches, float64 on every pipeline rank."""
         grid, programs = self.grid, self._prepare(forward_only(self.pipeline, len(micro_batches)))
         for stage in self.stages.values():
             stage.reset()
@@ -337,10 +324,12 @@ class ParallelEngine:
             else:
                 r = grid.pp_rank
                 execute(programs[r], self.stages_of[r], self.transport, micro_batches, scales)
+            sums = sum(s.loss_sums for s in self.stages.values())  # `objective`'s width, before it is put back
         finally:
             for stage in self.stages.values():
                 stage.module.train()
                 stage.objective = self.objective
+        return all_reduce_(sums, grid.pp_group)
 
     def _trace_start(self, trace: bool) -> tuple[dict[int, list[Record]] | None, float]:
         """Empty records and a common time origin for every rank, when tracing."""

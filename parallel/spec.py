@@ -59,7 +59,7 @@ class EngineSpec:
     bucket_mb: float  # data-parallel gradient buckets (MiB), reduced as soon as they are final
     transport: str  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
     lora: LoraSpec  # adapters on the decoder layers' linears, the base frozen (rank 0: off)
-    objective: Objective  # what the last stage computes from the logits: the LM loss, or DPO's over pairs
+    objective: Objective  # what the last stage computes from the logits (the trainer chooses it)
 
     @property
     def pipeline_ranks_per_process(self) -> int:

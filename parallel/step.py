@@ -1,12 +1,13 @@
 """The step contract between the trainer and any engine: micro-batches in, a StepResult out, gradients left
-on the parameters. Also the token loss and autocast every engine shares, and the single-process engine."""
+on the parameters; the Objective the last stage calls. Also the token loss and autocast every engine shares, and the
+single-process engine."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,18 +26,18 @@ def target_counts(labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch: token ids and (unshifted) labels of the same shape.
+    """One micro-batch: token ids and (unshifted) labels of the same shape, and the objective's payload.
 
     `global_tokens` is what the loss of the whole global step this micro-batch belongs to (every DP replica's
-    micro-batches) is a mean over, when the data layer knows it: its label tokens (its preference pairs under DPO);
-    with it the engine needs no collective to scale the loss (like transformers' `num_items_in_batch`). Every
-    micro-batch of a step carries the same value. `ref_logps` holds, per row, the reference model's summed
-    log-probability of its labels (preference pairs only: rows 2i chosen, 2i+1 rejected)."""
+    micro-batches) is a mean over, when the data layer knows it: the objective's count (label tokens, say); with it
+    the engine needs no collective to scale the loss (like transformers' `num_items_in_batch`). Every micro-batch of
+    a step carries the same value. `extra` is whatever else the objective reads (per-row tensors, say): the engine
+    hands it to the last stage's objective untouched."""
 
     input_ids: torch.Tensor  # [B, S] long
     labels: torch.Tensor  # [B, S] long, -100 = ignored, NOT shifted (the model shifts)
     global_tokens: int | None = None
-    ref_logps: torch.Tensor | None = None  # [B] float64, or None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def label_tokens(self) -> torch.Tensor:
         """Number of labels that enter the shifted loss (position 0 is never a target), as a tensor."""
@@ -51,11 +52,11 @@ class MicroBatch:
 class StepResult:
     """What one optimizer step's forward/backward produced, identical on every rank."""
 
-    loss: float  # token-weighted mean LM loss over the global batch
+    loss: float  # the objective's loss, a mean over its count in the global batch
     aux_loss: float  # MoE load-balancing loss, mean over the global batch's micro-batches
-    tokens: int  # label tokens in the global batch (preference pairs under DPO): what the loss is a mean over
+    tokens: int  # the objective's count in the global batch (label tokens, say): what the loss is a mean over
     trace: Any = None  # with `trace=True`: every rank's timed actions on global rank 0, else None
-    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own means (DPO: rewards, accuracy)
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own means
 
 
 class Engine(Protocol):
@@ -65,7 +66,7 @@ class Engine(Protocol):
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult: ...
 
-    def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor: ...
+    def forward_sums(self, micro_batches: list[MicroBatch], objective: Objective) -> torch.Tensor: ...
 
     def named_parameters(self) -> dict[str, nn.Parameter]: ...
 
@@ -81,53 +82,23 @@ def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def shifted_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
-                     token_loss: TokenLoss = dense_token_loss) -> torch.Tensor:
-    """Sum of next-token losses: logits[:, :-1] predict labels[:, 1:]; -100 labels are skipped."""
-    return token_loss(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).sum()
-
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor,
-                   token_loss: TokenLoss = dense_token_loss) -> torch.Tensor:
-    """Per row of [B, S] labels: the summed log-probability of its labels (shifted, -100 skipped), float32 [B]."""
-    return -token_loss(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).view(labels.shape[0], -1).sum(dim=1)
-
-
 class Objective(Protocol):
     """What the last stage makes of one micro-batch's logits, and what the step's loss is a mean over.
 
-    A call returns the loss sum that backward starts from (the engine scales it by 1 / the global count) and the
-    micro-batch's detached sums, `width` of them, entry 0 the loss sum; the step adds them up over micro-batches,
-    stages and DP replicas in float64, and `metrics` turns the totals into the objective's logged means."""
+    A call gets the logits (vocab-sharded under TP), the labels, the micro-batch's `extra` as the data layer left
+    it, and the layout's token loss (so it needs no TP of its own). It returns the loss sum that backward starts
+    from (the engine scales it by 1 / the global count) and the micro-batch's detached sums, `width` of them, entry
+    0 the loss sum; the engine adds them up over micro-batches, stages and DP replicas in float64, and `metrics`
+    turns the totals into the objective's logged means."""
 
     width: int
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None,
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
                  token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def count(self, micro_batch: MicroBatch) -> torch.Tensor: ...
 
     def metrics(self, sums: list[float], count: int) -> dict[str, float]: ...
-
-
-class LanguageModelLoss:
-    """Next-token cross-entropy, a mean over the global batch's label tokens (pretraining and SFT)."""
-
-    width: ClassVar[int] = 1
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, ref_logps: torch.Tensor | None,
-                 token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum = shifted_loss_sum(logits, labels, token_loss)
-        return loss_sum, loss_sum.detach().view(1)
-
-    def count(self, micro_batch: MicroBatch) -> torch.Tensor:
-        return micro_batch.label_tokens()
-
-    def metrics(self, sums: list[float], count: int) -> dict[str, float]:
-        return {}
-
-
-LANGUAGE_MODEL = LanguageModelLoss()
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -140,8 +111,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
 class LocalEngine:
     """One process, one whole model: gradient accumulation over the step's micro-batches."""
 
-    def __init__(self, decoder: Decoder, device: torch.device, dtype: torch.dtype,
-                 objective: Objective = LANGUAGE_MODEL):
+    def __init__(self, decoder: Decoder, device: torch.device, dtype: torch.dtype, objective: Objective):
         self.decoder = decoder
         self.model = decoder.module
         self.device = device
@@ -161,37 +131,29 @@ class LocalEngine:
         """The model pieces this process runs: here the whole decoder."""
         return [self.decoder]
 
-    def _loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        ref = None if mb.ref_logps is None else mb.ref_logps.to(self.device)
-        return self.objective(logits, mb.labels.to(self.device), ref, dense_token_loss)
+    def _loss(self, logits: torch.Tensor, mb: MicroBatch,
+              objective: Objective | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return (objective or self.objective)(logits, mb.labels.to(self.device), mb.extra, dense_token_loss)
 
-    def _eval_forwards(self, micro_batches: list[MicroBatch]) -> Iterator[tuple[torch.Tensor, MicroBatch]]:
-        """Each micro-batch's logits, forward only with the model in eval mode (train mode again afterwards)."""
+    @torch.no_grad()
+    def forward_sums(self, micro_batches: list[MicroBatch], objective: Objective) -> torch.Tensor:
+        """Forward only (model in eval mode): `objective`'s sums over the micro-batches, float64 on the device."""
+        sums = torch.zeros(objective.width, dtype=torch.float64, device=self.device)
         self.model.eval()
         try:
             for mb in micro_batches:
                 with autocast(self.device, self.dtype):
                     logits, _ = self.decoder(input_ids=mb.input_ids.to(self.device))
-                yield logits, mb
+                    sums += self._loss(logits, mb, objective)[1].double()
         finally:
             self.model.train()
+        return sums
 
-    @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches (model in eval mode), a mean over the objective's count."""
-        sums = torch.zeros(self.objective.width, dtype=torch.float64, device=self.device)
-        for logits, mb in self._eval_forwards(micro_batches):
-            sums += self._loss(logits, mb)[1].double()
         count = sum(int(self.objective.count(mb)) for mb in micro_batches)
-        values = sums.tolist()
+        values = self.forward_sums(micro_batches, self.objective).tolist()
         return StepResult(values[0] / max(count, 1), 0.0, count, metrics=self.objective.metrics(values, count))
-
-    @torch.no_grad()
-    def sequence_logps(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """Forward only (eval mode): each row's summed label log-probability, micro-batch after micro-batch, float64."""
-        rows = [sequence_logps(logits, mb.labels.to(self.device)).double()
-                for logits, mb in self._eval_forwards(micro_batches)]
-        return torch.cat(rows).cpu()
 
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult:
         """Accumulate gradients over the micro-batches; `trace` has nothing to time in one process."""

@@ -1,6 +1,7 @@
 """The shape of the code: dependencies point down only, no import circle, no oversized file or function."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,3 +137,31 @@ def test_the_naming_check_catches_each_kind(tmp_path):
                       'z = "lm_head.weight"\n')
     kinds = [hit.split(" ", 1)[1].split(" ")[0] for hit in model_namings(sample)]
     assert sorted(kinds) == ["attribute", "imports", "name", "string"], kinds
+
+
+# An objective's words: parallel/ knows a generic Objective and MicroBatch.extra, never which objective runs.
+OBJECTIVE_WORDS = re.compile(r"\b(dpo|preference|\w*logps|reward|reference (pass|model|log)|language ?model ?loss|"
+                             r"LANGUAGE_MODEL|shifted_loss_sum)", re.IGNORECASE)
+
+
+def objective_namings(path: Path) -> list[str]:
+    """Every line of the file (code, strings, comments and docstrings alike) that names an objective."""
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{n}: {line.strip()}"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if OBJECTIVE_WORDS.search(line)]
+
+
+def test_parallel_names_no_objective():
+    """The LM loss, DPO and the reference pass live in training/objectives/ and reach the last stage as an Objective
+    with the micro-batch's payload; no module of parallel/ names one of them."""
+    offenders = [hit for path in sorted((ROOT / "parallel").rglob("*.py")) for hit in objective_namings(path)]
+    assert not offenders, offenders
+
+
+def test_the_objective_check_catches_each_name(tmp_path):
+    """The check above fails on each way an objective used to be named in parallel/ (so it cannot pass vacuously)."""
+    lines = ["from parallel.preference import RowLogps", "mb.ref_logps", "def sequence_logps(): ...",
+             "# DPO's sums", '"""the reference log-probabilities"""', "LANGUAGE_MODEL = LanguageModelLoss()",
+             "shifted_loss_sum(logits, labels)", "reward_margin", "reference counting frees it"]
+    sample = tmp_path / "sample.py"
+    sample.write_text("\n".join(lines) + "\n")
+    assert [int(hit.split(":")[1]) for hit in objective_namings(sample)] == list(range(1, len(lines)))

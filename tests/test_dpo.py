@@ -208,7 +208,7 @@ def test_a_micro_batch_holds_whole_pairs_with_their_reference(workspace):
     cfg = compose_run_config(run_args(workspace, DENSE), workspace["root"] / "cache")
     stream = build_data(cfg, 0, 1, verbose=False)[0]
     for mb in stream.batch(0):
-        assert mb.input_ids.shape[0] == cfg.train.micro_batch_size and mb.global_tokens == 8 and mb.ref_logps is None
+        assert mb.input_ids.shape[0] == cfg.train.micro_batch_size and mb.global_tokens == 8 and mb.extra == {}
         for chosen, rejected, c_labels, r_labels in zip(mb.input_ids[0::2], mb.input_ids[1::2], mb.labels[0::2],
                                                         mb.labels[1::2]):
             first = int((c_labels != -100).nonzero()[0])

@@ -16,6 +16,7 @@ from parallel.step import LocalEngine, MicroBatch
 from tests.conftest import ROOT
 from tests.spawn import run_workers
 from tests.test_runtime import CPU, batches, layout_cfg, tiny
+from training.objectives.lm import LANGUAGE_MODEL
 
 
 def _untouched_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +57,9 @@ def test_dp_sum_zero_fills_gradients_a_replica_never_made(monkeypatch):
     model = tiny(moe=True)
     single = tiny(moe=True)
     monkeypatch.setattr(MoEFeedForward, "forward", _untouched_experts)
-    LocalEngine(single, CPU, torch.float32).step(replica_batches(1))
+    LocalEngine(single, CPU, torch.float32, LANGUAGE_MODEL).step(replica_batches(1))
     assert any(p.grad is None for p in single.module.parameters())  # the premise: replica 1 alone leaves some out
-    LocalEngine(model, CPU, torch.float32).step(replica_batches(0) + replica_batches(1))
+    LocalEngine(model, CPU, torch.float32, LANGUAGE_MODEL).step(replica_batches(0) + replica_batches(1))
     for name, param in model.module.named_parameters():
         for rank in (0, 1):
             torch.testing.assert_close(results[rank][name], param.grad, rtol=1e-5, atol=1e-7, msg=name)

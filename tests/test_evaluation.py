@@ -10,10 +10,11 @@ from parallel.grid import ParallelGrid
 from parallel.step import LocalEngine
 from tests.spawn import run_workers
 from tests.test_runtime import CPU, batches, layout_cfg, tiny
+from training.objectives.lm import LANGUAGE_MODEL
 
 
 def reference_loss(m: int) -> float:
-    return LocalEngine(tiny(), CPU, torch.float32).evaluate(batches(m)).loss
+    return LocalEngine(tiny(), CPU, torch.float32, LANGUAGE_MODEL).evaluate(batches(m)).loss
 
 
 @pytest.mark.parametrize("schedule, vpp", [("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)])

@@ -17,6 +17,7 @@ from parallel.grid import ParallelGrid
 from parallel.step import LocalEngine, MicroBatch
 from tests.spawn import run_workers
 from tests.test_runtime import CPU, batches, layout_cfg, tiny
+from training.objectives.lm import LANGUAGE_MODEL
 from training.data import IGNORE_INDEX, Documents, PackedSamples, PaddedSamples, StepBatches, TensorSamples
 
 
@@ -72,7 +73,8 @@ def _dp2_pp2_worker(rank: int, world_size: int, bucket_mb: float) -> dict:
     for p in engine.parameters():
         p.grad = None
     unstamped = engine.step(replicas[grid.dp_rank])  # the token count by a DP all-reduce instead
-    reference = LocalEngine(tiny(), CPU, torch.float32).step([mb for replica in replicas for mb in replica])
+    reference = LocalEngine(tiny(), CPU, torch.float32, LANGUAGE_MODEL).step(
+        [mb for replica in replicas for mb in replica])
     sync = engine.sync
     report = {"dp_calls": sum(g is grid.dp_group for _, g in calls), "world_calls": sum(g is None for _, g in calls),
               "buckets": len(sync.order), "params": len(engine.parameters()),
@@ -173,7 +175,7 @@ def _dp1_pp2_worker(rank: int, world_size: int) -> dict:
     calls: list[tuple[str, object]] = []
     with counting_collectives(calls):
         result = engine.step(stamped(micro, sum(mb.num_label_tokens() for mb in micro)))
-    reference = LocalEngine(tiny(), CPU, torch.float32).step(micro)
+    reference = LocalEngine(tiny(), CPU, torch.float32, LANGUAGE_MODEL).step(micro)
     sync = engine.sync
     groups = {id(grid.pp_group): "pp", id(grid.embed_group): "embed"}
     return {"calls": sorted((name, groups.get(id(g), str(g))) for name, g in calls), "loss": result.loss,

@@ -17,11 +17,12 @@ from parallel.pipeline.stage import Stage
 from parallel.recompute import MODES, apply_recompute
 from parallel.spec import PipelineSpec
 from training.specs import default_engine_spec
-from parallel.step import MicroBatch, dense_token_loss, shifted_loss_sum
+from parallel.step import MicroBatch, dense_token_loss
 from parallel.tensor import vocab_parallel_cross_entropy
 from parallel.tensor_pass import apply_tensor_parallel
 from tests.spawn import run_workers
 from tests.test_runtime import run_b_and_i
+from training.objectives.lm import LANGUAGE_MODEL, shifted_loss_sum
 
 CPU = torch.device("cpu")
 
@@ -173,7 +174,8 @@ def test_bf16_autocast_recomputes_the_same_numbers(mode):
     plain, patched = tiny(moe=True), apply_recompute(tiny(moe=True), mode)
     losses = []
     for model in (plain, patched):
-        stage = Stage(model, 0, 1, CPU, torch.bfloat16, dense_token_loss, split_backward=True)
+        stage = Stage(model, 0, 1, CPU, torch.bfloat16, dense_token_loss, split_backward=True,
+                      objective=LANGUAGE_MODEL)
         for mb, batch in enumerate(batches(2)):
             stage.forward(mb, batch.input_ids, batch.labels, 0.01, 0.5)
             stage.backward_input(mb, None)
@@ -280,7 +282,7 @@ def test_the_memory_model_of_what_waits_for_w_is_what_i_deferred(moe, dtype):
     cfg = config(layers=1, moe=moe)
     model = apply_recompute(decoder_of(MiniMindForCausalLM(cfg)), "full")
     layer = {id(p) for p in model.module.model.layers["0"].parameters()}
-    stage = Stage(model, 0, 1, CPU, dtype, dense_token_loss, split_backward=True)
+    stage = Stage(model, 0, 1, CPU, dtype, dense_token_loss, split_backward=True, objective=LANGUAGE_MODEL)
     ids = batches(1, seq=48)[0].input_ids
     stage.forward(0, ids, ids, 0.01, 0.5)
     stage.backward_input(0, None)

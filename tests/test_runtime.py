@@ -25,6 +25,7 @@ from parallel.pipeline.transport import EmulationError
 from parallel.spec import EngineSpec, PipelineSpec
 from training.specs import default_engine_spec
 from parallel.step import LocalEngine, MicroBatch, dense_token_loss
+from training.objectives.lm import LANGUAGE_MODEL
 from tests.spawn import run_workers
 from tests.test_schedules import random_feasible
 
@@ -55,7 +56,7 @@ def layout_cfg(schedule: str, pp: int, m: int, vpp: int = 1) -> EngineSpec:
 
 def dense_grads(decoder: Decoder, mbs: list[MicroBatch]) -> dict[str, torch.Tensor]:
     """Gradients of one process doing gradient accumulation over `mbs` (the reference)."""
-    LocalEngine(decoder, CPU, torch.float32).step(mbs)
+    LocalEngine(decoder, CPU, torch.float32, LANGUAGE_MODEL).step(mbs)
     return {name: p.grad for name, p in decoder.module.named_parameters()}
 
 
@@ -70,8 +71,8 @@ def assert_grads_match(engine: ParallelEngine, reference: dict[str, torch.Tensor
 
 def run_b_and_i(full: Decoder, split: Decoder, data: list[MicroBatch]) -> tuple[Stage, Stage]:
     """One-stage pipelines of both models after every micro-batch's F, then B (full) or I (split): W pending."""
-    a = Stage(full, 0, 1, CPU, torch.float32, dense_token_loss)
-    b = Stage(split, 0, 1, CPU, torch.float32, dense_token_loss, split_backward=True)
+    a = Stage(full, 0, 1, CPU, torch.float32, dense_token_loss, objective=LANGUAGE_MODEL)
+    b = Stage(split, 0, 1, CPU, torch.float32, dense_token_loss, split_backward=True, objective=LANGUAGE_MODEL)
     for mb, batch in enumerate(data):
         for stage in (a, b):
             stage.forward(mb, batch.input_ids, batch.labels, 0.01, 0.5)

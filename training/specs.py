@@ -9,10 +9,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
-from parallel.preference import PreferenceLoss
 from parallel.spec import EngineSpec, LoraSpec, PipelineSpec
-from parallel.step import LANGUAGE_MODEL, Objective
+from parallel.step import Objective
 from training.config.schema import model_keys, schema_defaults
+from training.objectives.dpo import PreferenceLoss
+from training.objectives.lm import LANGUAGE_MODEL
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -89,7 +89,7 @@ class Trainer:
                             if cfg.train.eval_every else None)
         self.dpo = OmegaConf.select(cfg, "train.task") == "dpo"
         if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
-            from training.preference import prepare_reference
+            from training.objectives.reference import prepare_reference
 
             prepare_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len

@@ -15,7 +15,7 @@ from parallel.spec import LoraSpec
 from parallel.materialize import WeightSource, is_meta, materialize_
 from parallel.compile import apply_compile
 from parallel.recompute import apply_recompute
-from parallel.step import LANGUAGE_MODEL, Objective, TokenLoss
+from parallel.step import Objective, TokenLoss
 from parallel.tensor_pass import shard_modules, sync_replicated_grads
 
 from .actions import Kind
@@ -37,7 +37,7 @@ class StageBuild:
     weights: WeightSource | None = None  # required when the model is on the meta device
     compile: bool = False  # torch.compile each decoder layer
     lora: LoraSpec = LoraSpec()  # rank 0: no adapters, every weight trained
-    objective: Objective = LANGUAGE_MODEL  # what the last stage computes from the logits
+    objective: Objective | None = None  # what the last stage computes from the logits (None: no loss to compute)
 
 
 def build_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],

@@ -287,7 +287,7 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
     if action.kind is Kind.F:
         inputs = batch.input_ids.to(stage.device) if stage.is_first else inputs
         labels = batch.labels.to(stage.device) if stage.is_last else None
-        out, what, to = (stage.forward(mb, inputs, labels, scales.loss_scale, scales.aux_scale, batch.ref_logps),
+        out, what, to = (stage.forward(mb, inputs, labels, scales.loss_scale, scales.aux_scale, batch.extra),
                          ACTIVATION, s + 1)
     elif action.kind in (Kind.B, Kind.I):
         backward = stage.backward if action.kind is Kind.B else stage.backward_input

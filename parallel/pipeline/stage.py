@@ -8,7 +8,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from parallel.decoder import Decoder
-from parallel.step import LANGUAGE_MODEL, Objective, TokenLoss, autocast
+from parallel.step import Objective, TokenLoss, autocast
 
 from .weight_grad import SplitLinears, WeightGradStore
 
@@ -28,7 +28,7 @@ class Stage:
     """One pipeline stage (chunk) of the model on this rank: F, B, I and W for one micro-batch at a time."""
 
     def __init__(self, chunk: Decoder, index: int, n_stages: int, device: torch.device, dtype: torch.dtype,
-                 token_loss: TokenLoss, split_backward: bool = False, objective: Objective = LANGUAGE_MODEL):
+                 token_loss: TokenLoss, split_backward: bool = False, objective: Objective | None = None):
         self.chunk = chunk
         self.module: nn.Module = chunk.module
         self.index = index
@@ -37,7 +37,7 @@ class Stage:
         self.device = device
         self.dtype = dtype
         self.token_loss = token_loss
-        self.objective = objective  # what the last stage computes from the logits (the LM loss, DPO's)
+        self.objective = objective  # what the last stage computes from the logits (every stage: its sums' width)
         # Only schedules with I/W pay for the function mode that routes linears through the split backward.
         self.weight_grads = WeightGradStore() if split_backward else None
         self.saved: dict[int, Saved] = {}
@@ -73,10 +73,10 @@ class Stage:
 
     def forward(self, microbatch: int, inputs: torch.Tensor, labels: torch.Tensor | None,
                 loss_scale: torch.Tensor | float, aux_scale: float,
-                ref_logps: torch.Tensor | None = None) -> torch.Tensor | None:
+                extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Run this chunk on one micro-batch; return the boundary activation (None on the last stage).
 
-        The last stage's objective reads the labels (and a preference micro-batch's reference log-probabilities).
+        The last stage's objective reads the labels and the micro-batch's `extra`, untouched.
         With gradients off (evaluation) nothing is saved and only the objective's sums are kept."""
         leaf = None
         split = SplitLinears(self.weight_grads) if self.weight_grads is not None else nullcontext()
@@ -88,8 +88,7 @@ class Stage:
                 leaf = inputs.detach().requires_grad_(True)
                 hidden, aux = self.chunk(hidden=leaf)
             if self.is_last:  # the last chunk ends in the head: `hidden` holds the logits
-                ref = None if ref_logps is None else ref_logps.to(self.device)
-                loss_sum, sums = self.objective(hidden, labels, ref, self.token_loss)
+                loss_sum, sums = self.objective(hidden, labels, extra or {}, self.token_loss)
         if not torch.is_grad_enabled():
             if self.is_last:
                 self.loss_parts.append(sums)

@@ -32,8 +32,9 @@ from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
-from parallel.step import MicroBatch, shifted_loss_sum  # noqa: E402
+from parallel.step import MicroBatch  # noqa: E402
 from training.config.schema import OptimSchema  # noqa: E402
+from training.objectives.lm import shifted_loss_sum  # noqa: E402
 from training.optim import build_optimizer, clip_grad_norm, lr_at  # noqa: E402
 
 GRAD_CLIP = 1.0

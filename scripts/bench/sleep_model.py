@@ -22,7 +22,8 @@ from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.pipeline.actions import Costs
 from parallel.pipeline.partition import layer_partition
 from models import decoder_of
-from parallel.step import MicroBatch, shifted_loss_sum
+from parallel.step import MicroBatch
+from training.objectives.lm import shifted_loss_sum
 
 
 class _SleepInput(torch.autograd.Function):

@@ -16,7 +16,8 @@ from parallel.pipeline.partition import layer_partition, rank_stages
 from parallel.pipeline.schedules import SCHEDULES
 from models import decoder_of
 from parallel.decoder import Decoder
-from parallel.step import MicroBatch, shifted_loss_sum
+from parallel.step import MicroBatch
+from training.objectives.lm import shifted_loss_sum
 
 # Sluice schedule name -> torch's class, run at the registry's default vpp and placement. zb-h1 is ZB1P with one
 # chunk per rank, which torch runs as its interleaved zero-bubble schedule with a single local stage.

@@ -10,6 +10,7 @@ import torch
 from parallel.step import MicroBatch
 from training.data.samples import Samples
 from training.data.stream import StepBatches
+from training.objectives.dpo import REFERENCE
 
 
 def pair_documents(pair_ids: np.ndarray | None) -> np.ndarray | None:
@@ -45,7 +46,7 @@ def attach_reference(micro_batches: list[MicroBatch], logps: torch.Tensor) -> li
     start = 0
     for mb in micro_batches:
         rows = mb.input_ids.shape[0]
-        mb.ref_logps = logps[start:start + rows]
+        mb.extra[REFERENCE] = logps[start:start + rows]
         start += rows
     if start != len(logps):
         raise ValueError(f"{len(logps)} reference log-probabilities for {start} rows")

@@ -23,10 +23,11 @@ from parallel.decoder import Decoder
 from parallel.expert import expert_modules
 from parallel.pipeline.weight_grad import SplitLinears, WeightGradStore
 from parallel.recompute import apply_recompute
-from parallel.step import autocast, shifted_loss_sum
+from parallel.step import autocast
 from training.cluster import omp_threads
 from training.config.schema import model_config
 from training.layout import layout_world_size
+from training.objectives.lm import shifted_loss_sum
 from training.planner.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cost_key, fixed_parts,
                                     load_cached, save, timed_fields)
 from training.planner.probe import measure_transport

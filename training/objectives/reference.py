@@ -2,6 +2,9 @@
 engine on its starting weights (the frozen reference: `checkpoint.load_dense`, or the seeded initialisation), then
 carried by every micro-batch that reads the pair.
 
+The pass is the engine's generic forward-only pass (`Engine.forward_sums`) with an objective whose sums are the
+rows' log-probabilities, each at its own place: no second model and no special path through the pipeline.
+
 Why once and cached rather than a reference forward in every step: the reference never changes, so a second model
 (its memory on every rank, and its forward in every step of every epoch) would recompute the same numbers. The
 pass costs one forward per pair a run reads, about a third of a training step's compute per pair (a forward of the
@@ -13,15 +16,49 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
 from parallel.collectives import all_gather_cat
 from parallel.grid import ParallelGrid
-from parallel.step import Engine, MicroBatch
+from parallel.step import Engine, MicroBatch, TokenLoss
 from training.data.pairs import PairBatches, attach_reference
+from training.objectives.lm import sequence_logps
 
 log = logging.getLogger("sluice")
+ROW = "row"  # the payload key: each row's place among the pass's rows [B] long
+
+
+@dataclass(frozen=True)
+class RowLogps:
+    """The reference pass's objective: no loss; its sums are each row's summed label log-probability at the row's
+    place (`extra[ROW]`) among the pass's `width` rows, zero elsewhere, so adding them up keeps every value exact."""
+
+    width: int
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
+                 token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = sequence_logps(logits, labels, token_loss).double()
+        rows = torch.zeros(self.width, dtype=torch.float64, device=logps.device)
+        return logps.sum(), rows.index_copy_(0, extra[ROW].to(logps.device), logps)
+
+    def count(self, micro_batch: MicroBatch) -> torch.Tensor:
+        return torch.tensor(micro_batch.labels.shape[0])
+
+    def metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        return {}
+
+
+def row_logps(engine: Engine, micro_batches: list[MicroBatch]) -> torch.Tensor:
+    """Each row's summed label log-probability under the engine's current weights, forward only, the micro-batches'
+    rows in order (this DP replica's; float64 on the device, on every rank)."""
+    placed, start = [], 0
+    for mb in micro_batches:
+        rows = mb.input_ids.shape[0]
+        placed.append(replace(mb, extra={**mb.extra, ROW: torch.arange(start, start + rows)}))
+        start += rows
+    return engine.forward_sums(placed, RowLogps(start))
 
 
 def reference_table(engine: Engine, stream: PairBatches, steps: int, grid: ParallelGrid) -> torch.Tensor:
@@ -39,7 +76,7 @@ def reference_table(engine: Engine, stream: PairBatches, steps: int, grid: Paral
         input_ids, labels = stream.samples.take(chunk[grid.dp_rank * per_replica:(grid.dp_rank + 1) * per_replica])
         rows = len(input_ids) // stream.n_microbatches
         micro_batches = [MicroBatch(input_ids[i:i + rows], labels[i:i + rows]) for i in range(0, len(input_ids), rows)]
-        logps = engine.sequence_logps(micro_batches).to(grid.device)
+        logps = row_logps(engine, micro_batches)
         every = all_gather_cat(logps, grid.dp_group, dim=0).cpu().view(per_step, 2)  # replicas in DP-rank order
         real = min(per_step, len(needed) - start)
         table[chunk[:real]] = every[:real]
@@ -53,7 +90,7 @@ def prepare_reference(engine: Engine, stream: PairBatches, val_batches: list[lis
     start = time.perf_counter()
     stream.reference = reference_table(engine, stream, steps, grid)
     for micro_batches in val_batches or []:
-        attach_reference(micro_batches, engine.sequence_logps(micro_batches))
+        attach_reference(micro_batches, row_logps(engine, micro_batches).cpu())
     seconds = time.perf_counter() - start
     if grid.rank == 0:
         pairs = int((~torch.isnan(stream.reference[:, 0])).sum())
