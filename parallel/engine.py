@@ -22,10 +22,10 @@ from parallel.decoder import Decoder
 from parallel.expert import is_expert
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
-from parallel.lora import apply_lora, with_adapters
 from parallel.materialize import WeightSource
 from parallel.pipeline.actions import Action, Kind, Lists, comm_peer
-from parallel.pipeline.build import StageBuild, StagesByRank, build_stages, place_
+from parallel.passes import Site, build_chunk, chunk_passes
+from parallel.pipeline.build import StagesByRank, build_stages
 from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.prepare import LoweredPipeline, prepare_pipeline
 from parallel.pipeline.release import send_releases
@@ -34,8 +34,6 @@ from parallel.pipeline.shm_transport import send_counts, shm_available, shm_tran
 from parallel.pipeline.simulate import SimResult
 from parallel.pipeline.stage import Stage
 from parallel.pipeline.transport import Boundary, LocalTransport, P2PTransport, Transport
-from parallel.compile import apply_compile
-from parallel.recompute import apply_recompute
 from parallel.spec import EngineSpec
 from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult, TokenLoss, dense_token_loss
 from parallel.tensor import vocab_parallel_cross_entropy
@@ -49,10 +47,9 @@ def build_engine(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid,
 
     The decoder may be built on the meta device; then only this rank's parameters are materialised, from `weights`."""
     if grid.world_size == 1 and spec.pipeline.pp == 1:
-        adapted = apply_lora(decoder, spec.lora, grid)
-        place_(apply_compile(apply_recompute(adapted, spec.recompute), spec.compile), with_adapters(weights, spec.lora),
-               grid)
-        return LocalEngine(decoder, grid.device, spec.dtype, spec.objective)
+        whole = Site(grid, range(decoder.config.num_hidden_layers), first=True, last=True)
+        return LocalEngine(build_chunk(decoder, whole, chunk_passes(spec, weights)), grid.device, spec.dtype,
+                           spec.objective)
     return ParallelEngine(spec, decoder, grid, weights)
 
 
@@ -147,9 +144,13 @@ class ParallelEngine:
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
         self._lists = {r: list(self.pipeline.lowered[r]) for r in ranks}
         self.objective: Objective = spec.objective
-        how = StageBuild(spec.dtype, choose_token_loss(grid, config.vocab_size), spec.recompute, weights, spec.compile,
-                         spec.lora, spec.objective)
-        self.stages_of: StagesByRank = build_stages(self.pipeline, decoder, grid, ranks, how)
+        token_loss, n_stages = choose_token_loss(grid, config.vocab_size), self.pipeline.n_stages
+
+        def make_stage(chunk: Decoder, index: int, split: bool) -> Stage:
+            return Stage(chunk, index, n_stages, grid.device, spec.dtype, token_loss, split, spec.objective)
+
+        self.stages_of: StagesByRank = build_stages(self.pipeline, decoder, grid, ranks, chunk_passes(spec, weights),
+                                                    make_stage)
         self.stages: dict[int, Stage] = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)
         self.programs = self._prepare(self.pipeline.lowered)
@@ -188,8 +189,8 @@ class ParallelEngine:
 
         EP-split expert parameters reduce over the edp group (the DP ranks holding the same experts) instead: the
         all_to_all already brought every ep-group rank's tokens to an expert's holder, so its gradient there holds
-        their whole contribution, and the edp sum completes it to DP's without any rescaling. Frozen parameters (the
-        base weights under LoRA) have no gradient and sit in no bucket."""
+        their whole contribution, and the edp sum completes it to DP's without any rescaling. Frozen parameters (a pass
+        may freeze the base weights) have no gradient and sit in no bucket."""
         grid, bucket_bytes = self.grid, int(self.spec.bucket_mb * 2**20)
         copies = self.tied and self.first is not self.head and _trained(self.first, self.head)
         local_tie = (self.first, self.head) if copies and self.emulated else None

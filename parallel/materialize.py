@@ -62,6 +62,8 @@ def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, 
     storage is swapped in, not a new Parameter made, as `Module.to_empty` would."""
     module = decoder.module
     for name, param in module.named_parameters():  # a Parameter shared by two modules is listed once
+        if not param.is_meta:
+            continue  # a pass made it with its value (no weight source holds it)
         if param._backward_hooks:
             raise RuntimeError(f"{name}: gradient hooks on a meta tensor do not survive materialising; "
                                "register them afterwards")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,29 +59,10 @@ class EngineSpec:
     compile: bool  # torch.compile each decoder layer (after the TP, EP and recompute passes)
     bucket_mb: float  # data-parallel gradient buckets (MiB), reduced as soon as they are final
     transport: str  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
-    lora: LoraSpec  # adapters on the decoder layers' linears, the base frozen (rank 0: off)
+    passes: tuple[Callable, ...]  # the caller's own chunk passes (`parallel.passes`), run after TP and EP
     objective: Objective  # what the last stage computes from the logits (the trainer chooses it)
 
     @property
     def pipeline_ranks_per_process(self) -> int:
         """Pipeline ranks one process runs: all of them under emulation, else one."""
         return self.pipeline.pp if self.emulate else 1
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """Low-rank adapters on the decoder layers' linears (the run config's `lora.*`); rank 0 = off."""
-
-    rank: int = 0
-    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; None: alpha = rank (scale 1)
-    targets: tuple[str, ...] | None = None  # linear-name patterns; None: every square linear (MiniMind's choice)
-    dropout: float = 0.0  # on the adapters' input only
-    seed: int = 0  # lora_A's initial values are drawn per dense name from it (the same in every layout)
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return (self.alpha if self.alpha is not None else self.rank) / self.rank

@@ -5,6 +5,8 @@ Written by hand in the Megatron/picotron style rather than with DTensor: we need
 which collective runs in forward and which in backward, and local tensors whose names stay dense.
 """
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -72,6 +74,38 @@ def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
 # ---- layers ---------------------------------------------------------------------------------------------
 
 
+class Branch(Protocol):
+    """An additive branch beside a linear layer: `up(down(x))` joins its output, `down` running before the layer's
+    collective and `up` after it, so the layer carries `down`'s result through that collective."""
+
+    def down(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def up(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+def add_branch(linear: nn.Module, branch: Branch) -> None:
+    """Give a linear layer (an nn.Linear, or a column / row-parallel one) an additive branch.
+
+    A colwise layer enters the TP region with `down`'s result too (its gradient is summed over TP, `up` takes this
+    rank's rows); a rowwise one sums it with its partial output in one all-reduce, so `up` is applied once, to the
+    sum; a whole linear adds the branch after its own forward (a forward hook: its class forward stays)."""
+    if getattr(linear, "branch", None) is not None:
+        raise RuntimeError(f"{type(linear).__name__} already has a branch: add_branch runs once per linear")
+    linear.branch = branch
+    if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+        linear.register_forward_hook(_AddWhole(branch))
+
+
+class _AddWhole:
+    """A whole linear's forward hook adding its branch (a class, not a closure, so deepcopy rebinds it)."""
+
+    def __init__(self, branch: Branch):
+        self.branch = branch
+
+    def __call__(self, _module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return output + self.branch.up(self.branch.down(args[0]))
+
+
 def _shard_param(tensor: torch.Tensor, partition_dim: int) -> nn.Parameter:
     """A Parameter marked as TP-sharded along partition_dim (the grad norm counts it on every TP rank)."""
     param = nn.Parameter(tensor.detach().clone().contiguous())
@@ -92,6 +126,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.bias, self.group, self.gather_output = weight, bias, group, gather_output
         self.out_features, self.in_features = weight.shape  # local sizes, as nn.Linear would report them
+        self.branch: Branch | None = None
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, grid: ParallelGrid, gather_output: bool = False,
@@ -103,6 +138,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        if self.branch is not None:  # its activation enters the TP region as x does: whole on every rank
+            y = y + self.branch.up(copy_to_tp_region(self.branch.down(x), self.group))
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -116,6 +153,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.bias, self.group = weight, bias, group
         self.out_features, self.in_features = weight.shape
+        self.branch: Branch | None = None
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, grid: ParallelGrid) -> "RowParallelLinear":
@@ -124,8 +162,15 @@ class RowParallelLinear(nn.Module):
         return cls(weight, linear.bias, grid.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
+        y = F.linear(x, self.weight)
+        if self.branch is None:
+            y = reduce_from_tp_region(y, self.group)
+        else:  # the branch's partial activation travels in the one all-reduce beside the partial output
+            h = self.branch.down(x)
+            y, h = reduce_from_tp_region(torch.cat([y, h.to(y.dtype)], dim=-1), self.group).split(
+                [y.shape[-1], h.shape[-1]], dim=-1)
+        y = y if self.bias is None else y + self.bias
+        return y if self.branch is None else y + self.branch.up(h)
 
     def extra_repr(self) -> str:
         return f"in_shard={self.in_features}, out={self.out_features}"

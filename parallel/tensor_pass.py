@@ -87,7 +87,7 @@ def sync_replicated_grads(decoder: Decoder, grid: ParallelGrid) -> None:
     for _, module, style in _planned(decoder.module, decoder.plan.tp_plan):
         if style == "replicated_with_grad_allreduce":
             for param in module.parameters(recurse=False):
-                if param.requires_grad:  # a frozen weight (LoRA's base) has no gradient to sum
+                if param.requires_grad:  # a frozen weight has no gradient to sum
                     param.register_hook(partial(_all_reduce_grad, group=grid.tp_group))
 
 

@@ -165,3 +165,30 @@ def test_the_objective_check_catches_each_name(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("\n".join(lines) + "\n")
     assert [int(hit.split(":")[1]) for hit in objective_namings(sample)] == list(range(1, len(lines)))
+
+
+# A fine-tuning method's words: parallel/ runs the passes its caller lists (EngineSpec.passes), never names one.
+FINE_TUNING_WORDS = re.compile(r"(lora|peft|low[- ]rank|fine[- ]?tun|adapter_pairs|merge_adapters)", re.IGNORECASE)
+
+
+def fine_tuning_namings(path: Path) -> list[str]:
+    """Every line of the file (code, strings, comments and docstrings alike) that names a fine-tuning method."""
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{n}: {line.strip()}"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if FINE_TUNING_WORDS.search(line)]
+
+
+def test_parallel_names_no_fine_tuning_method():
+    """LoRA is a chunk pass of training/lora.py that the trainer hands the engine, its merge is checkpoint's; the
+    TP layers offer a generic additive branch. No module of parallel/ names LoRA or any other fine-tuning method."""
+    offenders = [hit for path in sorted((ROOT / "parallel").rglob("*.py")) for hit in fine_tuning_namings(path)]
+    assert not offenders, offenders
+
+
+def test_the_fine_tuning_check_catches_each_name(tmp_path):
+    """The check above fails on each way LoRA used to be named in parallel/ (so it cannot pass vacuously)."""
+    lines = ["from parallel.lora import apply_lora", "from parallel.spec import LoraSpec", "    lora: LoraSpec",
+             "# a frozen weight (LoRA's base)", '"""with_adapters for PEFT names"""', "a low-rank branch",
+             "fine-tuning", "merge_adapters(state, scale)", "the family adapter's tp_module"]
+    sample = tmp_path / "sample.py"
+    sample.write_text("\n".join(lines) + "\n")
+    assert [int(hit.split(":")[1]) for hit in fine_tuning_namings(sample)] == list(range(1, len(lines)))

@@ -1,9 +1,9 @@
 """Every registered family equals its own transformers class, not only itself in another layout.
 
 For each preset of each entry of `models.registry.FAMILIES` (generated, no hand list), Sluice's model is built as the
-engine builds it (on the meta device, pruned into two pipeline chunks by `build_stages`, TP-sharded, materialised
-from a weight source) and compared with `AutoModelForCausalLM.from_config` holding the same weights: logits, the LM
-loss and every gradient (fp32, 1e-6 of the tensor's scale), every buffer equal to a normally built model's, and the
+engine builds it (on the meta device, by the engine's chunk passes: pruned into two pipeline chunks, TP-sharded,
+materialised from a weight source) and compared with `AutoModelForCausalLM.from_config` holding the same weights:
+logits, the LM loss and every gradient (fp32, 1e-6 of the tensor's scale), every buffer equal to a normally built model's, and the
 seeded initial values following the class's own `_init_weights` (mean, std and zeros per tensor). tp=1 runs in this
 process, tp=2 in one spawn of two processes for every preset. The MoE router's load-balancing loss is left out of the
 gradients: Sluice takes it per layer (pipeline stages), transformers pools every layer (`_balance_loss`).
@@ -29,10 +29,10 @@ from models.transformers_decoder import TransformersDecoderAdapter
 from parallel import materialize, tensor_pass
 from parallel.collectives import all_gather_cat
 from parallel.decoder import ContractError
-from parallel.engine import choose_token_loss
 from parallel.grid import ParallelGrid
 from parallel.materialize import materialize_, seeded_init
-from parallel.pipeline.build import StageBuild, build_stages
+from parallel.passes import chunk_passes
+from parallel.pipeline.build import rank_chunks
 from parallel.pipeline.prepare import prepare_pipeline
 from parallel.spec import PipelineSpec
 from parallel.tensor import vocab_parallel_cross_entropy
@@ -41,6 +41,7 @@ from tests.equivalence import compose_run_config
 from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.config import model_config
+from training.specs import default_engine_spec
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -99,11 +100,10 @@ def sluice_run(preset: str, grid: ParallelGrid) -> dict:
     from the reference's weights): dense logits, LM loss, gradients (tied copies summed) and buffers."""
     config = family_config(preset)
     weights, ids = reference(config).state_dict(), batch(config)
-    pipeline = prepare_pipeline(PipelineSpec(pp=2, schedule="1f1b", n_microbatches=2), config.num_hidden_layers)
-    how = StageBuild(torch.float32, choose_token_loss(grid, config.vocab_size), "none",
-                     weights=lambda name, shape: weights[name].clone())
-    stages = build_stages(pipeline, decoder_of(build_model(config)), grid, [0, 1], how)
-    first, last = stages[0][0].chunk, stages[1][1].chunk
+    spec = default_engine_spec(PipelineSpec(pp=2, schedule="1f1b", n_microbatches=2), 1, ids.shape[1])
+    pipeline, decoder = prepare_pipeline(spec.pipeline, config.num_hidden_layers), decoder_of(build_model(config))
+    passes = chunk_passes(spec, lambda name, shape: weights[name].clone())
+    first, last = (rank_chunks(pipeline, decoder, grid, rank, passes)[rank] for rank in (0, 1))
     hidden, _ = first(input_ids=ids)
     logits, _ = last(hidden=hidden)
     width = logits.shape[-1]

@@ -19,10 +19,11 @@ from minimind import MiniMindConfig, MiniMindForCausalLM
 from checkpoint.dense_source import dense_source
 from models import decoder_of
 from parallel.grid import ParallelGrid
-from parallel.pipeline.build import StageBuild, build_stages
+from parallel.passes import chunk_passes
+from parallel.pipeline.build import rank_chunks
 from parallel.pipeline.prepare import prepare_pipeline
 from parallel.spec import PipelineSpec
-from parallel.step import dense_token_loss
+from training.specs import default_engine_spec
 
 path, rank = sys.argv[1], int(sys.argv[2])
 with torch.device("meta"):  # warm-up: transformers imports its modules lazily on the first model built
@@ -32,11 +33,12 @@ before = int(open("/proc/self/statm").read().split()[1]) * page
 with torch.device("meta"):
     decoder = decoder_of(MiniMindForCausalLM(MiniMindConfig()))
 expected = {n: tuple(t.shape) for n, t in decoder.module.state_dict().items()}
-plan = prepare_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), decoder.config.num_hidden_layers)
+spec = default_engine_spec(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), 1, 1)
+plan = prepare_pipeline(spec.pipeline, decoder.config.num_hidden_layers)
 grid = ParallelGrid(pp=4, pp_rank=rank)
 weights = dense_source(path, expected, decoder.plan.ties)
-stages = build_stages(plan, decoder, grid, [rank], StageBuild(torch.float32, dense_token_loss, "none", weights))
-held = sum(p.numel() * p.element_size() for s in stages[rank].values() for p in s.module.parameters())
+chunks = rank_chunks(plan, decoder, grid, rank, chunk_passes(spec, weights))
+held = sum(p.numel() * p.element_size() for c in chunks.values() for p in c.module.parameters())
 # VmHWM, not ru_maxrss: the latter survives exec and so counts the forking parent's memory.
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024
 print(json.dumps({"growth": peak - before, "held": held}))

@@ -11,16 +11,16 @@ import torch
 from checkpoint.adapters import CONFIG, PEFT_PREFIX, WEIGHTS
 from checkpoint.dense import CheckpointError
 from checkpoint.export import export_checkpoint, read_training_weights
+from checkpoint.lora_merge import is_adapter, merge_adapters
 from minimind import MiniMindForCausalLM
 from models import build_model, decoder_of
 from parallel.grid import ParallelGrid
-from parallel.spec import LoraSpec
-from parallel.lora import apply_lora, is_adapter, lora_targets, matches, merge_adapters
 from tests.equivalence import (assert_bitwise_resume, assert_equivalent, baseline, compose_run_config,
                                dense_params, layouts_worker)
 from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.config import model_config
+from training.lora import LoraSpec, apply_lora, lora_targets, matches
 from training.specs import lora_spec
 
 pytestmark = pytest.mark.timeout(1200)  # the module's shared spawn runs inside its first test
@@ -155,7 +155,8 @@ def test_exports_give_the_trained_model_logits(runs, tmp_path):
     with torch.no_grad():
         want = trained_model(final, run_args("dense", "tp2-pp2-1f1b", root), root / "cache")(ids).logits
 
-        merged = MiniMindForCausalLM.from_pretrained(str(export_checkpoint(checkpoint, tmp_path / "merged"))).eval()
+        merged = MiniMindForCausalLM.from_pretrained(str(export_checkpoint(checkpoint, tmp_path / "merged",
+                                                                           "minimind"))).eval()
         torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=2e-5)
 
         from tests.test_scripts import script
@@ -189,8 +190,9 @@ def test_export_refuses_adapters_only_without_lora(runs, tmp_path):
     assert lora_mismatch(Path("c"), meta["lora"], None) == (
         "checkpoint c was written with lora.rank=8 but this run has lora.rank=0; use the checkpoint's lora "
         "settings or checkpoint.resume=none")
-    with pytest.raises(CheckpointError, match="--adapters-only writes a PEFT folder; drop --format pth"):
-        export_checkpoint(Path(runs["root"]) / "dense-tp2-pp2-1f1b", tmp_path / "x", "pth", adapters_only=True)
+    with pytest.raises(CheckpointError, match=r"--adapters-only --format minimind: adapters go out as a PEFT folder "
+                                              r"\(hf\) or MiniMind's LoRA .pth \(pth\)"):
+        export_checkpoint(Path(runs["root"]) / "dense-tp2-pp2-1f1b", tmp_path / "x", "minimind", adapters_only=True)
 
 
 def test_merge_adds_the_scaled_product():
@@ -247,6 +249,32 @@ def test_adapters_take_the_zero_bubble_weight_split():
         if is_adapter(name):
             assert p.grad.abs().sum() > 0, name
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_adapters_ride_the_linears_branch_not_a_copy_of_their_forward():
+    """An adapted linear keeps its class's forward: a TP layer carries the adapter as its branch, sliced as the layer is
+    (colwise: lora_B's rows, rowwise: lora_A's columns); a whole linear adds base + scale * B A x by a forward hook."""
+    from parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from parallel.tensor_pass import shard_modules
+    from tests.test_runtime import tiny
+    from training.lora import LowRank
+
+    grid = ParallelGrid(tp=2)  # shapes and slices only: no forward, so no process group
+    sharded = apply_lora(shard_modules(tiny(), grid), LoraSpec(rank=4, targets=("q_proj", "o_proj")), grid)
+    q, o = (getattr(sharded.module.model.layers["0"].self_attn, name) for name in ("q_proj", "o_proj"))
+    assert isinstance(q, ColumnParallelLinear) and isinstance(o, RowParallelLinear)
+    for linear in (q, o):
+        assert "forward" not in vars(linear) and isinstance(linear.branch, LowRank)
+    assert (q.lora_A.weight.shape, q.lora_B.weight.shape, q.lora_B.weight.partition_dim) == ((4, 32), (16, 4), 0)
+    assert (o.lora_A.weight.shape, o.lora_A.weight.partition_dim, o.lora_B.weight.shape) == ((4, 16), 1, (32, 4))
+
+    whole = apply_lora(tiny(), LoraSpec(rank=4, alpha=8.0, targets=("q_proj",)), ParallelGrid.single(CPU))
+    q = whole.module.model.layers["0"].self_attn.q_proj
+    assert "forward" not in vars(q) and isinstance(q.branch, LowRank)
+    q.lora_B.weight.data.normal_(generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    want = torch.nn.functional.linear(x, q.weight, q.bias) + x @ q.lora_A.weight.T @ q.lora_B.weight.T * 2.0
+    torch.testing.assert_close(q(x), want)
 
 
 def optimizer_state_bytes(overrides: list[str], cache: Path) -> tuple[int, int]:

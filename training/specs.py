@@ -9,9 +9,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
-from parallel.spec import EngineSpec, LoraSpec, PipelineSpec
+from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import Objective
 from training.config.schema import model_keys, schema_defaults
+from training.lora import LoraSpec
 from training.objectives.dpo import PreferenceLoss
 from training.objectives.lm import LANGUAGE_MODEL
 
@@ -41,6 +42,12 @@ def lora_spec(cfg: DictConfig) -> LoraSpec:
                     dropout=float(lora.dropout), seed=int(cfg.train.seed))
 
 
+def own_passes(cfg: DictConfig) -> tuple[LoraSpec, ...]:
+    """The chunk passes this run adds to the engine's built-in ones: LoRA's adapters when lora.rank > 0."""
+    spec = lora_spec(cfg)
+    return (spec,) if spec.enabled else ()
+
+
 def lora_record(cfg: DictConfig) -> dict | None:
     """What a checkpoint records of the adapters (checked on resume, read by the export), or None without LoRA."""
     spec = lora_spec(cfg)
@@ -66,7 +73,7 @@ ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate",
 def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
     """Everything the step engine of this run needs, resolved for the compute device."""
     return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
-                      seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device), lora=lora_spec(cfg),
+                      seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device), passes=own_passes(cfg),
                       objective=objective(cfg),
                       **{field: OmegaConf.select(cfg, key) for field, key in ENGINE_KEYS.items()})
 
@@ -76,7 +83,7 @@ def default_engine_spec(pipeline: PipelineSpec, micro_batch_size: int, seq_len: 
     defaults = schema_defaults()
     settings = {field: defaults[key] for field, key in ENGINE_KEYS.items()}
     settings["dtype"] = resolve_dtype(defaults["train.dtype"], torch.device("cpu"))
-    settings["lora"] = LoraSpec()  # lora.rank defaults to 0: no adapters
+    settings["passes"] = ()  # lora.rank defaults to 0: no adapters
     settings["objective"] = LANGUAGE_MODEL
     return EngineSpec(pipeline, micro_batch_size, seq_len, **{**settings, **changes})
 

@@ -106,7 +106,7 @@ class Stage:
 
     def _save(self, microbatch: int, leaf: torch.Tensor | None, outputs: list[torch.Tensor],
               seeds: list[torch.Tensor | None]) -> None:
-        # A first stage that trains nothing (LoRA adapters only on later stages' layers) has no graph to start from.
+        # A first stage that trains nothing (every trained weight on later stages) has no graph to start from.
         kept = [(o, s) for o, s in zip(outputs, seeds) if o.requires_grad]
         self.saved[microbatch] = Saved(leaf, [get_gradient_edge(o) for o, _ in kept], [s for _, s in kept])
         self.peak_live = max(self.peak_live, self.live())

@@ -164,7 +164,7 @@ def validate_experts(cfg: DictConfig, world_size: int | None = None) -> None:
 def validate_lora(cfg: DictConfig) -> list[str]:
     """lora.targets match at least one linear of the model's layers (the pass's own check, on the meta model);
     a warning for lora keys set while lora.rank=0 leaves them unread."""
-    from parallel.lora import lora_targets
+    from training.lora import lora_targets
     from training.config.schema import model_decoder
     from training.specs import lora_spec
 

@@ -1,10 +1,12 @@
 """LoRA: low-rank adapters on a built decoder chunk's linears, every other weight frozen.
 
-A pass like recompute: it runs on each pruned chunk after the TP and EP passes (and before recompute and compile),
-so it sees the linears TP made. A targeted linear keeps its class, its dense name and its weight; it gains two
-children, `lora_A` [rank, in] and `lora_B` [out, rank] (PEFT's names: `model.layers.0.self_attn.q_proj.lora_A.weight`),
-and an instance forward `base(x) + lora_B(lora_A(dropout(x))) * alpha / rank`. lora_A starts normal(0, 0.02), drawn
-per dense name from the seed, and lora_B at zero (MiniMind's train_lora), so step 0 computes the base model.
+A chunk pass (`parallel.passes`) the trainer adds to the engine's list: it runs on each pruned chunk after the TP and
+EP passes (and before recompute and compile), so it sees the linears TP made. A targeted linear keeps its class, its
+dense name and its weight; it gains two children, `lora_A` [rank, in] and `lora_B` [out, rank] (PEFT's names:
+`model.layers.0.self_attn.q_proj.lora_A.weight`), and a branch `lora_B(lora_A(dropout(x))) * alpha / rank` that the
+linear adds to its output (`parallel.tensor.add_branch`: the TP layers carry it through their own collectives, so
+their forwards are not restated here). lora_A starts normal(0, 0.02), drawn per dense name from the seed, and lora_B
+at zero (MiniMind's train_lora), so step 0 computes the base model.
 
 TP slices an adapter the way its base linear is sliced. A colwise linear (output rows split, input replicated):
 lora_A whole, lora_B split by rows; the rank-sized activation enters the TP region, so its gradient is summed over TP
@@ -12,9 +14,10 @@ and lora_A's gradient is whole on every rank. A rowwise linear (input columns sp
 columns, lora_B whole; the base's partial output and the adapter's partial rank-sized activation travel in the one
 all-reduce the base makes, and lora_B applies to the summed activation, so the adapter output is added once.
 
-The frozen base weights are out of every gradient path but the input's: no `.grad`, no bucket, no optimizer state.
-Under the I/W split the adapters' `F.linear`s are trainable and take the split like any other; a frozen weight's
-linear computes its input gradient only.
+Adapters get their initial values when made (on the compute device beside a meta base), so materialising fills only
+the base weights from the weight source. The frozen base weights are out of every gradient path but the input's: no
+`.grad`, no bucket, no optimizer state. Under the I/W split the adapters' `F.linear`s are trainable and take the
+split like any other; a frozen weight's linear computes its input gradient only.
 """
 
 from __future__ import annotations
@@ -22,29 +25,46 @@ from __future__ import annotations
 import fnmatch
 import re
 import zlib
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from checkpoint.lora_merge import ADAPTERS
 from parallel.decoder import Decoder
 from parallel.expert import is_expert
 from parallel.grid import ParallelGrid
-from parallel.materialize import WeightSource, dense_shape
-from parallel.spec import LoraSpec
-from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, gather_from_tp_region,
-                             reduce_from_tp_region)
+from parallel.materialize import dense_shape
+from parallel.passes import Site
+from parallel.tensor import ColumnParallelLinear, RowParallelLinear, add_branch
 from parallel.tensor_pass import local_block, plan_pattern
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
-ADAPTERS = ("lora_A", "lora_B")
 INIT_STD = 0.02  # lora_A's initial standard deviation (MiniMind's train_lora)
 
 
-def is_adapter(name: str) -> bool:
-    """Whether the dense parameter name `name` is a LoRA adapter's weight."""
-    return name.rpartition(".")[0].rpartition(".")[2] in ADAPTERS
+@dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on the decoder layers' linears (the run config's `lora.*`); rank 0 = off."""
+
+    rank: int = 0
+    alpha: float | None = None  # the adapters' output is scaled by alpha / rank; None: alpha = rank (scale 1)
+    targets: tuple[str, ...] | None = None  # linear-name patterns; None: every square linear (MiniMind's choice)
+    dropout: float = 0.0  # on the adapters' input only
+    seed: int = 0  # lora_A's initial values are drawn per dense name from it (the same in every layout)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def __call__(self, chunk: Decoder, site: Site) -> Decoder:
+        """The chunk pass: `apply_lora` on a chunk where it runs."""
+        return apply_lora(chunk, self, site.grid)
 
 
 def layer_linears(decoder: Decoder) -> list[tuple[str, nn.Module]]:
@@ -95,16 +115,6 @@ def initial_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tenso
     return torch.randn(shape, generator=generator) * INIT_STD
 
 
-def with_adapters(source: WeightSource | None, spec: LoraSpec) -> WeightSource | None:
-    """`source` for the base weights, the adapters' initial values for theirs (no dense checkpoint holds them)."""
-    if source is None or not spec.enabled:
-        return source
-
-    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return initial_adapter(name, shape, spec.seed) if is_adapter(name) else source(name, shape)
-    return read
-
-
 def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
     """Freeze every parameter of `decoder` (a chunk, after TP and EP) and give each targeted linear its adapters.
 
@@ -125,7 +135,7 @@ def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
 
 
 def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid) -> None:
-    """Give one linear its adapters, sliced as TP slices it, and the forward that adds them."""
+    """Give one linear its adapters, sliced as TP slices it, and the branch that adds them."""
     out_features, in_features = dense_shape(linear.weight, grid.tp)
     row, col = isinstance(linear, RowParallelLinear), isinstance(linear, ColumnParallelLinear)
     for child, shape, dim in (("lora_A", (spec.rank, in_features), 1 if row else None),
@@ -134,26 +144,17 @@ def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid) -> 
         holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         holder.weight = weight
         setattr(linear, child, holder)
-    if "forward" in vars(linear):
-        raise RuntimeError(f"{name} already has a patched forward: apply_lora runs once, before recompute and compile")
-    linear.forward = (_RowAdapted if row else _Adapted)(linear, spec.scale, spec.dropout, grid.tp_group if col or row
-                                                       else None)
+    add_branch(linear, LowRank(linear, spec.scale, spec.dropout))
 
 
 def _adapter_weight(name: str, shape: tuple[int, int], dim: int | None, base: nn.Parameter, seed: int,
                     grid: ParallelGrid) -> nn.Parameter:
-    """This rank's block of one adapter weight: on the meta device beside a meta base (materialised later from
-    `with_adapters`), else its initial value; TP-marked when sliced, EP-marked beside an EP-split expert."""
-    local = list(shape)
-    if dim is not None:
-        local[dim] //= grid.tp
-    if base.is_meta:
-        tensor = torch.empty(local, dtype=base.dtype, device="meta")
-    else:
-        dense = initial_adapter(name, shape, seed)
-        tensor = local_block(dense, grid.tp_rank, grid.tp, dim) if dim is not None else dense
-        tensor = tensor.to(device=base.device, dtype=base.dtype).contiguous()
-    weight = nn.Parameter(tensor)
+    """This rank's block of one adapter weight, with its initial value (on the compute device beside a meta base:
+    no weight source holds it); TP-marked when sliced, EP-marked beside an EP-split expert."""
+    dense = initial_adapter(name, shape, seed)
+    tensor = local_block(dense, grid.tp_rank, grid.tp, dim) if dim is not None else dense
+    device = grid.device if base.is_meta else base.device
+    weight = nn.Parameter(tensor.to(device=device, dtype=base.dtype, copy=tensor is not dense).contiguous())
     if dim is not None:
         weight.tensor_parallel, weight.partition_dim = True, dim
     if is_expert(base):
@@ -161,52 +162,16 @@ def _adapter_weight(name: str, shape: tuple[int, int], dim: int | None, base: nn
     return weight
 
 
-class _Adapted:
-    """A whole or colwise linear's forward plus its adapter (a class, not a closure, so deepcopy rebinds it)."""
+class LowRank:
+    """An adapted linear's branch: lora_A on the (dropped-out) input, lora_B on what the linear's collective made of
+    it, scaled (a class, not a closure, so deepcopy rebinds it)."""
 
-    def __init__(self, linear: nn.Module, scale: float, dropout: float, group):
-        self.linear, self.scale, self.dropout, self.group = linear, scale, dropout, group
-        self.base: Callable[[torch.Tensor], torch.Tensor] = type(linear).forward
+    def __init__(self, linear: nn.Module, scale: float, dropout: float):
+        self.linear, self.scale, self.dropout = linear, scale, dropout
 
-    def low_rank(self, x: torch.Tensor) -> torch.Tensor:
-        """lora_A(dropout(x)): the rank-sized activation (partial over TP for a rowwise linear)."""
+    def down(self, x: torch.Tensor) -> torch.Tensor:
         m = self.linear
         return F.linear(F.dropout(x, self.dropout, m.training) if self.dropout else x, m.lora_A.weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.linear
-        h = self.low_rank(x)
-        if self.group is not None:  # colwise: lora_B's rows are split, so h's gradient is partial on each rank
-            h = copy_to_tp_region(h, self.group)
-        out = F.linear(h, m.lora_B.weight)
-        if self.group is not None and m.gather_output:
-            out = gather_from_tp_region(out, self.group)
-        return self.base(m, x) + out * self.scale
-
-
-class _RowAdapted(_Adapted):
-    """A rowwise linear's forward: base and adapter partial sums reduced in one all-reduce, then lora_B."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.linear
-        partial, h = F.linear(x, m.weight), self.low_rank(x)
-        both = reduce_from_tp_region(torch.cat([partial, h.to(partial.dtype)], dim=-1), self.group)
-        y, h = both.split([partial.shape[-1], h.shape[-1]], dim=-1)
-        y = y if m.bias is None else y + m.bias
-        return y + F.linear(h, m.lora_B.weight) * self.scale
-
-
-def adapter_pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Linear name -> (lora_A, lora_B) of every adapter in a dense state_dict."""
-    return {name[:-len(".lora_A.weight")]: (tensor, state[name.replace(".lora_A.", ".lora_B.")])
-            for name, tensor in state.items() if name.endswith(".lora_A.weight")}
-
-
-def merge_adapters(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """A dense state_dict without adapters: each adapted weight W becomes W + (lora_B @ lora_A) * scale (computed in
-    float64, rounded once to W's dtype)."""
-    merged = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
-    for linear, (a, b) in adapter_pairs(state).items():
-        weight = merged[f"{linear}.weight"]
-        merged[f"{linear}.weight"] = (weight.double() + (b.double() @ a.double()) * scale).to(weight.dtype)
-    return merged
+    def up(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.linear.lora_B.weight) * self.scale
