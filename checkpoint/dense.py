@@ -11,7 +11,7 @@ from torch import nn
 from checkpoint.confine import inside, regular_file
 from checkpoint.errors import CheckpointError
 from checkpoint.meta_schema import index_weight_map
-from checkpoint.safetensors_file import read_file
+from checkpoint.safetensors_file import SafetensorsFile, read_file
 from parallel.decoder import DecoderPlan
 
 
@@ -57,15 +57,20 @@ def read_index(file: Path) -> dict[str, str]:
 
 def check_dense_files(path: str | Path) -> None:
     """Before launch: the files the dense checkpoint at `path` is read from are regular files (inside its folder for
-    an HF folder), checked by stat; only a shard index is opened."""
+    an HF folder), checked by stat; a shard index and the safetensors headers are read, no tensor."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint.load_dense={path} does not exist; pass an HF folder, a .safetensors "
                               "or a MiniMind .pth file")
     if not path.is_dir():
-        regular_file(path, LOAD_DENSE)
+        files = [regular_file(path, LOAD_DENSE)]
     elif (file := folder_weights(path)).name == INDEX:
-        index_shards(path, read_index(file))
+        files = sorted(set(index_shards(path, read_index(file)).values()))
+    else:
+        files = [file]
+    for file in files:  # the library's header checks (offsets, shapes, dtypes): a bad file is an input error
+        if file.suffix == ".safetensors":
+            SafetensorsFile(file)
 
 
 def _read_folder(folder: Path) -> dict[str, torch.Tensor]:

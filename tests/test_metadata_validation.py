@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint.dense import CheckpointError, load_dense_into, read_dense_state_dict
+from checkpoint.dense import CheckpointError, check_dense_files, load_dense_into, read_dense_state_dict
 from checkpoint.dense_source import dense_source
 from checkpoint.export import read_training_weights
 from checkpoint.manager import META, check_resume
@@ -224,6 +224,9 @@ def test_a_crafted_safetensors_file_is_one_line_on_both_paths(tmp_path, case):
         read_dense_state_dict(path)
     with pytest.raises(CheckpointError, match=pattern):  # a folder holding it: the same refusal
         read_dense_state_dict(tmp_path)
+    for before_launch in (path, tmp_path):  # preflight's check reads the header: exit 2, no worker started
+        with pytest.raises(CheckpointError, match=pattern):
+            check_dense_files(before_launch)
 
 
 def test_integer_bytes_for_a_float_parameter_are_refused_naming_the_key(tmp_path):
