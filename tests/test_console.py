@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from training.console import RunSummary, check_run_dir, format_summary
+from training.console import RunSummary, check_run_dir, format_summary, interpreter
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
         "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.pp=2"]
@@ -28,12 +28,14 @@ def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):
 def test_summary_lines():
     summary = RunSummary(steps=5, wall_time_s=12.34, final_loss=2.5, final_val_loss=2.75, mean_tokens_per_s=1234.4,
                          outputs={"metrics": "run/metrics.jsonl", "checkpoints": "run/checkpoints"})
+    python = interpreter()  # the hints name the interpreter the run was started with, not a bare `python`
+    assert python == os.path.relpath(sys.executable) or python == sys.executable
     assert format_summary(summary, 5) == [
         "done: 5 steps in 12.3 s, final loss 2.5000, val loss 2.7500, mean 1234 tokens/s",
         "  metrics: run/metrics.jsonl", "  checkpoints: run/checkpoints", "next:",
-        "  continue: python train.py <same overrides> train.steps=<new total> checkpoint.resume=run/checkpoints",
-        "  export:   python scripts/export_hf.py run/checkpoints <out folder>",
-        '  generate: python scripts/generate.py <out folder> "<prompt>"']
+        f"  continue: {python} train.py <same overrides> train.steps=<new total> checkpoint.resume=run/checkpoints",
+        f"  export:   {python} scripts/export_hf.py run/checkpoints <out folder>",
+        f'  generate: {python} scripts/generate.py <out folder> "<prompt>"']
     assert format_summary(summary, 10)[0].startswith("stopped early (of 10 steps): 5 steps")
     without = RunSummary(steps=5, wall_time_s=1.0, final_loss=2.5, final_val_loss=None, mean_tokens_per_s=None,
                          outputs={"metrics": "run/metrics.jsonl"})

@@ -38,6 +38,12 @@ def check_run_dir(run_dir: Path, resume: str | None, checkpoints: Path | None = 
             "or continue it with checkpoint.resume")
 
 
+def interpreter() -> str:
+    """The Python this run was started with, as the user would type it (relative when under the working directory)."""
+    executable = Path(sys.executable)
+    return os.path.relpath(executable) if executable.is_relative_to(Path.cwd()) else str(executable)
+
+
 def resume_command(run_dir: Path, env: dict[str, str], argv: list[str]) -> str:
     """The command that continues an interrupted run in the same run directory from its newest checkpoint: this
     interpreter, train.py, the run's own overrides (Hydra's record, else `argv`), then hydra.run.dir and
@@ -103,8 +109,10 @@ def log_above_bar() -> Iterator[None]:
 
 
 def progress_bar(total: int, initial: int = 0) -> tqdm:
-    """The one training bar (rank 0 only); on stderr, while log lines go to stdout above it."""
-    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, file=sys.stderr)
+    """The one training bar (rank 0 only); on stderr, while log lines go to stdout above it. Only on a terminal:
+    redirected output (Slurm, `> file`) gets the plain line of each logged step and no carriage returns."""
+    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, file=sys.stderr,
+                disable=not sys.stderr.isatty())
 
 
 @dataclass
@@ -142,12 +150,12 @@ def format_summary(summary: RunSummary, planned_steps: int) -> list[str]:
     lines = [f"{ended}: " + ", ".join(figures)]
     lines += [f"  {label}: {path}" for label, path in summary.outputs.items()]
     if "checkpoints" in summary.outputs:  # what a user does next, with the paths filled in
-        checkpoints = summary.outputs["checkpoints"]
+        checkpoints, python = summary.outputs["checkpoints"], interpreter()
         continued = [] if summary.interrupted else [  # an interrupted run's line after this gives its command
-            f"  continue: python train.py <same overrides> train.steps=<new total> checkpoint.resume={checkpoints}"]
+            f"  continue: {python} train.py <same overrides> train.steps=<new total> checkpoint.resume={checkpoints}"]
         lines += ["next:", *continued,
-                  f"  export:   python scripts/export_hf.py {checkpoints} <out folder>",
-                  "  generate: python scripts/generate.py <out folder> \"<prompt>\""]
+                  f"  export:   {python} scripts/export_hf.py {checkpoints} <out folder>",
+                  f"  generate: {python} scripts/generate.py <out folder> \"<prompt>\""]
     return lines
 
 

@@ -62,7 +62,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         if "tokens_per_s" in record:
-            record = {**record, **throughput_record(record["tokens_per_s"], self.flops_token, self.world_size,
+            computed = record.get("padded_tokens_per_s", record["tokens_per_s"])  # padding costs FLOPs too
+            record = {**record, **throughput_record(computed, self.flops_token, self.world_size,
                                                     self.peak_tflops)}
         self.records.append({"step": step, **record})
         for sink in self.sinks:

@@ -25,7 +25,7 @@ from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.console import resume_command
-from training.data import build_data, build_val_batches
+from training.data import build_data, build_val_batches, run_data_spec
 from training.flops import peak_memory_record, world_group
 from training.reliability.guard import StepGuard
 from training.reliability.watchdog import Interrupted, exit_code
@@ -61,7 +61,7 @@ def seed_rng(seed: int, grid: ParallelGrid) -> None:
 def no_label_warning(steps: list[int], cfg: DictConfig, of: int | None = None) -> str:
     """A warning naming the steps that had no label token on any rank, with the likely cause."""
     cause = (f"every assistant token of their samples lies beyond train.seq_len={cfg.train.seq_len}; raise "
-             "train.seq_len or use shorter conversations") if str(cfg.data.format).startswith("chat") \
+             "train.seq_len or use shorter conversations") if run_data_spec(cfg).chat \
         else "their samples hold no label token"
     which = f"step {steps[0]} has" if of is None else f"{len(steps)} of {of} steps ({', '.join(map(str, steps[:8]))}" \
         f"{', ...' if len(steps) > 8 else ''}) had"
@@ -91,6 +91,9 @@ class Trainer:
         if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
             from training.objectives.reference import prepare_reference
 
+            if grid.rank == 0:  # it reads every pair the run will train on before step 1: say so
+                log.info("dpo: computing the reference log-probabilities (forward only, the starting weights) of the "
+                         "pairs the %d steps read; step 1 follows", cfg.train.steps)
             prepare_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
         state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
@@ -155,7 +158,8 @@ class Trainer:
                 losses.append(result.loss)
                 if on_step is not None:
                     on_step(step + 1)
-                tokens_per_s = self.tokens_per_step / step_time
+                positions_per_s = self.tokens_per_step / step_time  # every position computed, padding included
+                tokens_per_s = positions_per_s if self.dpo else result.tokens / step_time  # label tokens
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
                 evaluated = self.val_batches is not None and ((step + 1) % cfg.train.eval_every == 0
                                                               or step + 1 == steps)
@@ -163,6 +167,7 @@ class Trainer:
                     # Only a logged step builds its record (and pays the trace files and the memory collective).
                     record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
                               "pairs" if self.dpo else "tokens": result.tokens, "tokens_per_s": tokens_per_s,
+                              "padded_tokens_per_s": positions_per_s,
                               "step_time_s": step_time, "skipped_steps": guard.skipped, **result.metrics}
                     if result.trace is not None:
                         from parallel.pipeline.trace_files import write_trace

@@ -48,12 +48,23 @@ def parse_row(line: bytes, task: Task) -> tuple[Any, str | None]:
     try:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
-        return None, f"line is not JSON ({error.msg} at column {error.colno})"
+        return None, json_problem(decoded, error)
     if SURROGATE_ESCAPE.search(line):
         problem = _lone_surrogate(record)
         if problem is not None:
             return None, problem
     return read_row(record, task)
+
+
+def json_problem(text: str, error: json.JSONDecodeError) -> str:
+    """Why a line is not JSON, at the column where it breaks: a line that ends inside a string or before its value
+    closes is named as cut short at its end (json names where the unclosed string began)."""
+    end = len(text.rstrip("\r\n"))
+    if error.msg.startswith("Unterminated string") or error.pos >= end:
+        opened = f", in a string opened at column {error.colno}" if error.msg.startswith("Unterminated") else ""
+        return (f"line is not JSON: it ends at column {end + 1} before its value is complete{opened} (a truncated "
+                "line?)")
+    return f"line is not JSON ({error.msg} at column {error.colno})"
 
 
 def _lone_surrogate(record: Any) -> str | None:
