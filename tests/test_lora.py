@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(1200)  # the module's shared spawn runs inside 
 
 CPU = torch.device("cpu")
 STEPS = ["train.steps=3"]
-DENSE = ["model=tiny", "lora=minimind"]  # MiniMind's rank 8 on the square linears: q_proj (colwise), o_proj (rowwise)
+DENSE = ["model=tiny", "lora=minimind", "lora.rank=8"]  # rank 8 on the square linears: q_proj (colwise), o_proj
 # Rank 4, scale 4, on attention, the router (a whole linear under TP) and the experts' colwise and rowwise linears.
 MOE = ["model=tiny-moe", "lora.rank=4", "lora.alpha=16",
        "lora.targets=[q_proj,o_proj,mlp.gate,experts.*.up_proj,experts.*.down_proj]"]

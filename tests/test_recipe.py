@@ -119,6 +119,6 @@ def test_the_recipe_runs_and_its_final_model_answers_a_chat_prompt(tmp_path, dat
         saved = yaml.safe_load((root / name / ".hydra" / "config.yaml").read_text())
         assert saved["checkpoint"]["load_dense"] == str(root / previous), name
     adapters = json.loads((root / "lora-adapters" / "adapter_config.json").read_text())
-    assert adapters["base_model_name_or_path"] == str(root / "sft-hf") and adapters["r"] == 8
+    assert adapters["base_model_name_or_path"] == str(root / "sft-hf") and adapters["r"] == 16  # lora=minimind: MiniMind's rank
     assert (root / "final" / "model.safetensors").is_file()
     assert answer, "generate.py --chat printed no answer"
