@@ -39,8 +39,7 @@ class LoweredPipeline:
 
 
 def load_schedule(spec: PipelineSpec) -> tuple[Schedule, str]:
-    """Compute lists and placement of a pipeline spec: a registered schedule (checked against the layout it
-    accepts, the one place that check runs), one from a module, or a table file."""
+    """Compute lists and placement of a pipeline spec: a schedule checked against its registry entry, or a table."""
     if spec.schedule == "table":
         if not spec.table_path or spec.table_path == "???":
             raise ValueError("schedule=table needs schedule.path=<a .csv or .json schedule table>")

@@ -2,9 +2,8 @@
 
 A generator is `(pp, n_microbatches, vpp) -> Schedule` and emits compute actions only (F/B, or F/I/W);
 `lowering.lower` adds the SEND_*/RECV_* a runtime executes, `prepare.prepare_pipeline` loads, lowers and checks.
-A generator is called only for a layout its registry entry accepts (`RegisteredSchedule.check`, run once by
-`load_schedule`), so it holds no checks of its own. Adding a schedule is its generator and its entry here; the
-config presets (`schedule=<name>`), the tests and the benchmarks read the registry.
+A generator runs only for a layout its registry entry accepts (checked once, by `load_schedule`). Adding one is its
+generator and its entry here: config presets, tests and benchmarks read the registry.
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ def find_schedule(name: str) -> RegisteredSchedule:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # the user's module: any failure to import it is its own, said in one line
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = (str(error) or repr(error)).strip().splitlines()[0]
         raise ValueError(f"schedule.module={name}: cannot import {module_name} ({reason}); check the name and that "
                          "its folder is on PYTHONPATH") from None
     found = getattr(module, attribute, None)

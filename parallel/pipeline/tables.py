@@ -22,7 +22,7 @@ from .actions import Action, Costs, Schedule
 from .static_rules import ScheduleError
 from .lowering import lower
 from .partition import PLACEMENTS, rank_stages, stage_to_rank
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, find_schedule
 from .simulate import simulate
 
 __all__ = ["TableError", "TableMeta", "dump_builtin", "dump_table", "load_table"]
@@ -246,10 +246,8 @@ def _slots(schedule: Schedule, pp: int, n_stages: int, placement: str, costs: Co
 
 
 def dump_builtin(name: str, pp: int, n_microbatches: int, path: str | Path, vpp: int | None = None) -> Path:
-    """Dump a registered schedule (vpp defaults to the least it accepts)."""
-    if name not in SCHEDULES:
-        raise TableError(f"no schedule named {name!r}; use one of {', '.join(sorted(SCHEDULES))}")
-    spec = SCHEDULES[name]
+    """Dump a registered schedule, or one from a module (`pkg.mod:fn`); vpp defaults to the least it accepts."""
+    spec = find_schedule(name)
     vpp = vpp or spec.default_vpp
     spec.check(name, pp, n_microbatches, vpp)
     compute = spec.generate(pp, n_microbatches, vpp)
