@@ -9,6 +9,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
+from parallel.pipeline.schedules import SCHEDULES
 from training.cli import preflight
 from training.config import ConfigError, register_schema
 from training.reliability.faults import parse_fault
@@ -72,7 +73,7 @@ BAD = [
     (["parallel.tensor=2"], "parallel.tensor: unknown config key; did you mean parallel."),
     # schedule
     (["schedule=zigzag"], "schedule=zigzag: no such preset"),
-    (["schedule.name=zigzag"], "schedule.name=zigzag is not supported; use one of 1f1b, gpipe"),
+    (["schedule.name=zigzag"], f"schedule.name=zigzag is not supported; use one of {', '.join(sorted(SCHEDULES))}"),
     (["schedule.n_microbatches=0"], "schedule.n_microbatches=0 must be positive"),
     ([*PP2, "schedule.n_microbatches=0"], "schedule.n_microbatches=0 must be positive"),
     (["schedule.path=my.csv"], "schedule.path=my.csv is read only when schedule.name=table"),

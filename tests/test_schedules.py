@@ -416,8 +416,8 @@ def test_readme_example_schedule():
 
 @pytest.mark.parametrize("name, message", [
     ("module", "schedule=module needs schedule.module=<package.module:function> (a schedule generator)"),
-    ("zigzag", "schedule.name=zigzag is not a known schedule; use one of 1f1b, gpipe, interleaved-1f1b, zb-h1, zbv, "
-               "table with schedule.path=<file>, or module with schedule.module=<package.module:function>"),
+    ("zigzag", f"schedule.name=zigzag is not a known schedule; use one of {', '.join(sorted(SCHEDULES))}, table with "
+               "schedule.path=<file>, or module with schedule.module=<package.module:function>"),
     ("tests.no_such_module:f", "schedule.module=tests.no_such_module:f: cannot import tests.no_such_module (No module "
                                "named 'tests.no_such_module'); check the name and that its folder is on PYTHONPATH"),
     ("tests.late_w_schedule:nope", "schedule.module=tests.late_w_schedule:nope: tests.late_w_schedule has no function "
