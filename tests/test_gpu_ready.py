@@ -240,11 +240,15 @@ def test_the_flight_recorder_is_on_under_nccl_only_and_dumps_into_the_run_direct
     flight_recorder.enable(tmp_path, "gloo", env)
     assert env == {} and not (tmp_path / "hang").exists()  # CPU runs: nothing changes
     flight_recorder.enable(tmp_path, "nccl", env)
-    assert env == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "hang" /
-                   "nccl_trace_rank_"), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "hang" / "nccl_trace_rank_"),
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     assert flight_recorder.dump(tmp_path, 3) is None  # this build has no NCCL
     monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"trace", raising=False)
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
+    assert flight_recorder.dump(tmp_path, 3) is None  # the recorder is off: nothing recorded to write
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
     assert flight_recorder.dump(tmp_path, 3).read_bytes() == b"trace"
     assert (tmp_path / "hang" / "nccl_trace_rank_3").exists()
 

@@ -18,6 +18,7 @@ from training.reliability.hang import DUMP_DIR
 
 PREFIX = "nccl_trace_rank_"
 ENTRIES = 2000  # per rank: a step of a deep pipeline holds a few hundred P2P ops and collectives
+BUFFER_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # torch's name now, and the one before it
 
 
 def enable(run_dir: Path, backend: str, env: MutableMapping[str, str] = os.environ) -> None:
@@ -26,7 +27,8 @@ def enable(run_dir: Path, backend: str, env: MutableMapping[str, str] = os.envir
         return
     folder = Path(run_dir) / DUMP_DIR
     folder.mkdir(parents=True, exist_ok=True)  # NCCL opens the file, it does not make the folder
-    env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(ENTRIES))
+    for name in BUFFER_SIZE:
+        env.setdefault(name, str(ENTRIES))
     env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / PREFIX))
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
@@ -34,7 +36,7 @@ def enable(run_dir: Path, backend: str, env: MutableMapping[str, str] = os.envir
 def dump(run_dir: Path | None, rank: int) -> Path | None:
     """Write this rank's NCCL trace into the run directory now; None where there is none (no NCCL, recorder off)."""
     trace = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)  # only in builds with NCCL
-    if run_dir is None or trace is None or not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+    if run_dir is None or trace is None or not any(os.environ.get(name) for name in BUFFER_SIZE):
         return None
     try:
         data = trace()
