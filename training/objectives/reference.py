@@ -2,8 +2,7 @@
 engine on its starting weights (the frozen reference: `checkpoint.load_dense`, or the seeded initialisation), then
 carried by every micro-batch that reads the pair.
 
-The pass is the engine's generic forward-only pass (`Engine.forward_sums`) with an objective whose sums are the
-rows' log-probabilities, each at its own place: no second model and no special path through the pipeline.
+The pass is the engine's generic forward-only pass (`Engine.forward_sums`), its objective's sums the rows' values.
 
 Why once and cached rather than a reference forward in every step: the reference never changes, so a second model
 (its memory on every rank, and its forward in every step of every epoch) would recompute the same numbers. The
@@ -14,6 +13,7 @@ split over the DP replicas (each computes its share of every global batch) and g
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -53,12 +53,10 @@ class RowLogps:
 def row_logps(engine: Engine, micro_batches: list[MicroBatch]) -> torch.Tensor:
     """Each row's summed label log-probability under the engine's current weights, forward only, the micro-batches'
     rows in order (this DP replica's; float64 on the device, on every rank)."""
-    placed, start = [], 0
-    for mb in micro_batches:
-        rows = mb.input_ids.shape[0]
-        placed.append(replace(mb, extra={**mb.extra, ROW: torch.arange(start, start + rows)}))
-        start += rows
-    return engine.forward_sums(placed, RowLogps(start))
+    ends = list(itertools.accumulate(len(mb.input_ids) for mb in micro_batches))
+    placed = [replace(mb, extra={**mb.extra, ROW: torch.arange(end - len(mb.input_ids), end)})
+              for mb, end in zip(micro_batches, ends)]
+    return engine.forward_sums(placed, RowLogps(ends[-1]))
 
 
 def reference_table(engine: Engine, stream: PairBatches, steps: int, grid: ParallelGrid) -> torch.Tensor:
