@@ -120,9 +120,9 @@ def worst_errors(results: list[dict], reference: dict) -> dict[str, float]:
 
 def _forgot_edp_sum(rank: int, world_size: int, *args) -> list[dict]:
     """The layouts with expert gradients left unsummed over the edp group (the mutant the suite must catch)."""
-    from parallel import engine
+    from parallel.grid import ParallelGrid
 
-    with mock.patch.object(engine.ParallelGrid, "edp", property(lambda grid: 1)):
+    with mock.patch.object(ParallelGrid, "edp", property(lambda grid: 1)):
         return layouts_worker(rank, world_size, *args)
 
 

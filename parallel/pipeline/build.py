@@ -1,13 +1,17 @@
-"""This rank's stages of a pipeline: each stage's chunk made from the dense decoder by the chunk passes, tied pairs on
-one rank re-tied, each wrapped in a Stage."""
+"""This rank's model pieces: each stage's chunk made from the dense decoder by the chunk passes (or the whole model as
+one chunk), tied pairs on one rank re-tied, each stage's chunk wrapped in a Stage with the layout's token loss."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 from parallel.decoder import Decoder, set_parameter
 from parallel.grid import ParallelGrid
-from parallel.passes import ChunkPass, Site, build_chunk
+from parallel.materialize import WeightSource
+from parallel.passes import ChunkPass, Site, build_chunk, chunk_passes
+from parallel.spec import EngineSpec
+from parallel.step import TokenLoss, dense_token_loss
+from parallel.tensor import vocab_parallel_cross_entropy
 
 from .actions import Kind
 from .partition import rank_stages
@@ -15,17 +19,31 @@ from .prepare import LoweredPipeline
 from .stage import Stage
 
 StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
-MakeStage = Callable[[Decoder, int, bool], Stage]  # (chunk, global stage index, backward split into I + W) -> Stage
 
 
-def build_stages(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
-                 passes: list[ChunkPass], make_stage: MakeStage) -> StagesByRank:
+def choose_token_loss(grid: ParallelGrid, vocab_size: int) -> TokenLoss:
+    """Dense cross-entropy, or the vocab-parallel one over TP-sharded logits."""
+    if grid.tp == 1:
+        return dense_token_loss
+    return functools.partial(vocab_parallel_cross_entropy, group=grid.tp_group,
+                             vocab_start=grid.tp_rank * (vocab_size // grid.tp))
+
+
+def whole_model(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid, weights: WeightSource | None) -> Decoder:
+    """The whole model as one chunk, made by the same passes as a pipeline stage (the one-process engine's)."""
+    whole = Site(grid, range(decoder.config.num_hidden_layers), first=True, last=True)
+    return build_chunk(decoder, whole, chunk_passes(spec, weights))
+
+
+def build_stages(spec: EngineSpec, pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
+                 weights: WeightSource | None) -> StagesByRank:
     """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
-    stages: StagesByRank = {}
+    token_loss, passes, stages = choose_token_loss(grid, decoder.config.vocab_size), chunk_passes(spec, weights), {}
     for rank in ranks:
         split = {a.stage for a in pipeline.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
-        chunks = rank_chunks(pipeline, decoder, grid, rank, passes)
-        stages[rank] = {s: make_stage(chunk, s, s in split) for s, chunk in chunks.items()}
+        stages[rank] = {s: Stage(chunk, s, pipeline.n_stages, grid.device, spec.dtype, token_loss, s in split,
+                                 spec.objective)
+                        for s, chunk in rank_chunks(pipeline, decoder, grid, rank, passes).items()}
     return stages
 
 
