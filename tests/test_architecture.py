@@ -192,3 +192,27 @@ def test_the_fine_tuning_check_catches_each_name(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("\n".join(lines) + "\n")
     assert [int(hit.split(":")[1]) for hit in fine_tuning_namings(sample)] == list(range(1, len(lines)))
+
+
+
+def runtime_imports(path: Path, name: str, known: dict[str, Path], scratch: Path) -> set[str]:
+    """The project modules a file imports at run time: those of `imports_of` less the annotation-only ones under
+    `if TYPE_CHECKING:` (the stripped source is written to `scratch` for `imports_of` to read)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = [ast.Pass()]
+    stripped = scratch / path.name  # the same file name: `imports_of` tells a package by it
+    stripped.write_text(ast.unparse(tree))
+    return imports_of(stripped, name, known)
+
+
+MAX_RUNTIME_IMPORTS = 10  # issue 36: engine.py imported 23 project modules and its constructor did seven jobs
+
+
+def test_no_module_of_parallel_imports_more_than_ten_project_modules_at_run_time(tmp_path):
+    known = modules()
+    counts = {name: len(runtime_imports(path, name, known, tmp_path)) for name, path in known.items()
+              if name.split(".")[0] == "parallel"}
+    over = {name: n for name, n in counts.items() if n > MAX_RUNTIME_IMPORTS}
+    assert not over, over

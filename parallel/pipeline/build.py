@@ -4,19 +4,23 @@ one chunk), tied pairs on one rank re-tied, each stage's chunk wrapped in a Stag
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 from parallel.decoder import Decoder, set_parameter
-from parallel.grid import ParallelGrid
-from parallel.materialize import WeightSource
 from parallel.passes import ChunkPass, Site, build_chunk, chunk_passes
-from parallel.spec import EngineSpec
 from parallel.step import TokenLoss, dense_token_loss
 from parallel.tensor import vocab_parallel_cross_entropy
 
 from .actions import Kind
 from .partition import rank_stages
-from .prepare import LoweredPipeline
 from .stage import Stage
+
+if TYPE_CHECKING:  # names in annotations only
+    from parallel.grid import ParallelGrid
+    from parallel.materialize import WeightSource
+    from parallel.spec import EngineSpec
+
+    from .prepare import LoweredPipeline
 
 StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
 
