@@ -248,3 +248,31 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     else:
         loss = _VocabParallelCE.apply(flat_logits, flat_targets, group, vocab_start, ignore_index)
     return loss.view(targets.shape)
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """Per-row KL(p || softmax(x)) over vocab-sharded x with p's matching shard: two all-reduces of [N] for the
+    normaliser, one for the sum, never the full logits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: torch.Tensor, group):
+        ctx.dtype, x = x.dtype, x.float()
+        shifted = x - all_reduce_(x.max(dim=-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
+        exp = shifted.exp()
+        log_norm = all_reduce_(exp.sum(dim=-1), group).log()
+        # sum_v p (log p - log q) with log q = shifted - log_norm; the shards' p sum to 1, so log_norm joins once.
+        kl = all_reduce_((torch.xlogy(p, p) - p * shifted).sum(dim=-1), group) + log_norm
+        ctx.save_for_backward(exp.div_(log_norm.exp().unsqueeze(-1)), p)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl: torch.Tensor):
+        q, p = ctx.saved_tensors
+        return ((q - p) * grad_kl.unsqueeze(-1)).to(ctx.dtype), None, None  # d KL / d x = q - p
+
+
+def vocab_parallel_kl(x_shard: torch.Tensor, p_shard: torch.Tensor, group) -> torch.Tensor:
+    """Per-row fp32 KL(p || softmax(x)) [N] from x [N, V/tp] and the target distribution's same shard p [N, V/tp]."""
+    if group_size(group) == 1:
+        return F.kl_div(F.log_softmax(x_shard.float(), dim=-1), p_shard, reduction="none").sum(dim=-1)
+    return _VocabParallelKL.apply(x_shard, p_shard, group)
