@@ -11,7 +11,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config import CONF_DIR, ConfigError, register_schema, validate
-from training.config.schema import compose_config, group_presets
+from training.config.presets import group_presets
+from training.config.schema import compose_config
 from training.config.unknown_keys import check_override_keys
 from training.output_paths import output_dir_problem
 

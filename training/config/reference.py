@@ -5,7 +5,8 @@ import re
 import textwrap
 from typing import Any
 
-from training.config.schema import CONF_DIR, SchemaKey, compose_config, group_presets, schema_keys, schema_sections
+from training.config.presets import group_presets
+from training.config.schema import CONF_DIR, SchemaKey, compose_config, schema_keys, schema_sections
 
 BEGIN = "<!-- keys: {section} (written by scripts/config_docs.py from the schema; do not edit) -->"
 END = "<!-- end of keys -->"

@@ -7,17 +7,15 @@ uses it. A `name` is MISSING: the preset that conf/config.yaml's defaults list p
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from training.config.presets import CONF_DIR, store_presets
 from training.config.values import (LOGGER_BACKENDS, Rule, any_of_type, at_least, backends, betas, existing_path,
                                     fault, fraction, layer_counts, non_negative, one_of, optional, positive,
                                     schedule_name, text)
 
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the config groups of `python train.py`
 MIB = 1 << 20
 
 
@@ -96,8 +94,7 @@ class ParallelSchema:
         1, "expert-parallel ranks, carved out of DP: each run of `ep` DP ranks splits every MoE layer's experts "
         "between them and sends each token to its expert's rank (all_to_all); attention, router and dense parts stay "
         "data-parallel. Must divide `model.num_experts` and the DP size; `1` on a dense model", positive)
-    vpp: int = key(1, "virtual stages (model chunks) per pipeline rank; `>= 2` for `interleaved-1f1b` and `zbv`",
-                   positive)
+    vpp: int = key(1, "virtual stages (model chunks) per pipeline rank; the schedule says which it accepts", positive)
     layers_per_stage: Any = key(
         None, "explicit layer counts per stage, e.g. `[3,3,2]`; `null` = balanced to one layer; `auto` = balanced by "
         "cost (embedding on the first stage, head and loss on the last), from the costs `scripts/profile_costs.py` "
@@ -140,8 +137,7 @@ class ScheduleSchema:
     n_microbatches: int = key(4, "micro-batches per step and per DP replica", positive)
     path: Optional[str] = key(None, "CSV or JSON schedule table, with `schedule=table`", optional(text),
                               ReadWhen("schedule.name", ("table",), refuse=True))  # the table loader checks the file
-    module: Optional[str] = key(None, "a schedule generator outside the core, `package.module:function` (a "
-                                "RegisteredSchedule or a bare generator), with `schedule=module`; importing it runs it",
+    module: Optional[str] = key(None, "`pkg.module:function`: a schedule generator of your own, with `schedule=module`",
                                 optional(text), ReadWhen("schedule.name", ("module",), refuse=True))
 
 
@@ -354,22 +350,8 @@ def schema_keys(node: type = RunSchema, prefix: str = "") -> list[SchemaKey]:
 
 
 def register_schema() -> None:
-    """Make `base_config` available to the defaults list of conf/config.yaml, and a `schedule=<name>` preset of every
-    registered schedule (the registry is their one home; conf/schedule/ holds `table` and `module`)."""
-    from parallel.pipeline.schedules import SCHEDULES
-
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=RunSchema)
-    for name, registered in SCHEDULES.items():
-        preset = {"name": name} if registered.n_microbatches is None else {"name": name,
-                                                                          "n_microbatches": registered.n_microbatches}
-        store.store(group="schedule", name=name, node=preset)
-
-
-def group_presets(group: str) -> list[str]:
-    """The presets of a config group: its files under conf/ and the ones `register_schema` stores."""
-    stored = ConfigStore.instance().repo.get(group, {})
-    return sorted({p.stem for p in (CONF_DIR / group).glob("*.yaml")} | {Path(n).stem for n in stored})
+    """Make `base_config` and the registered schedules' presets available to the defaults list of conf/config.yaml."""
+    store_presets(RunSchema)
 
 
 def compose_config(overrides: list[str], with_hydra: bool = False) -> Any:
