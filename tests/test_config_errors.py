@@ -2,7 +2,8 @@
 
 Three representatives (a bad value, an unknown key added with `+`, an override Hydra itself refuses): the whole
 catalogue runs through the same pre-launch check in-process in tests/test_config_catalogue.py, since each
-`python train.py` pays seconds of imports on two cores."""
+`python train.py` pays seconds of imports on two cores. For the same reason a bad run directory, a bad sweep job
+and --help go through train.py's entry point (training.cli.main) in this process: they end before Hydra runs."""
 
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from training.cli import main
 
 BAD_CONFIGS = [
     (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
@@ -35,24 +37,33 @@ def test_bad_config_exits_2_with_one_line(args, expected, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing started: Hydra never made the run directory
 
 
-def test_bad_output_directory_is_one_line(tmp_path):
+def train_py_here(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """`python train.py args` through its entry point in this process, for commands that end before Hydra runs."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as leave:
+        main()
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(sys.argv, leave.value.code, out.out, out.err)
+
+
+def test_bad_output_directory_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("")
-    result = run_train([f"hydra.run.dir={tmp_path}/file/run"])
+    result = train_py_here([f"hydra.run.dir={tmp_path}/file/run"], monkeypatch, capsys)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"sluice: config error: hydra.run.dir={tmp_path}/file/run cannot be created: {tmp_path}/file is a file; "
         "choose another hydra.run.dir"]
 
 
-def test_bad_job_in_a_sweep_is_caught_before_any_job_runs(tmp_path):
-    result = run_train(["-m", "train.steps=1,0", f"hydra.sweep.dir={tmp_path}/sweep"])
+def test_bad_job_in_a_sweep_is_caught_before_any_job_runs(tmp_path, monkeypatch, capsys):
+    result = train_py_here(["-m", "train.steps=1,0", f"hydra.sweep.dir={tmp_path}/sweep"], monkeypatch, capsys)
     assert result.returncode == 2
     assert "train.steps=0 must be positive" in result.stderr
     assert not (tmp_path / "sweep").exists()
 
 
-def test_help_describes_sluice_keys_and_examples():
-    result = run_train(["--help"])
+def test_help_describes_sluice_keys_and_examples(monkeypatch, capsys):
+    result = train_py_here(["--help"], monkeypatch, capsys)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Sluice trains MiniMind language models")
     assert "parallel.tp = 1" in result.stdout and "schedule.n_microbatches = 4" in result.stdout

@@ -13,6 +13,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import ROOT
+from tests.equivalence import layouts_worker
+from tests.spawn import run_workers
 from training.console import check_run_dir
 from training.metrics import drop_rows_after
 
@@ -132,8 +134,11 @@ def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_st
     lines = sluice_lines(result.stderr)
     assert len(lines) == 1, lines  # rank 0 got no signal itself: no notice; the root adds nothing
     resume_line(lines[0], "SIGTERM", 2, run_dir)
-    resumed = train([*layout, "checkpoint.resume=auto"], data_cache, run_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The resume in the session's pooled workers (train.py's resume=auto: the one-process test above): both ranks
+    # load the step both saved. The overrides are train.py's (its lr, its final save) on top of the helpers' base.
+    resumed = [*TINY, f"train.steps={STEPS}", *layout, "checkpoint.resume=auto", "optim.lr=5e-4",
+               "checkpoint.save_final=true"]
+    run_workers(layouts_worker, 2, [(resumed, str(run_dir))], str(data_cache), timeout=300)
     ours, theirs = losses(run_dir), losses(baseline)
     assert [step for step, _ in ours] == list(range(1, STEPS + 1))
     assert all(abs(a - b) <= 1e-5 * abs(b) for (_, a), (_, b) in zip(ours, theirs)), (ours, theirs)
