@@ -81,7 +81,7 @@ BAD = [
     ([*PP2, "schedule=module"], "schedule=module needs schedule.module=<package.module:function>"),
     (["schedule.module=a.b:c"], "schedule.module=a.b:c is read only when schedule.name=module"),
     ([*PP2, "schedule=module", "schedule.module=no_such_package:f"], "schedule.module=no_such_package:f: cannot "
-                                                                     "import no_such_package (No module named"),
+                                                                     "load it (No module named 'no_such_package')"),
     ([*PP2, "schedule=module", "schedule.module=tests.late_w_schedule:one_f_one_b_late_w", "parallel.vpp=2"],
      "schedule 'tests.late_w_schedule:one_f_one_b_late_w' runs 1 stage per rank; set parallel.vpp=1 (got 2)"),
     # train

@@ -418,11 +418,13 @@ def test_readme_example_schedule():
     ("module", "schedule=module needs schedule.module=<package.module:function> (a schedule generator)"),
     ("zigzag", f"schedule.name=zigzag is not a known schedule; use one of {', '.join(sorted(SCHEDULES))}, table with "
                "schedule.path=<file>, or module with schedule.module=<package.module:function>"),
-    ("tests.no_such_module:f", "schedule.module=tests.no_such_module:f: cannot import tests.no_such_module (No module "
-                               "named 'tests.no_such_module'); check the name and that its folder is on PYTHONPATH"),
-    ("tests.late_w_schedule:nope", "schedule.module=tests.late_w_schedule:nope: tests.late_w_schedule has no function "
-                                   "nope; name a schedule generator (pp, n_microbatches, vpp) -> per-rank lists of "
-                                   "actions"),
+    ("tests.no_such_module:f", "schedule.module=tests.no_such_module:f: cannot load it (No module named "
+                               "'tests.no_such_module'); check the name and that its folder is on PYTHONPATH"),
+    ("tests.late_w_schedule:nope", "schedule.module=tests.late_w_schedule:nope: cannot load it (module "
+                                   "'tests.late_w_schedule' has no attribute 'nope'); check the name and that its "
+                                   "folder is on PYTHONPATH"),
+    ("tests.late_w_schedule:__doc__", "schedule.module=tests.late_w_schedule:__doc__ is not a function; name a "
+                                      "schedule generator (pp, n_microbatches, vpp) -> per-rank lists of actions"),
 ])
 def test_a_schedule_name_that_finds_nothing_says_what_to_write(name, message):
     with pytest.raises(ValueError) as refused:

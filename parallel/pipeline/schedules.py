@@ -8,7 +8,7 @@ generator and its entry here: config presets, tests and benchmarks read the regi
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -160,20 +160,18 @@ def find_schedule(name: str) -> RegisteredSchedule:
         return SCHEDULES[name]
     if name == "module":
         raise ValueError("schedule=module needs schedule.module=<package.module:function> (a schedule generator)")
-    module_name, colon, attribute = name.partition(":")
-    if not colon:
+    if ":" not in name:
         raise ValueError(f"schedule.name={name} is not a known schedule; use one of {', '.join(sorted(SCHEDULES))}, "
                          "table with schedule.path=<file>, or module with schedule.module=<package.module:function>")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # the user's module: any failure to import it is its own, said in one line
+        found = pkgutil.resolve_name(name)
+    except Exception as error:  # the user's module: a failure to import it or a missing name, said in one line
         reason = (str(error) or repr(error)).strip().splitlines()[0]
-        raise ValueError(f"schedule.module={name}: cannot import {module_name} ({reason}); check the name and that "
-                         "its folder is on PYTHONPATH") from None
-    found = getattr(module, attribute, None)
+        raise ValueError(f"schedule.module={name}: cannot load it ({reason}); check the name and that its folder is "
+                         "on PYTHONPATH") from None
     if isinstance(found, RegisteredSchedule):
         return found
     if not callable(found):
-        raise ValueError(f"schedule.module={name}: {module_name} has no function {attribute}; name a schedule "
-                         "generator (pp, n_microbatches, vpp) -> per-rank lists of actions")
+        raise ValueError(f"schedule.module={name} is not a function; name a schedule generator (pp, n_microbatches, "
+                         "vpp) -> per-rank lists of actions")
     return RegisteredSchedule(found)
