@@ -66,12 +66,12 @@ def test_system_prompts_from_a_list(think_data, tmp_path):
 
 
 def test_a_conversation_with_a_system_message_and_dpo_pairs_get_no_system_prompt():
-    rules = ChatRules(system_prompts=("p",), system_ratio=1.0)
+    rules = ChatRules("keep", ("p",), 1.0, 0)
     own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "u"}]
     assert rules.conversation(1, own) == own
     chosen, rejected = rules.prepare(1, ([{"role": "user", "content": "u"}], [{"role": "user", "content": "u"}]))
     assert chosen[0]["role"] == rejected[0]["role"] == "user"
-    sides = [ChatRules(think="minimind").prepare(row, ([], [])) for row in range(200)]
+    sides = [ChatRules("minimind", (), 0.2, 0).prepare(row, ([], [])) for row in range(200)]
     assert any(c.drop_think != r.drop_think for c, r in sides)  # each DPO side draws its own, as MiniMind's
 
 

@@ -35,10 +35,10 @@ def finish(conversation: Any, text: str) -> str:
 class ChatRules:
     """How chat rows are prepared before tokenising (the data section's think and system-prompt keys)."""
 
-    think: str = "keep"
-    system_prompts: tuple[str, ...] = ()
-    system_ratio: float = 0.2
-    seed: int = 0
+    think: str
+    system_prompts: tuple[str, ...]
+    system_ratio: float
+    seed: int
 
     @property
     def active(self) -> bool:

@@ -36,9 +36,9 @@ class DataSpec:
     val_fraction: float
     skip_bad_lines: bool
     max_line_bytes: int
-    think: str = "keep"  # the empty think block of chat rows (training.data.chat_rules)
-    system_prompts: tuple[str, ...] = ()
-    system_ratio: float = 0.2
+    think: str  # the empty think block of chat rows (training.data.chat_rules)
+    system_prompts: tuple[str, ...]
+    system_ratio: float
     train_task: str = "pretrain"  # train.task: "dpo" reads preference pairs
 
     @property
@@ -116,12 +116,15 @@ def data_spec(node: Any, train_task: str = "pretrain") -> DataSpec:
     passes through. A null `format` follows the task (`default_format`)."""
     if isinstance(node, DataSpec):
         return node
-    optional = {"think", "system_prompts", "system_ratio"}  # a section without them keeps the defaults
+    from training.config.schema import DataSchema  # the home of the chat keys' defaults
+
+    optional = {"think", "system_prompts", "system_ratio"}  # a section without them (an older run's) takes defaults
     values = {f.name: _field(node, f.name, "data") for f in fields(DataSpec)
               if f.name != "train_task" and f.name not in optional}
     for name in optional:
-        if (value := optional_field(node, name)) is not None:
-            values[name] = tuple(str(p) for p in value) if name == "system_prompts" else value
+        value = optional_field(node, name)
+        value = getattr(DataSchema(), name) if value is None else value
+        values[name] = tuple(str(p) for p in value or ()) if name == "system_prompts" else value
     values["format"] = values["format"] or default_format(values["name"], train_task)
     return DataSpec(**values, train_task=train_task)
 
