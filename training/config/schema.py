@@ -11,29 +11,14 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from training.config.distill_schema import DistillSchema
+from training.config.keys import ReadWhen, key
 from training.config.presets import CONF_DIR, store_presets
-from training.config.values import (LOGGER_BACKENDS, Rule, any_of_type, at_least, backends, betas, existing_path,
+from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,
                                     fault, fraction, layer_counts, non_negative, one_of, optional, positive,
                                     schedule_name, text)
 
 MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class ReadWhen:
-    """A key read only under another key's value: elsewhere it is refused (`refuse`) or ignored with a warning."""
-
-    switch: str
-    values: tuple[Any, ...]
-    refuse: bool
-
-
-def key(default: Any, meaning: str, rule: Rule = any_of_type, read_when: ReadWhen | None = None) -> Any:
-    """A schema field: its default, its value rule and its one-line meaning (markdown), kept together."""
-    metadata = {"meaning": meaning, "rule": rule, "read_when": read_when}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 SYNTHETIC_ONLY = ReadWhen("data.name", ("synthetic",), refuse=False)
@@ -149,7 +134,8 @@ class TrainSchema:
         "pretrain", "what the run trains: `pretrain` and `sft` the next-token loss on `data.format`'s samples (`sft`: "
         "conversations, a chat format), `dpo` the DPO loss on MiniMind `dpo.jsonl` pairs (`chosen` / `rejected` "
         "conversations, `data.format=chat`; the reference is the starting weights; "
-        "[concepts](concepts.md#dpo))", one_of("pretrain", "sft", "dpo"))
+        "[concepts](concepts.md#dpo)), `distill` the next-token loss mixed with a teacher's (`distill.*`)",
+        one_of("pretrain", "sft", "dpo", "distill"))
     steps: int = key(1000, "optimizer steps", positive)
     micro_batch_size: int = key(8, "sequences per micro-batch (under `train.task=dpo` an even number: whole pairs)",
                                 positive)
@@ -320,6 +306,7 @@ class RunSchema:
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     lora: LoraSchema = field(default_factory=LoraSchema)
     dpo: DpoSchema = field(default_factory=DpoSchema)
+    distill: DistillSchema = field(default_factory=DistillSchema)
     logger: LoggerSchema = field(default_factory=LoggerSchema)
     debug: DebugSchema = field(default_factory=DebugSchema)
 

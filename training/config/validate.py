@@ -204,8 +204,8 @@ def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
 
 
 def validate_checkpoint(cfg: DictConfig) -> None:
-    """A checkpoint to resume exists, is complete and readable, and was written for this model; the folders the
-    run writes (checkpoint.dir, data.cache_dir) can be created and written."""
+    """A checkpoint to resume exists, is complete and readable, and was written for this model; a distillation
+    teacher can teach it; the folders the run writes (checkpoint.dir, data.cache_dir) can be created and written."""
     from checkpoint.manager import check_resume, find_checkpoint
     from training.output_paths import output_dir_problem
 
@@ -236,6 +236,10 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     problem = check_resume(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys(), lora_record(cfg),
                            cfg.train.steps)
     if problem:
+        raise ConfigError(problem)
+    from training.distill import teacher_problem  # reads the teacher's config, under train.task=distill only
+
+    if problem := teacher_problem(cfg, model_config(cfg).vocab_size):
         raise ConfigError(problem)
 
 
