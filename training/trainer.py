@@ -26,6 +26,7 @@ from parallel.materialize import WeightSource, seeded_init
 from training.config import model_config
 from training.console import resume_command
 from training.data import build_data, build_val_batches, run_data_spec
+from training.distill import with_inputs, with_teacher
 from training.flops import peak_memory_record, world_group
 from training.reliability.guard import StepGuard
 from training.reliability.watchdog import Interrupted, exit_code
@@ -79,7 +80,7 @@ class Trainer:
         seed_rng(cfg.train.seed, grid)
         decoder, weights = build_model(cfg)
         config, moe = decoder.config, bool(expert_modules(decoder))  # the whole model's, before any pass prunes it
-        self.engine = build_engine(engine_spec(cfg, grid.device), decoder, grid, weights)
+        self.engine = build_engine(with_teacher(engine_spec(cfg, grid.device), cfg, grid), decoder, grid, weights)
         self.expert_load = (ExpertLoad(self.engine.chunks(), config.num_hidden_layers, config.num_experts, grid.device)
                             if moe else None)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero,
@@ -88,6 +89,9 @@ class Trainer:
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)
         self.dpo = OmegaConf.select(cfg, "train.task") == "dpo"
+        self.distill = OmegaConf.select(cfg, "train.task") == "distill"  # the teacher reads each step's token ids
+        if self.distill and self.val_batches:
+            self.val_batches = [with_inputs(micro_batches) for micro_batches in self.val_batches]
         if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
             from training.objectives.reference import prepare_reference
 
@@ -139,7 +143,7 @@ class Trainer:
                 traced = step + 1 == cfg.train.trace_step
                 if self.expert_load is not None:
                     self.expert_load.reset()
-                result = self.engine.step(micro_batches, trace=traced)
+                result = self.engine.step(with_inputs(micro_batches) if self.distill else micro_batches, trace=traced)
                 result.loss = guard.after_engine(step + 1, result.loss, params)
                 if result.tokens == 0:
                     unlabeled.append(step + 1)
