@@ -339,20 +339,3 @@ def test_export_of_moe_and_untied_models_gives_the_trained_logits(exact, name, t
                                    atol=1e-5)
     pth = export_checkpoint(root / name, tmp_path / "pth", fmt="pth")
     assert set(torch.load(pth, weights_only=True)) == set(trained_model.state_dict())
-
-
-def test_train_py_saves_then_resumes_auto(tmp_path):
-    # The user's path: the same run directory again with checkpoint.resume=auto continues where it stopped.
-    args = [sys.executable, "train.py", "model=tiny", "train.seq_len=32", "train.micro_batch_size=2",
-            "schedule.n_microbatches=1", "data.num_docs=300", "logger=none", "train.log_every=1",
-            f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}", "checkpoint.every=2",
-            "checkpoint.resume=auto"]
-    first = subprocess.run([*args, "train.steps=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "no complete checkpoint in" in first.stdout
-    assert f"saved checkpoint step 2 to {tmp_path / 'run' / 'checkpoints' / 'step_00000002'} in " in first.stdout
-    second = subprocess.run([*args, "train.steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "(step 2)" in second.stdout and "saved checkpoint step 3" in second.stdout
-    steps = [line.split('"step": ')[1].split(",")[0] for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert steps == ["1", "2", "3"]

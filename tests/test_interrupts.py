@@ -90,17 +90,23 @@ def baseline(tmp_path_factory, data_cache) -> Path:
 
 
 def test_sigterm_saves_the_step_and_resume_auto_equals_an_uninterrupted_run(tmp_path, data_cache, baseline):
+    """Also the user's path of a run started with checkpoint.resume=auto (once tests/test_checkpoint.py's
+    test_train_py_saves_then_resumes_auto): a fresh directory starts fresh, the same command continues it."""
     run_dir = tmp_path / "run"
-    result = train(["debug.fault='sigterm@rank=0,step=3'"], data_cache, run_dir)
+    saved = run_dir / "checkpoints" / "step_00000003"
+    result = train(["debug.fault='sigterm@rank=0,step=3'", "checkpoint.resume=auto"], data_cache, run_dir)
     assert result.returncode == 143, result.stderr[-3000:]
     lines = sluice_lines(result.stderr)
     assert lines[0].startswith("sluice: SIGTERM: stopping after step 3"), lines
     resume_line(lines[-1], "SIGTERM", 3, run_dir)
+    assert f"no complete checkpoint in {run_dir / 'checkpoints'}: starting fresh" in result.stdout
+    assert f"saved checkpoint step 3 to {saved} in " in result.stdout
     assert "interrupted by SIGTERM at step 3 (of 5 steps): 3 steps in" in result.stdout
     assert [step for step, _ in losses(run_dir)] == [1, 2, 3]
 
     resumed = train(["checkpoint.resume=auto"], data_cache, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {saved} (step 3)" in resumed.stdout and "saved checkpoint step 5 to " in resumed.stdout
     assert "done: 2 steps from step 3 in" in resumed.stdout  # this run's steps, not the global step
     assert_resumed_equals(run_dir, baseline, tmp_path)
 
