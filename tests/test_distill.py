@@ -58,7 +58,8 @@ def single_process(workspace, dp: int = 1) -> tuple[dict, Path]:
     """One process over the global batch of `dp` replicas: its results and its run directory (memoised)."""
     if dp not in workspace["baselines"]:
         run_dir = workspace["root"] / f"baseline-dp{dp}"
-        workspace["baselines"][dp] = baseline(run_args(workspace), workspace["root"] / "cache", run_dir, dp), run_dir
+        args = [*run_args(workspace), "checkpoint.save_final=true"]  # a run to teach from (test_a_run_teaches)
+        workspace["baselines"][dp] = baseline(args, workspace["root"] / "cache", run_dir, dp), run_dir
     return workspace["baselines"][dp]
 
 
@@ -152,6 +153,23 @@ def layout_results(workspace, case: Layout) -> list[dict]:
 def test_layout_equals_single_process(workspace, case):
     reference, _ = single_process(workspace, case.dp)
     assert_equivalent(layout_results(workspace, case), reference)  # losses, grad norms, data, gradients, parameters
+
+
+def test_a_sluice_run_teaches_with_its_trained_weights(workspace):
+    """distill.teacher=<run directory>: its newest training checkpoint, loaded whole and frozen, is the trained model."""
+    from training.config import validate
+    from training.distill import load_teacher
+
+    result, run_dir = single_process(workspace)
+    teacher = load_teacher(str(run_dir), torch.device("cpu"))
+    trained = {name: tensor for name, (tensor, *_) in result["params"].items()}
+    loaded = dict(teacher.module.named_parameters())
+    assert set(loaded) == set(trained)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, trained[name]) and not tensor.requires_grad, name
+    assert not teacher.module.training
+    cfg = compose_run_config([*STUDENT, f"distill.teacher={run_dir}"], workspace["root"] / "cache")
+    assert validate(cfg) == []
 
 
 # --- configuration ---------------------------------------------------------------------------------------------------
