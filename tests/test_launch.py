@@ -37,10 +37,15 @@ def single_process_losses(tmp_path, *extra: str) -> list[float]:
     return run_training(cfg, ParallelGrid.single(torch.device("cpu")), tmp_path / "single")["losses"]
 
 
-def test_world_size_mismatch_is_refused_before_training(tmp_path, data_cache):
-    result = run([sys.executable, "train.py", "parallel.tp=2", "parallel.pp=2"], tmp_path / "run", data_cache,
-                 env={"WORLD_SIZE": "2", "RANK": "0"})
-    assert result.returncode == 2
+def test_world_size_mismatch_is_refused_before_training(tmp_path, data_cache, monkeypatch, capsys):
+    """train.py's pre-launch check, through its entry point in this process (it ends before Hydra runs)."""
+    from tests.test_config_errors import train_py_here
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = train_py_here(["parallel.tp=2", "parallel.pp=2", *TINY, f"data.cache_dir={data_cache}",
+                            f"hydra.run.dir={tmp_path / 'run'}"], monkeypatch, capsys)
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
     assert result.stderr.strip().splitlines() == [
         "sluice: config error: world size 2 is not a multiple of parallel.tp*pp = 2*2; "
         "launch a multiple of 4 processes or change parallel.tp/pp"]

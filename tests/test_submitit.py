@@ -32,8 +32,12 @@ def test_a_two_job_sweep_runs_to_completion_through_submitit(tmp_path, data_cach
     assert len(list((tmp_path / "sweep" / ".submitit").glob("*/*_result.pkl"))) == 2
 
 
-def test_a_bad_job_stops_the_sweep_before_anything_is_submitted(tmp_path, data_cache):
-    result = sweep(tmp_path, data_cache, "train.steps=2,0")
+def test_a_bad_job_stops_the_sweep_before_anything_is_submitted(tmp_path, data_cache, monkeypatch, capsys):
+    """train.py's pre-launch check, through its entry point in this process (it ends before Hydra runs)."""
+    from tests.test_config_errors import train_py_here
+
+    result = train_py_here(["-m", "hydra/launcher=local", *TINY, "train.steps=2,0", f"data.cache_dir={data_cache}",
+                            f"hydra.sweep.dir={tmp_path}/sweep"], monkeypatch, capsys)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sluice: config error:") and "train.steps" in lines[0]
