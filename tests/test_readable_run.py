@@ -1,20 +1,41 @@
-"""A run read from a file (Slurm, `> log`): no tqdm carriage returns, one plain line per logged step, tokens_per_s
-counting label tokens with all positions (padding included) apart, hints naming the interpreter actually used; and
-the small frictions of a MiniMind user: MiniMind's argument names suggest Sluice's keys, a truncated JSONL line is
-named at the column where it ends."""
+"""A run read from a file (Slurm, `> log`): no tqdm carriage returns, a header whose figures equal counts taken
+independently from the model and the data, one plain line per logged step, tokens_per_s counting label tokens with all
+positions (padding included) apart, hints naming the interpreter actually used; and the small frictions of a MiniMind
+user: MiniMind's argument names suggest Sluice's keys, a truncated JSONL line is named at the column where it ends."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from parallel.step import IGNORE_INDEX
 from tests.conftest import ROOT
+from tests.equivalence import compose_run_config
+from training.config.schema import compose_config, model_config
 from training.config.unknown_keys import unknown_key
+from training.data import build_data, build_tokenizer, run_data_spec
 from training.data.jsonl import parse_row
 from training.data.rows import TASKS
+from training.run_header import partition_line, run_header
+
+
+def header_of(messages: list[str]) -> dict[str, str]:
+    """The run header's lines by label: what rank 0 logs between the run directory and the first step."""
+    start = next(i for i, m in enumerate(messages) if m.startswith("run directory: ")) + 1
+    stop = next(i for i, m in enumerate(messages) if m.startswith("step ") and i > start)
+    return {m[:10].strip(): m[11:] for m in messages[start:stop]}
+
+
+def parameters_of(cfg) -> int:
+    """The model's parameters as transformers counts them (a model on the CPU, each tied tensor once)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(model_config(cfg)).num_parameters()
 
 
 def test_a_redirected_run_has_no_bar_and_counts_label_tokens(tmp_path, data_cache):
@@ -39,6 +60,21 @@ def test_a_redirected_run_has_no_bar_and_counts_label_tokens(tmp_path, data_cach
         assert row["padded_tokens_per_s"] == pytest.approx(2 * 64 / row["step_time_s"], rel=1e-6)
         assert row["tokens_per_s"] < row["padded_tokens_per_s"]
 
+    # The header, counted again here: the model's parameters by transformers, the label tokens from the rows
+    # the two steps read (and as the steps counted them), 300 embedded conversations padded one per sample.
+    cfg = compose_config([a for a in args[2:] if not a.startswith("hydra.")])
+    stream, _ = build_data(cfg, 0, 1, verbose=False)
+    labels = sum(int((mb.labels[:, 1:] != IGNORE_INDEX).sum()) for step in range(2) for mb in stream.batch(step))
+    assert labels == sum(row["tokens"] for row in rows)
+    n = parameters_of(cfg)
+    assert header_of([line.split(" - ", 1)[1] for line in lines if "][sluice][INFO] - " in line]) == {
+        "model": f"minimind, 4 layers, hidden 64: {n:,} ({n / 1000:.3g}k) parameters, all trainable",
+        "data": "train 300 rows -> 300 samples of 64 tokens, no val split (chat)",
+        "steps": "2 x 2 samples = 4 samples = 0.0133 epochs of the 300 training samples",
+        "layout": "dp 1 x tp 1 x pp 1 (1 process); 1 micro-batch x 2 sequences per replica; 2 x 64 tokens per step",
+        "partition": "4 layers on one stage",
+        "tokens": f"128 per step, label tokens {100 * labels / 256:.2f}% ({labels} of 256 over this run's 2 steps)"}
+
 
 @pytest.mark.parametrize("key, suggestion", [
     ("data.data_path", "data.path"), ("data_path", "data.path"), ("max_seq_len", "train.seq_len"),
@@ -55,11 +91,13 @@ def test_a_truncated_line_is_named_where_it_ends():
                                                     "value is complete, in a string opened at column 10 (a truncated "
                                                     "line?)")
     assert parse_row(b'{"text": "abc"', TASKS["text"])[1].startswith("line is not JSON: it ends at column 15")
-    assert parse_row(b'{"text": "abc" x}', TASKS["text"])[1] == "line is not JSON (Expecting ',' delimiter at column 16)"
+    assert parse_row(b'{"text": "abc" x}', TASKS["text"])[1] == ("line is not JSON (Expecting ',' delimiter at "
+                                                                 "column 16)")
 
 
 def test_the_documented_continue_commands_match_the_run_they_continue():
-    """docs/checkpoints.md continues README's `experiment=demo` run: the same model, or the resume is refused (exit 2)."""
+    """docs/checkpoints.md continues README's `experiment=demo` run: the same model, or the resume is refused
+    (exit 2)."""
     import shlex
 
     from models import config_record
@@ -73,3 +111,71 @@ def test_the_documented_continue_commands_match_the_run_they_continue():
         words = shlex.split(line.split("  #")[0])[2:]
         kept = [w for w in words if not w.startswith(("checkpoint.resume=", "hydra.run.dir=", "train.steps="))]
         assert config_record(model_config(compose_config(kept))) == demo, line
+
+
+def test_the_header_counts_adapters_rows_and_the_partition(tmp_path, data_cache):
+    """LoRA's share counted by peft, the rows of a JSONL file with bad lines and of its val file, the packed samples
+    from the tokenizer's lengths, the epochs, the interleaved partition and the label tokens of a dp2 step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    texts = [f"row {i} " + "word " * (i % 13) for i in range(60)]
+    lines = [json.dumps({"text": t}) for t in texts]
+    (tmp_path / "train.jsonl").write_text("\n".join([*lines[:30], "{bad", *lines[30:], "not json"]) + "\n")
+    (tmp_path / "val.jsonl").write_text("\n".join(lines[:11]) + "\n")
+    cfg = compose_run_config(["model=tiny", "data=jsonl", f"data.path={tmp_path / 'train.jsonl'}",
+                              f"data.val_path={tmp_path / 'val.jsonl'}", "data.tokenizer=synthetic",
+                              "data.skip_bad_lines=true", "data.format=packed", "lora.rank=4",
+                              "lora.targets=[q_proj,down_proj]", "parallel.pp=2", "parallel.vpp=2",
+                              "parallel.emulate=true", "parallel.dp=2", "schedule=interleaved-1f1b",
+                              "train.steps=50"], data_cache)
+    stream, _ = build_data(cfg, 0, 2, verbose=False)
+    header = dict((line[:10].strip(), line[11:]) for line in run_header(cfg, stream, dp=2, processes=2))
+
+    model = get_peft_model(AutoModelForCausalLM.from_config(model_config(cfg)),
+                           LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    trainable, total = model.get_nb_trainable_parameters()
+    tokenizer = build_tokenizer(run_data_spec(cfg))
+    tokens = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 2 for t in texts]  # [bos] text [eos]
+    train, val = sum(tokens) // 32, sum(tokens[:11]) // 32
+    per_step = 2 * 8 * 2  # dp x n_microbatches (interleaved-1f1b's preset) x micro_batch_size
+    assert header == {
+        "model": f"minimind, 4 layers, hidden 64: {total:,} ({total / 1000:.3g}k) parameters, {trainable:,} trainable "
+                 f"({100 * trainable / total:.2f}%: LoRA rank 4 on 8 linears, the rest frozen)",
+        "data": f"train 60 rows -> {train} samples of 32 tokens, val 11 rows -> {val} samples of 32 tokens (packed); "
+                "2 bad lines skipped",
+        "steps": f"50 x {per_step} samples = {50 * per_step:,} samples = {50 * per_step / train:.3g} epochs of the "
+                 f"{train} training samples",
+        "layout": "dp 2 x tp 1 x pp 2 (2 processes, pp emulated), schedule interleaved-1f1b; 8 micro-batches x 2 "
+                  "sequences per replica; 32 x 32 tokens per step",
+        "partition": "4 layers in 4 stages (1 each, 2 per rank, loop placement): rank 0 layers 0, 2 | rank 1 layers "
+                     "1, 3",
+        "tokens": f"1,024 per step, label tokens 96.88% ({50 * per_step * 31:,} of {50 * 1024:,} over this run's 50 "
+                  "steps)"}
+
+
+@pytest.mark.parametrize("parallel, partition", [
+    ([], "4 layers on one stage"),
+    (["parallel.pp=2", "parallel.layers_per_stage=[3,1]"],
+     "4 layers in 2 stages (1 to 3 each): rank 0 layers 0-2 | rank 1 layers 3"),
+    (["parallel.pp=2", "parallel.vpp=2", "schedule=zbv"],
+     "4 layers in 4 stages (1 each, 2 per rank, v placement): rank 0 layers 0, 3 | rank 1 layers 1, 2")])
+def test_the_header_gives_each_rank_its_layers(parallel, partition):
+    assert partition_line(compose_config(["model=tiny", *parallel]), 4) == partition
+
+
+def test_a_resumed_run_says_where_it_resumed(tmp_path, data_cache, caplog):
+    from parallel.grid import ParallelGrid
+    from training.trainer import Trainer
+
+    grid, run_dir = ParallelGrid.single(torch.device("cpu")), tmp_path / "run"
+    overrides = ["model=tiny", "schedule.n_microbatches=1", "checkpoint.save_final=true"]
+    Trainer(compose_run_config([*overrides, "train.steps=2"], data_cache), grid, run_dir).fit()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sluice"):
+        Trainer(compose_run_config([*overrides, "train.steps=3", "checkpoint.resume=auto"], data_cache), grid,
+                run_dir).fit()
+    header = header_of(caplog.messages)
+    assert header["resumed"] == (f"from step 2 ({run_dir / 'checkpoints' / 'step_00000002'}), at sample 4: this run "
+                                 "does step 3")
+    assert header["tokens"] == "64 per step, label tokens 96.88% (62 of 64 over this run's 1 step)"

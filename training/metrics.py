@@ -6,6 +6,7 @@ import math
 import os
 import time
 from contextlib import ExitStack
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,13 @@ def peak_tflops_for(cfg: DictConfig, device) -> float | None:
 class MetricsLogger:
     """Writes one record per logged step to every configured sink; a no-op on ranks other than 0.
 
-    Opening prints the run directory and starts the bar (at `start_step` when resuming: metrics.jsonl keeps only
-    the rows up to it, as the steps after it are done again); closing prints the summary. `device` is the compute
-    device (for the MFU peak); the world size is the process count, for per-device TFLOP/s."""
+    Opening prints the run directory and the run's `header` lines, then starts the bar (at `start_step` when
+    resuming: metrics.jsonl keeps only the rows up to it, as the steps after it are done again); closing prints the
+    summary. `device` is the compute device (for the MFU peak); the world size is the process count, for per-device
+    TFLOP/s."""
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0, device=None):
+    def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0, device=None,
+                 header: Sequence[str] = ()):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.cfg = cfg
@@ -54,6 +57,8 @@ class MetricsLogger:
             self.sinks = open_sinks(self.run_dir, cfg, stack)
             stack.enter_context(log_above_bar())
             log.info("run directory: %s", self.run_dir.resolve())
+            for line in header:
+                log.info(line)
             self.progress = stack.enter_context(progress_bar(cfg.train.steps, initial=start_step))
             self._stack = stack.pop_all()
 

@@ -31,6 +31,7 @@ from training.flops import peak_memory_record, world_group
 from training.reliability.guard import StepGuard
 from training.reliability.watchdog import Interrupted, exit_code
 from training.metrics import MetricsLogger
+from training.run_header import run_header
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -125,8 +126,10 @@ class Trainer:
         checkpointing is on, and Interrupted carries the exit status (130/143)."""
         cfg, steps = self.cfg, self.cfg.train.steps
         first = self.checkpoints.resume()
+        header = (run_header(cfg, self.data, self.grid.dp, self.grid.world_size, first, self.checkpoints.resumed_from)
+                  if self.grid.rank == 0 else ())
         metrics = MetricsLogger(self.run_dir, cfg, enabled=self.grid.rank == 0, start_step=first,
-                                device=self.grid.device)
+                                device=self.grid.device, header=header)
         losses: list[float] = []
         unlabeled: list[int] = []  # steps whose samples held no label token on any rank: they train on nothing
         guard = self.guard

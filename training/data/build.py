@@ -154,6 +154,7 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
     kind = PairBatches if spec.preference else StepBatches  # pairs: the DPO reference log-probabilities ride along
     stream = kind(splits.train, geo.samples_per_micro_batch, geo.n_microbatches, dp_rank, dp_size, geo.seed,
                   skipped_lines=splits.skipped_lines, shuffle=spec.shuffle)
+    stream.held_out = splits.val
     return stream, tokenizer
 
 

@@ -24,6 +24,8 @@ class StepBatches:
     side by side): `micro_batch_size` counts samples, and a micro-batch holds its samples' sequences in order.
     """
 
+    held_out: Samples | None = None  # the held-out split beside these samples (the run header reports its size)
+
     def __init__(self, samples: Samples, micro_batch_size: int, n_microbatches: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, skipped_lines: int = 0, shuffle: bool = True) -> None:
         if micro_batch_size < 1 or n_microbatches < 1:
