@@ -7,6 +7,7 @@ one-line refusals of a missing or unfit teacher.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,8 @@ def test_a_sluice_run_teaches_with_its_trained_weights(workspace):
 
 def test_an_unfit_teacher_is_refused_in_one_line(workspace, tmp_path):
     from training.config import ConfigError, validate
+    from training.data import run_data_spec
+    from training.data.tokenizer import build_tokenizer
 
     small = tmp_path / "small"
     MiniMindForCausalLM(MiniMindConfig(**TEACHER | {"vocab_size": 1024})).save_pretrained(small)
@@ -195,6 +198,13 @@ def test_an_unfit_teacher_is_refused_in_one_line(workspace, tmp_path):
         with pytest.raises(ConfigError) as error:
             validate(compose_run_config([*STUDENT, *extra], workspace["root"] / "cache"))
         assert str(error.value) == message
+    other = tmp_path / "other-tokenizer"  # the teacher with the embedded tokenizer of another corpus size
+    shutil.copytree(workspace["root"] / "teacher", other)
+    build_tokenizer(run_data_spec(compose_run_config([*STUDENT, "data.num_docs=400"], tmp_path))).save_pretrained(other)
+    with pytest.raises(ConfigError, match=rf"^distill.teacher={other} was trained with another tokenizer than this "
+                                          r"run's \(the embedded tokenizer of data.num_docs=300, .*\): \d+ of this "
+                                          r"run's \d+ tokens have other ids there; set data.num_docs and data.seed"):
+        validate(compose_run_config([*STUDENT, f"distill.teacher={other}"], workspace["root"] / "cache"))
     teacher = f"distill.teacher={workspace['root'] / 'teacher'}"
     with pytest.raises(ConfigError, match=r"^distill.teacher=.* is read only when train.task=distill \(here "
                                           r"train.task=pretrain\); drop distill.teacher or change train.task$"):

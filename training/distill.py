@@ -38,7 +38,7 @@ def teacher_config(path: str):
 
 def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
     """Why this run's teacher cannot teach (one line, before launch), or None: none given under train.task=distill,
-    no model at the path, unreadable weights, or a vocabulary smaller than the student's."""
+    no model at the path, unreadable weights, a vocabulary smaller than the student's, or a tokenizer of other ids."""
     path = OmegaConf.select(cfg, "distill.teacher")
     if OmegaConf.select(cfg, "train.task") != "distill":
         return None
@@ -64,7 +64,14 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
     if vocab < student_vocab:
         return (f"distill.teacher={path} has a vocabulary of {vocab} tokens, the student {student_vocab}; the "
                 "teacher's logits must cover the student's vocabulary (a teacher of the same tokenizer)")
-    return None
+    from training.data import DataError, run_data_spec
+    from training.data.tokenizer import weights_tokenizer_problem
+
+    try:  # a teacher of another tokenizer teaches other words under the same ids, without any error
+        problem = weights_tokenizer_problem(path, run_data_spec(cfg))
+    except DataError as error:
+        problem = str(error)
+    return problem.replace("checkpoint.load_dense=", "distill.teacher=") if problem else None
 
 
 def load_teacher(path: str, device: torch.device) -> Decoder:
