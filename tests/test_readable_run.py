@@ -179,3 +179,12 @@ def test_a_resumed_run_says_where_it_resumed(tmp_path, data_cache, caplog):
     assert header["resumed"] == (f"from step 2 ({run_dir / 'checkpoints' / 'step_00000002'}), at sample 4: this run "
                                  "does step 3")
     assert header["tokens"] == "64 per step, label tokens 96.88% (62 of 64 over this run's 1 step)"
+
+
+def test_the_documented_header_is_what_the_demo_run_prints(data_cache):
+    """docs/launching.md shows the header of README's `experiment=demo` run: the same lines, figure for figure."""
+    page = (ROOT / "docs" / "launching.md").read_text()
+    shown = page.split("`experiment=demo` run prints:\n\n```text\n", 1)[1].split("```", 1)[0].splitlines()
+    cfg = compose_config(["experiment=demo", f"data.cache_dir={data_cache}"])
+    stream, _ = build_data(cfg, 0, 1, verbose=False)
+    assert shown == run_header(cfg, stream, dp=1, processes=1)
