@@ -23,8 +23,8 @@ from tests.test_reliability import TINY, pids_where, sluice_lines, wait_until
 
 TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--monitor-interval", "0.1",
             "--log-dir", "{tmp}/torchrun"]  # torchrun's own logs (without it: torchelastic_* in the temp folder)
-LAUNCHERS = {  # launcher -> (command, layout, the rank to fault: one whose peers wait on it in P2P and a collective)
-    "self-launch": ([sys.executable, "train.py"], ["parallel.pp=2", "parallel.dp=2"], 2),
+LAUNCHERS = {  # launcher -> (command, layout, the rank to fault: its peer waits on it in P2P, or in a collective)
+    "self-launch": ([sys.executable, "train.py"], ["parallel.pp=2"], 1),
     "torchrun": ([*TORCHRUN, "--nproc-per-node", "2", "train.py"], ["parallel.dp=2"], 1),
 }
 TIMEOUT_S = 15
@@ -197,7 +197,7 @@ def test_a_killed_worker_ends_the_run_before_any_timeout_under_torchrun(tmp_path
 
 
 RESTARTS = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1", "train.max_restarts=1", "optim.lr=1e-3"]
-PP2 = ["parallel.pp=2"]  # the restart is the launcher's, whatever the layout: two workers (4 cost twice the CPU)
+PP2 = LAUNCHERS["self-launch"][1]  # the restart is the launcher's, whatever the layout: two workers, not four
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
