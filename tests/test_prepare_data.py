@@ -2,21 +2,39 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
-import sys
+
+import pytest
 
 from tests.conftest import ROOT
 from tests.data_helpers import SMALL, data_section, make_cfg, spec, write_jsonl
 from training.data import build_data, build_tokenizer, synthetic_corpus
 
 
-def prepare(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/prepare_data.py", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+@pytest.fixture
+def prepare(capsys):
+    """`python scripts/prepare_data.py overrides` through its main(argv) in this process (a Python start-up fewer):
+    exit code, stdout and stderr."""
+    spec_ = importlib.util.spec_from_file_location("prepare_data_script", ROOT / "scripts" / "prepare_data.py")
+    script = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(script)
+
+    def run(*overrides: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            script.main(list(overrides))
+            code = 0
+        except SystemExit as leave:
+            code = leave.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(overrides, code, out.out, out.err)
+
+    return run
 
 
-def test_prepare_then_train_reads_the_cache(tmp_path):
+def test_prepare_then_train_reads_the_cache(tmp_path, prepare):
     tokenizer = tmp_path / "tokenizer"
     build_tokenizer(spec(**SMALL, cache_dir=str(tmp_path / "c0"))).save_pretrained(tokenizer)
     path = write_jsonl(tmp_path / "docs.jsonl", synthetic_corpus(60, seed=4))
@@ -35,7 +53,7 @@ def test_prepare_then_train_reads_the_cache(tmp_path):
     assert (tmp_path / folder / "tokens.bin").stat().st_mtime_ns == mtime
 
 
-def test_prepare_reports_bad_data_in_one_line(tmp_path):
+def test_prepare_reports_bad_data_in_one_line(tmp_path, prepare):
     tokenizer = tmp_path / "tokenizer"
     build_tokenizer(spec(**SMALL, cache_dir=str(tmp_path / "c0"))).save_pretrained(tokenizer)
     path = tmp_path / "bad.jsonl"
