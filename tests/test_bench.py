@@ -7,6 +7,7 @@ equal losses for Sluice and torch.distributed.pipelining, and activation bytes t
 import importlib
 import json
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -24,10 +25,15 @@ REAL = ("1f1b", "interleaved-1f1b")
 
 
 def bench_job(rank: int, world_size: int, module: str, name: str, *args):
-    """A benchmark's worker function run in a pooled test worker (which may predate scripts/bench on sys.path)."""
+    """A benchmark's worker function run in a pooled test worker (which may predate scripts/bench on sys.path).
+
+    On the pooled worker's one intra-op thread: the one-process benchmarks ask for the machine's cores, and two
+    threads beside the other test worker's processes spun 30x slower (an eager step of the tiny model 1.2 s, not
+    0.04 s); the smoke checks paths, not figures, and the pooled worker keeps its one thread for later tests."""
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
-    return getattr(importlib.import_module(module), name)(rank, world_size, *args)
+    with mock.patch.object(torch, "set_num_threads", lambda threads: None):
+        return getattr(importlib.import_module(module), name)(rank, world_size, *args)
 
 
 def in_this_process(monkeypatch):
