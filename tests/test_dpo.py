@@ -241,7 +241,7 @@ def test_bad_pairs_and_configs_are_one_line(tmp_path):
             (["dpo.beta=0"], r"^dpo.beta")):
         with pytest.raises(ConfigError, match=message):
             validate(compose_run_config([*args, "data.skip_bad_lines=true", *changes], tmp_path / "cache"))
-    sft = compose_run_config(["train.task=sft", "model=tiny"], tmp_path / "cache")
+    sft = compose_run_config(["train.task=sft", "model=tiny", "data.format=packed"], tmp_path / "cache")
     with pytest.raises(ConfigError, match=r"^train.task=sft trains on conversations; set data.format=chat"):
         validate(sft)
     assert any("dpo.beta=0.5 is read only when train.task=dpo" in w

@@ -303,7 +303,7 @@ def test_optimizer_state_holds_only_the_adapters(tmp_path):
     full, n_full = optimizer_state_bytes(["model=tiny"], tmp_path)
     lora, n_lora = optimizer_state_bytes(["model=tiny", "lora=minimind"], tmp_path)
     assert (full, lora) == (8 * n_full, 8 * n_lora)
-    assert n_lora == 4 * 2 * (8 * 64 + 64 * 8)  # 4 layers x (q_proj, o_proj) x (lora_A + lora_B)
+    assert n_lora == 4 * 2 * (16 * 64 + 64 * 16)  # 4 layers x (q_proj, o_proj) x (lora_A + lora_B), rank 16
     print(f"tiny: AdamW state {full / 2**20:.3f} MiB -> {lora / 2**20:.3f} MiB under lora=minimind")
 
 
