@@ -1,5 +1,6 @@
 """Training checkpoints: exact resume, resharding to other layouts and to one process, atomic saves."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -268,6 +269,10 @@ ids = torch.arange(3, 19).view(1, 16)
 with torch.no_grad():
     torch.save(model(input_ids=ids).logits, sys.argv[2])
 print(model.generate(ids[:, :4], max_new_tokens=3, do_sample=False).shape)
+
+import runpy  # then scripts/generate.py on that folder, in this same process outside the repository
+sys.argv = [sys.argv[3], sys.argv[1], "the cat", "--max-new-tokens", "4"]
+runpy.run_path(sys.argv[0], run_name="__main__")  # exits with generate.py's code
 """
 
 
@@ -283,9 +288,10 @@ def test_export_loads_without_the_repository(trained, tmp_path):
     with torch.no_grad():
         expected = model(input_ids=torch.arange(3, 19).view(1, 16)).logits
 
-    export = subprocess.run([sys.executable, "scripts/export_hf.py", str(root / "tp2pp2"), str(tmp_path / "hf")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert export.returncode == 0, export.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location("export_hf_script", ROOT / "scripts" / "export_hf.py")
+    export = importlib.util.module_from_spec(spec)  # the script's main(argv) in this process: a start-up fewer
+    spec.loader.exec_module(export)
+    assert export.main([str(root / "tp2pp2"), str(tmp_path / "hf")]) == 0
     from checkpoint.export import export_checkpoint
 
     export_checkpoint(root / "tp2pp2", tmp_path / "pth", fmt="pth")  # the script's --format pth, in-process
@@ -295,16 +301,12 @@ def test_export_loads_without_the_repository(trained, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HOME": str(tmp_path / "hf-home")}
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    loaded = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(tmp_path / "hf"), str(tmp_path / "logits.pt")],
-                            cwd=outside, env=env, capture_output=True, text=True, timeout=300)
-    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    loaded = subprocess.run([sys.executable, "-c", LOAD_ELSEWHERE, str(tmp_path / "hf"), str(tmp_path / "logits.pt"),
+                             str(ROOT / "scripts" / "generate.py")], cwd=outside, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]  # the stock load, then generate.py
     assert "torch.Size([1, 7])" in loaded.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, rtol=1e-5, atol=1e-5)
-
-    generate = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), str(tmp_path / "hf"), "the cat",
-                               "--max-new-tokens", "4"], cwd=outside, env=env, capture_output=True, text=True,
-                              timeout=300)
-    assert generate.returncode == 0, generate.stderr[-2000:]
 
     fresh = MiniMindForCausalLM(model_config(cfg)).eval()
     fresh.load_state_dict(torch.load(tmp_path / "pth" / "pretrain_64.pth", weights_only=True), strict=True)
