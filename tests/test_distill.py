@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(900)
 
 ALPHA, T = 0.3, 2.0  # not the defaults (0.5, 1.5): a weight or temperature not applied changes every number below
 STUDENT = ["model=tiny", "train.task=distill", f"distill.alpha={ALPHA}", f"distill.temperature={T}",
-           "train.steps=2", "schedule.n_microbatches=4", "optim.weight_decay=0.5", "train.grad_clip=1.0"]
+           "train.steps=2", "schedule.n_microbatches=4", "optim.weight_decay=0.5", "train.grad_clip=1.0",
+           "data.val_fraction=0.15", "train.eval_every=2", "train.eval_batches=2"]  # held-out batches meet the teacher
 # The teacher: twice as wide, half as deep, a larger vocabulary (cut to the student's, as MiniMind does).
 TEACHER = dict(vocab_size=2048 + 64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=256)
@@ -129,6 +130,9 @@ def test_one_process_equals_a_plain_pytorch_distillation_loop(workspace):
         assert [record["ce_loss"], record["distill_loss"]] == pytest.approx([part["ce_loss"], part["distill_loss"]],
                                                                             rel=1e-5)
         assert record["loss"] == pytest.approx(ALPHA * record["ce_loss"] + (1 - ALPHA) * record["distill_loss"])
+    last = records[-1]  # the held-out batches: the same two terms, no perplexity of a mixed loss
+    assert "val_ppl" not in last and 0 < last["val_distill_loss"] < last["val_ce_loss"]
+    assert last["val_loss"] == pytest.approx(ALPHA * last["val_ce_loss"] + (1 - ALPHA) * last["val_distill_loss"])
     params = {name: tensor for name, (tensor, *_) in result["params"].items()}
     for name, tensor in want["params"].items():
         error = ((params[name] - tensor).norm() / tensor.norm()).item()
@@ -157,7 +161,7 @@ def test_layout_equals_single_process(workspace, case):
 
 
 def test_a_sluice_run_teaches_with_its_trained_weights(workspace):
-    """distill.teacher=<run directory>: its newest training checkpoint, loaded whole and frozen, is the trained model."""
+    """distill.teacher=<run directory>: its newest checkpoint, loaded whole and frozen, is the trained model."""
     from training.config import validate
     from training.distill import load_teacher
 

@@ -107,11 +107,12 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """`val_loss` (token-weighted over the held-out batches, forward only) and `val_ppl`; under DPO the DPO loss
-        and `val_reward_*` (means over the held-out pairs) instead of a perplexity."""
+        and `val_reward_*` (means over the held-out pairs), under distillation the mixed loss, `val_ce_loss` and
+        `val_distill_loss`, instead of a perplexity."""
         results = [self.engine.evaluate(micro_batches) for micro_batches in self.val_batches]
         tokens = sum(r.tokens for r in results)
         loss = sum(r.loss * r.tokens for r in results) / max(tokens, 1)
-        if self.dpo:
+        if self.dpo or self.distill:
             means = {k: sum(r.metrics[k] * r.tokens for r in results) / max(tokens, 1) for k in results[0].metrics}
             return {"val_loss": loss, **{f"val_{k}": v for k, v in means.items()}}
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0))}
