@@ -1,4 +1,4 @@
-"""Preparing a pipeline before launch: linear work, one cached pipeline per spec, immutable, named faults."""
+"""Lowering a pipeline before launch: linear work, one cached pipeline per spec, immutable, named faults."""
 
 import random
 import sys
@@ -12,7 +12,7 @@ from parallel.pipeline import static_rules
 from parallel.pipeline.actions import Action, Kind
 from parallel.pipeline.static_rules import ScheduleError
 from parallel.pipeline.lowering import lower
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import Verified, peak_live, simulate, verify
 from parallel.pipeline.tables import dump_builtin
@@ -54,7 +54,7 @@ def phases(name: str, pp: int, m: int) -> tuple[int, dict[str, int]]:
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "interleaved-1f1b"])
-def test_preparing_does_work_linear_in_the_actions(name):
+def test_lowering_does_work_linear_in_the_actions(name):
     # Twice the ranks and twice the micro-batches: four times the actions. Linear work grows four times; the
     # old round-robin replays and per-channel scans grew with ranks x actions (eight times and more here).
     small_actions, small = phases(name, 4, 16)
@@ -65,11 +65,11 @@ def test_preparing_does_work_linear_in_the_actions(name):
         assert big[phase] / small[phase] < 1.15 * growth, (phase, small[phase], big[phase])
 
 
-def test_prepare_pipeline_is_cached_and_immutable():
+def test_lower_pipeline_is_cached_and_immutable():
     spec = PipelineSpec(pp=4, schedule="1f1b", n_microbatches=8)
-    pipeline = prepare_pipeline(spec, 8)
-    assert prepare_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=8), 8) is pipeline  # checked once
-    assert prepare_pipeline(spec, 12) is not pipeline  # another partition is another pipeline
+    pipeline = lower_pipeline(spec, 8)
+    assert lower_pipeline(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=8), 8) is pipeline  # checked once
+    assert lower_pipeline(spec, 12) is not pipeline  # another partition is another pipeline
     assert isinstance(pipeline.lowered, tuple) and all(isinstance(row, tuple) for row in pipeline.lowered)
     assert isinstance(pipeline.partition, tuple)
     with pytest.raises(TypeError):
@@ -77,13 +77,13 @@ def test_prepare_pipeline_is_cached_and_immutable():
     assert pipeline.simulate().makespan == 33  # 1F1B at pp=4, m=8: 3 * (m + pp - 1)
 
 
-def test_an_edited_table_is_prepared_anew(tmp_path):
+def test_an_edited_table_is_lowered_anew(tmp_path):
     path = dump_builtin("1f1b", 2, 4, tmp_path / "t.csv")
     spec = PipelineSpec(pp=2, schedule="table", n_microbatches=4, table_path=str(path))
-    first = prepare_pipeline(spec, 4)
+    first = lower_pipeline(spec, 4)
     assert first.lowered == tuple(map(tuple, lower(SCHEDULES["1f1b"].generate(2, 4, 1), 2, 2, "loop")))
     dump_builtin("gpipe", 2, 4, path)  # same path, new content
-    assert prepare_pipeline(spec, 4).lowered != first.lowered
+    assert lower_pipeline(spec, 4).lowered != first.lowered
 
 
 def test_peak_live_counts_micro_batches_or_weighs_stages():

@@ -1,10 +1,10 @@
-"""Time preparing a pipeline before launch (generate, lower, verify, simulate) at pp=8, m=64 and pp=64, m=1024.
+"""Time lowering a pipeline before launch (generate, lower, verify, simulate) at pp=8, m=64 and pp=64, m=1024.
 
-    python scripts/bench/prepare_speed.py [--repeat 3] [--sizes 8x64 64x1024]
+    python scripts/bench/lowering_speed.py [--repeat 3] [--sizes 8x64 64x1024]
 
 Prints, per schedule and size, the number of lowered actions and the best of `--repeat` runs of each phase,
 as CPU seconds of this process (what the code costs, whatever else the machine runs) and wall seconds.
-`prepare` is what a run pays before its first step (prepare_pipeline: generate + lower + verify, then the
+Lowering is what a run pays before its first step (lower_pipeline: generate + lower + verify, then the
 simulated step the trace is drawn against); `lower+verify+simulate` adds up the three public functions, as a
 caller runs them: `simulate` is handed what `verify` returned, so it does not repeat the static check.
 """
@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from parallel.pipeline.lowering import lower  # noqa: E402
-from parallel.pipeline.prepare import prepare_pipeline  # noqa: E402
+from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
 from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
 from parallel.pipeline.simulate import simulate, verify  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
@@ -48,11 +48,11 @@ def bench(name: str, vpp: int, pp: int, m: int, repeat: int) -> str:
     sim_cpu, sim_wall, _ = best_of(repeat, lambda: simulate(verified, pp, n, m, spec.placement))
     pipeline = PipelineSpec(pp=pp, vpp=vpp, schedule=name, n_microbatches=m)
     layers = iter(range(n, n + repeat))  # a new model depth per run: a new cache key, so the work is timed
-    checks_cpu, checks_wall, _ = best_of(repeat, lambda: prepare_pipeline(pipeline, next(layers)).simulate())
+    checks_cpu, checks_wall, _ = best_of(repeat, lambda: lower_pipeline(pipeline, next(layers)).simulate())
     total_cpu, total_wall = lower_cpu + verify_cpu + sim_cpu, lower_wall + verify_wall + sim_wall
     return (f"{name:<17} pp={pp:<3} m={m:<5} actions={sum(map(len, lowered)):<7} cpu: "
             f"lower {lower_cpu:.3f}s verify {verify_cpu:.3f}s simulate {sim_cpu:.3f}s | lower+verify+simulate "
-            f"{total_cpu:.3f}s cpu / {total_wall:.3f}s wall | prepare {checks_cpu:.3f}s cpu / {checks_wall:.3f}s wall")
+            f"{total_cpu:.3f}s cpu / {total_wall:.3f}s wall | lowering {checks_cpu:.3f}s cpu / {checks_wall:.3f}s wall")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Preparing a pipeline: the one home of load -> partition -> lower -> verify, used by the engine, the
+"""Lowering a pipeline: the one home of load -> partition -> lower -> verify, used by the engine, the
 pre-launch check and `scripts/plan.py` alike, and run once per (schedule, pp, vpp, m, partition)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .tables import load_table
 class LoweredPipeline:
     """A checked pipeline: every rank's lowered action list, the stage placement and each stage's layers.
 
-    Prepared pipelines are cached and shared, so everything in one is immutable (tuples)."""
+    Lowered pipelines are cached and shared, so everything in one is immutable (tuples)."""
 
     spec: PipelineSpec
     placement: str
@@ -50,23 +50,23 @@ def load_schedule(spec: PipelineSpec) -> tuple[Schedule, str]:
     return registered.generate(spec.pp, spec.n_microbatches, spec.vpp), registered.placement
 
 
-def prepare_pipeline(spec: PipelineSpec, num_layers: int) -> LoweredPipeline:
+def lower_pipeline(spec: PipelineSpec, num_layers: int) -> LoweredPipeline:
     """Partition the layers, load the schedule, lower and verify it; raise ValueError naming the fix.
 
     Cached: every caller in a process (validation, each emulated rank, the engine) shares one pipeline. The key
-    holds what the schedule is made from, so a re-registered schedule or an edited table file is prepared anew."""
+    holds what the schedule is made from, so a re-registered schedule or an edited table file is lowered anew."""
     table = spec.schedule == "table"
     source: RegisteredSchedule | tuple[int, int] | None = None if table else find_schedule(spec.schedule)
     if table and spec.table_path and os.path.isfile(spec.table_path):
         stat = os.stat(spec.table_path)
         source = (stat.st_mtime_ns, stat.st_size)
-    return _prepare(spec, num_layers, source)
+    return _lower(spec, num_layers, source)
 
 
 @functools.lru_cache(maxsize=16)
 @collector_paused
-def _prepare(spec: PipelineSpec, num_layers: int, source: object) -> LoweredPipeline:
-    """`prepare_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
+def _lower(spec: PipelineSpec, num_layers: int, source: object) -> LoweredPipeline:
+    """`lower_pipeline` for one cache key (`source`: the registered schedule or the table file's stamp)."""
     del source  # part of the cache key only
     counts = list(spec.layers_per_stage) if spec.layers_per_stage is not None else None
     partition = tuple(layer_partition(num_layers, spec.n_stages, counts))
