@@ -22,7 +22,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from parallel.pipeline.actions import Lists  # noqa: E402
 from parallel.pipeline.partition import stage_to_rank  # noqa: E402
-from parallel.pipeline.prepare import prepare_pipeline  # noqa: E402
+from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
 from parallel.pipeline.render import plan_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
@@ -147,11 +147,11 @@ def main(argv: list[str]) -> int:
     pp, vpp = p.pp, p.vpp
     n_stages = pp * vpp
     try:
-        plan = prepare_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
+        pipeline = lower_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
     except ValueError as error:
         fail(str(error))
-    partition, placement, lowered = list(plan.partition), plan.placement, plan.lowered
-    sim = plan.simulate()
+    partition, placement, lowered = list(pipeline.partition), pipeline.placement, pipeline.lowered
+    sim = pipeline.simulate()
 
     decoder = model_decoder(cfg)
     print(f"plan: model={cfg.model.name} ({decoder.config.num_hidden_layers} layers, hidden "

@@ -33,7 +33,7 @@ from parallel.grid import ParallelGrid
 from parallel.materialize import materialize_, seeded_init
 from parallel.passes import chunk_passes
 from parallel.pipeline.build import rank_chunks
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.spec import PipelineSpec
 from parallel.tensor import vocab_parallel_cross_entropy
 from parallel.tensor_pass import join_blocks, shard_modules
@@ -101,7 +101,7 @@ def sluice_run(preset: str, grid: ParallelGrid) -> dict:
     config = family_config(preset)
     weights, ids = reference(config).state_dict(), batch(config)
     spec = default_engine_spec(PipelineSpec(pp=2, schedule="1f1b", n_microbatches=2), 1, ids.shape[1])
-    pipeline, decoder = prepare_pipeline(spec.pipeline, config.num_hidden_layers), decoder_of(build_model(config))
+    pipeline, decoder = lower_pipeline(spec.pipeline, config.num_hidden_layers), decoder_of(build_model(config))
     passes = chunk_passes(spec, lambda name, shape: weights[name].clone())
     first, last = (rank_chunks(pipeline, decoder, grid, rank, passes)[rank] for rank in (0, 1))
     hidden, _ = first(input_ids=ids)

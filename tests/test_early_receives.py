@@ -9,7 +9,7 @@ import pytest
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline.actions import RECV_F, SEND_F, Action
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.runtime import early_receive_runs
 from parallel.pipeline.schedules import SCHEDULES, RegisteredSchedule
 from parallel.pipeline.transport import SENDS, LocalEndpoint, LocalTransport
@@ -33,8 +33,8 @@ def computes_before(order: list) -> dict:
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name):
     vpp = SCHEDULES[name].default_vpp
-    plan = prepare_pipeline(PipelineSpec(pp=4, vpp=vpp, schedule=name, n_microbatches=8), 4 * vpp)
-    for actions in plan.lowered:
+    pipeline = lower_pipeline(PipelineSpec(pp=4, vpp=vpp, schedule=name, n_microbatches=8), 4 * vpp)
+    for actions in pipeline.lowered:
         actions = list(actions)
         posted = [a for _, group in early_receive_runs(actions) for a in group]
         assert sorted(posted) == sorted(actions)
@@ -46,8 +46,8 @@ def test_each_receive_moves_one_compute_earlier_and_nothing_else_moves(name):
 
 
 def test_runs_alternate_and_keep_slots_in_order():
-    plan = prepare_pipeline(PipelineSpec(pp=4, vpp=2, schedule="interleaved-1f1b", n_microbatches=8), 8)
-    runs = early_receive_runs(list(plan.lowered[1]))
+    pipeline = lower_pipeline(PipelineSpec(pp=4, vpp=2, schedule="interleaved-1f1b", n_microbatches=8), 8)
+    runs = early_receive_runs(list(pipeline.lowered[1]))
     assert all(all(a.kind.is_comm for a in group) or len(group) == 1 for _, group in runs)
     assert not any(runs[i][1][0].kind.is_comm and runs[i + 1][1][0].kind.is_comm for i in range(len(runs) - 1))
     assert [slot for slot, _ in runs] == sorted(slot for slot, _ in runs)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.tables import dump_builtin
 from tests.equivalence import (EMU, Layout, Tolerances, assert_equivalent, baseline, compose_run_config, distance,
                                layout_worker, layouts_worker, run_training)
@@ -166,7 +166,7 @@ def test_layout_equals_single_process(workspace, case):
     config = model_config(cfg)  # resolved: a field the preset leaves null is the family default
     if cfg.parallel.pp == 1 or not config.tie_word_embeddings:
         return
-    if prepare_pipeline(pipeline_spec(cfg), config.num_hidden_layers).placement == "v":
+    if lower_pipeline(pipeline_spec(cfg), config.num_hidden_layers).placement == "v":
         # The first and last stage share rank 0: the tie is one Parameter, so no rank holds a second copy.
         assert not any(key == "lm_head.weight" for r in results for _, key, _ in r["tied"])
     else:

@@ -16,7 +16,7 @@ import torch
 from models import decoder_of
 from models.family import SUPPORTED, build_model, model_config
 from models.registry import FAMILIES as REGISTRY
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from tests.equivalence import FP32, assert_equivalent, baseline, compose_run_config, layouts_worker, run_training
 from tests.shared import once_per_session
 from tests.spawn import run_workers
@@ -113,7 +113,7 @@ def test_family_layout_equals_single_process(workspace, family, layout):
     config = model_config({"hf_config": cfg.model.hf_config})
     if getattr(config, "output_router_logits", False):  # the load-balancing loss is on and reaches the metrics
         assert all(m["aux_loss"] > 0 for m in reference["metrics"]), reference["metrics"]
-    if config.tie_word_embeddings and prepare_pipeline(pipeline_spec(cfg), config.num_hidden_layers).placement != "v":
+    if config.tie_word_embeddings and lower_pipeline(pipeline_spec(cfg), config.num_hidden_layers).placement != "v":
         assert_tied_copies_bitwise_equal(results, steps=3)
 
 

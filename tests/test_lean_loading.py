@@ -21,7 +21,7 @@ from models import decoder_of
 from parallel.grid import ParallelGrid
 from parallel.passes import chunk_passes
 from parallel.pipeline.build import rank_chunks
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.spec import PipelineSpec
 from training.specs import default_engine_spec
 
@@ -34,10 +34,10 @@ with torch.device("meta"):
     decoder = decoder_of(MiniMindForCausalLM(MiniMindConfig()))
 expected = {n: tuple(t.shape) for n, t in decoder.module.state_dict().items()}
 spec = default_engine_spec(PipelineSpec(pp=4, schedule="1f1b", n_microbatches=4), 1, 1)
-plan = prepare_pipeline(spec.pipeline, decoder.config.num_hidden_layers)
+pipeline = lower_pipeline(spec.pipeline, decoder.config.num_hidden_layers)
 grid = ParallelGrid(pp=4, pp_rank=rank)
 weights = dense_source(path, expected, decoder.plan.ties)
-chunks = rank_chunks(plan, decoder, grid, rank, chunk_passes(spec, weights))
+chunks = rank_chunks(pipeline, decoder, grid, rank, chunk_passes(spec, weights))
 held = sum(p.numel() * p.element_size() for c in chunks.values() for p in c.module.parameters())
 # VmHWM, not ru_maxrss: the latter survives exec and so counts the forking parent's memory.
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) * 1024

@@ -9,7 +9,7 @@ from parallel.pipeline.partition import rank_stages, stage_to_rank
 from parallel.pipeline.actions import comm_peer, hand_over, needs
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.render import plan_text
-from parallel.pipeline.prepare import load_schedule
+from parallel.pipeline.lowered import load_schedule
 from parallel.pipeline.schedules import (SCHEDULES, RegisteredSchedule, find_schedule, gpipe, interleaved_1f1b,
                                          one_f_one_b, zb_h1, zbv)
 from parallel.spec import PipelineSpec

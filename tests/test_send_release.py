@@ -11,7 +11,7 @@ from parallel.pipeline import runtime
 from parallel.pipeline.actions import Action, counterpart, input_of
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.partition import stage_to_rank
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.release import send_releases
 from parallel.pipeline.transport import SENDS, LocalPending
 from parallel.spec import PipelineSpec
@@ -21,9 +21,9 @@ from tests.test_schedules import random_feasible
 
 
 def test_1f1b_rank0_activations_are_released_by_the_gradients_that_follow_them():
-    plan = prepare_pipeline(PipelineSpec(pp=4, vpp=1, schedule="1f1b", n_microbatches=8), 8)
+    pipeline = lower_pipeline(PipelineSpec(pp=4, vpp=1, schedule="1f1b", n_microbatches=8), 8)
     releases = {str(recv): [str(s) for s in sends]
-                for recv, sends in send_releases(plan.lowered, 0, 4, "loop", 4).items()}
+                for recv, sends in send_releases(pipeline.lowered, 0, 4, "loop", 4).items()}
     # Rank 1 sends B0 back only after it consumed F0..F2 (its warm-up); each later gradient follows one more F.
     assert releases == {"RECV_B0@s0": ["SEND_F0@s0", "SEND_F1@s0", "SEND_F2@s0"], "RECV_B1@s0": ["SEND_F3@s0"],
                         "RECV_B2@s0": ["SEND_F4@s0"], "RECV_B3@s0": ["SEND_F5@s0"], "RECV_B4@s0": ["SEND_F6@s0"],

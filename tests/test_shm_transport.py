@@ -133,15 +133,15 @@ def test_ranks_on_several_hosts_fall_back_to_p2p_and_shm_refuses_naming_the_host
 
 def test_a_gpu_run_takes_p2p_and_shm_refuses_it():
     from parallel.pipeline.connect import choose_transport
-    from parallel.pipeline.prepare import prepare_pipeline
+    from parallel.pipeline.lowered import lower_pipeline
 
     grid = ParallelGrid(pp=2, world_size=2, device=torch.device("cuda", 0))  # refused before any collective
     spec = dataclasses.replace(layout_cfg("1f1b", 2, 4), emulate=False, transport="shm")
     with pytest.raises(ValueError, match="parallel.transport=shm carries CPU tensors on Linux; this run computes "
                                          "on cuda: use parallel.transport=auto or p2p"):
-        choose_transport(spec, prepare_pipeline(spec.pipeline, 4), grid, 32)
+        choose_transport(spec, lower_pipeline(spec.pipeline, 4), grid, 32)
     auto = dataclasses.replace(spec, transport="auto")
-    transport, _ = choose_transport(auto, prepare_pipeline(spec.pipeline, 4), grid, 32)
+    transport, _ = choose_transport(auto, lower_pipeline(spec.pipeline, 4), grid, 32)
     assert isinstance(transport, P2PTransport)  # NCCL's; no collective asked of a GPU run
 
 

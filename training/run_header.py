@@ -2,7 +2,7 @@
 
 The figures are exact and counted from the things themselves: the parameters of the dense model (on the meta
 device, LoRA's adapters added by their shapes), the rows and samples of the data splits, the pipeline partition the
-engine uses (one cached `prepare_pipeline`), and the label tokens of the steps this run reads."""
+engine uses (one cached `lower_pipeline`), and the label tokens of the steps this run reads."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from models import build_model, decoder_of
 from parallel.expert import expert_modules
 from parallel.materialize import dense_shape
 from parallel.pipeline.partition import rank_stages
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from training.config import model_config
 from training.data import PackedSamples, PaddedSamples, StepBatches, run_data_spec
 from training.data.pairs import PairSamples
@@ -108,7 +108,7 @@ def partition_line(cfg: DictConfig, num_layers: int) -> str:
     spec = pipeline_spec(cfg)
     if spec.n_stages == 1:
         return f"{num_layers} layers on one stage"
-    pipeline = prepare_pipeline(spec, num_layers)  # the engine's own (cached): its partition and placement
+    pipeline = lower_pipeline(spec, num_layers)  # the engine's own (cached): its partition and placement
     counts = sorted({len(span) for span in pipeline.partition})
     each = f"{counts[0]} each" if len(counts) == 1 else f"{counts[0]} to {counts[-1]} each"
     chunks = "" if spec.vpp == 1 else f", {spec.vpp} per rank, {pipeline.placement} placement"

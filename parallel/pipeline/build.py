@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # names in annotations only
     from parallel.materialize import WeightSource
     from parallel.spec import EngineSpec
 
-    from .prepare import LoweredPipeline
+    from .lowered import LoweredPipeline
 
 StagesByRank = dict[int, dict[int, Stage]]  # pipeline rank -> global stage index -> Stage
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .actions import Action, Kind, Schedule
 from .partition import rank_stages
-from .prepare import LoweredPipeline
+from .lowered import LoweredPipeline
 from .lowering import lower
 
 

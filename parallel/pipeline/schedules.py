@@ -1,7 +1,7 @@
 """Schedules as data: generators of per-rank compute actions and their registry.
 
 A generator is `(pp, n_microbatches, vpp) -> Schedule` and emits compute actions only (F/B, or F/I/W);
-`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `prepare.prepare_pipeline` loads, lowers and checks.
+`lowering.lower` adds the SEND_*/RECV_* a runtime executes, `lowered.lower_pipeline` loads, lowers and checks.
 A generator runs only for a layout its registry entry accepts (checked once, by `load_schedule`). Adding one is its
 generator and its entry here: config presets, tests and benchmarks read the registry.
 """

@@ -34,7 +34,7 @@ from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.pipeline.actions import Costs  # noqa: E402
-from parallel.pipeline.prepare import prepare_pipeline  # noqa: E402
+from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
 from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
 from torch_pipe import COUNTERPARTS  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
@@ -89,9 +89,9 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
             pipeline = PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m)
             spec = default_engine_spec(pipeline, 1, SEQ, timeout_s=120.0)
             engines[name] = build_engine(spec, decoder_of(model), grid)  # the default transport: shared memory here
-            plan = prepare_pipeline(pipeline, PP * vpp)
-            ideal[name] = plan.simulate(stage_costs[vpp]).makespan
-            nominal[name] = plan.simulate(c).makespan
+            lowered = lower_pipeline(pipeline, PP * vpp)
+            ideal[name] = lowered.simulate(stage_costs[vpp]).makespan
+            nominal[name] = lowered.simulate(c).makespan
             variants[f"sluice {name}"] = lambda e=engines[name]: e.step(micro)
             torch_pipe = build(name, model, PP, m, grid.pp_rank, tokens, None)
             variants[f"torch {name}"] = lambda t=torch_pipe: t.step(micro, tokens)
@@ -138,10 +138,10 @@ def traced_step(engine, name: str, setup: Setup, m: int, rank: int, ideal: Costs
     span = max(end for _, _, end in records) - min(start for _, start, _ in records)
     mean = {k: statistics.fmean(v) for k, v in spans.items()}
     if setup.png_dir and m == min(setup.microbatches):
-        plan = prepare_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m), PP * vpp)
+        lowered = lower_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m), PP * vpp)
         path = Path(setup.png_dir) / f"sleep_{name}_pp{PP}_m{m}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        draw_measured_vs_planned(plan.simulate(ideal), result.trace, path,
+        draw_measured_vs_planned(lowered.simulate(ideal), result.trace, path,
                                  title=f"{name}, pp={PP}, m={m} (seconds)")
     return {"traced_span_s": span, "traced_action_s": mean}
 

@@ -127,10 +127,10 @@ def resolve_partition(cfg: DictConfig) -> None:
 
 
 def validate_layout(cfg: DictConfig) -> None:
-    """TP divisibility, then the pipeline prepared (partition, schedule, vpp; lowered and verified) before launch."""
+    """TP divisibility, then the pipeline lowered (partition, schedule, vpp; lowered and verified) before launch."""
     from models import build_model, decoder_of
     from parallel.pipeline.partition import layer_partition
-    from parallel.pipeline.prepare import prepare_pipeline
+    from parallel.pipeline.lowered import lower_pipeline
     from parallel.tensor_pass import check_tp_divisibility
     from training.specs import pipeline_spec
 
@@ -138,8 +138,8 @@ def validate_layout(cfg: DictConfig) -> None:
     config = model_config(cfg)
     try:
         check_tp_divisibility(decoder_of(build_model(config)).adapter.tp_sizes(), p.tp)  # meta: shapes only
-        if p.pp > 1:  # prepare_pipeline is the one home of schedule/vpp/partition rules
-            prepare_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
+        if p.pp > 1:  # lower_pipeline is the one home of schedule/vpp/partition rules
+            lower_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
         else:
             layer_partition(config.num_hidden_layers, 1,
                             list(p.layers_per_stage) if p.layers_per_stage is not None else None)

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from parallel.pipeline.actions import B, F, I, W, Costs, Lists
 from parallel.pipeline.partition import rank_stages
-from parallel.pipeline.prepare import LoweredPipeline, prepare_pipeline
+from parallel.pipeline.lowered import LoweredPipeline, lower_pipeline
 from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
 from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
@@ -75,13 +75,13 @@ def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
                      recompute=cfg.train.recompute, layers_per_stage=layers, ep=p.ep)
 
 
-def plan_of(candidate: Candidate, num_layers: int, table_path: str | None = None) -> LoweredPipeline:
+def lowered_of(candidate: Candidate, num_layers: int, table_path: str | None = None) -> LoweredPipeline:
     """The checked pipeline of a candidate (pp=1: one stage under 1F1B, i.e. gradient accumulation); `table_path`:
     the file of `schedule=table`."""
     c = candidate
     spec = PipelineSpec(pp=c.pp, vpp=c.vpp, schedule=c.schedule if c.pp > 1 else "1f1b",
                         n_microbatches=c.n_microbatches, table_path=table_path, layers_per_stage=c.layers_per_stage)
-    return prepare_pipeline(spec, num_layers)
+    return lower_pipeline(spec, num_layers)
 
 
 def _tp_allreduce(costs: MeasuredCosts, tp: int, nbytes: float) -> float:
@@ -96,7 +96,7 @@ def _piece(costs: MeasuredCosts, name: str, scale: float) -> float:
     return costs.scaled(name, value[mode] if mode else value, scale)
 
 
-def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCosts, tied: bool,
+def stage_model(candidate: Candidate, pipeline: LoweredPipeline, costs: MeasuredCosts, tied: bool,
                 top_k: int = 1) -> StageModel:
     """Per-stage durations and bytes: layers x per-layer cost, the embedding on stage 0, the head on the last.
 
@@ -105,7 +105,7 @@ def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCost
     each layer's experts and moves each token's `top_k` rows out and back: two all_to_alls per MoE layer in F and
     two in B, each a 1/ep share of the rows to each of the ep-1 peers. The expert compute per rank is unchanged
     (balanced routing: the rows of ep ranks for 1/ep of the experts)."""
-    c, n = candidate, plan.n_stages
+    c, n = candidate, pipeline.n_stages
     scale = c.micro_batch_size / costs.key["micro_batch_size"]
     act = costs.boundary_bytes * scale
     tp_ar = _tp_allreduce(costs, c.tp, act)
@@ -116,7 +116,7 @@ def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCost
     mode = c.recompute
     kinds = {"f": [], "b": [], "i": [], "w": []}
     saved, deferred, params, experts = [], [], [], []
-    for s, layers in enumerate(plan.partition):
+    for s, layers in enumerate(pipeline.partition):
         k, first, last = len(layers), s == 0, s == n - 1
         for kind, values in kinds.items():
             t = (k * _piece(costs, "layer_" + kind + (f".{mode}" if kind in "bi" else ""), scale)
@@ -126,7 +126,7 @@ def stage_model(candidate: Candidate, plan: LoweredPipeline, costs: MeasuredCost
         saved.append(int((k * costs.layer_saved[mode] + first * costs.embed_saved + last * costs.head_saved)
                          * scale / c.tp))
         deferred.append(int((k * costs.layer_deferred + last * costs.head_deferred) * scale / c.tp))
-        copy = last and tied and n > 1 and plan.placement != "v"  # a V placement's last stage sits with stage 0
+        copy = last and tied and n > 1 and pipeline.placement != "v"  # a V placement's last stage sits with stage 0
         params.append((k * layer_params + first * costs.embed_params + last * costs.head_params
                        + copy * costs.embed_params) // c.tp)
         experts.append(k * layer_experts // c.tp)
@@ -193,14 +193,14 @@ def _zero_shards(cfg: DictConfig, replicas: int) -> int:
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
     """Predicted step time (simulated pipeline + TP/EP/DP communication + optimizer) and peak bytes per rank."""
     config = model_config(cfg)
-    plan = plan_of(candidate, config.num_hidden_layers, cfg.schedule.get("path"))
+    pipeline = lowered_of(candidate, config.num_hidden_layers, cfg.schedule.get("path"))
     tied = bool(config.tie_word_embeddings)
-    model = stage_model(candidate, plan, costs, tied, getattr(config, "num_experts_per_tok", 1) or 1)
-    sim = plan.simulate(model.costs)
+    model = stage_model(candidate, pipeline, costs, tied, getattr(config, "num_experts_per_tok", 1) or 1)
+    sim = pipeline.simulate(model.costs)
     c = candidate
-    rank_params, rank_experts = ([sum(per_stage[s] for s in rank_stages(r, c.pp, c.vpp, plan.placement))
+    rank_params, rank_experts = ([sum(per_stage[s] for s in rank_stages(r, c.pp, c.vpp, pipeline.placement))
                                   for r in range(c.pp)] for per_stage in (model.params, model.experts))
-    tied_copy = tied and c.pp > 1 and plan.placement != "v"
+    tied_copy = tied and c.pp > 1 and pipeline.placement != "v"
     post = after_pipeline(c, cfg, costs, rank_params, tied_copy, rank_experts)
     ends = [max(row, default=0.0) for row in sim.end]
     step = max(end + extra for end, extra in zip(ends, post))
@@ -208,5 +208,5 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
     dense_state = held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp)
     expert_state = held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp // c.ep)
     peaks = tuple(int((n - e) * dense_state + e * expert_state) + live_peak(actions, model.saved, model.deferred)
-                  for n, e, actions in zip(rank_params, rank_experts, plan.lowered))
+                  for n, e, actions in zip(rank_params, rank_experts, pipeline.lowered))
     return Prediction(step_s=step, peak_bytes=peaks, sim=sim)
