@@ -1,7 +1,6 @@
 """Measured costs: what the profiler counts equals the memory model, the cache round-trips, the CLI runs."""
 
-import subprocess
-import sys
+import importlib.util
 
 import pytest
 import torch
@@ -65,12 +64,18 @@ def test_costs_cache_round_trips_per_key(tmp_path):
     assert load_cached(cfg, key) is None
 
 
-def test_profile_script_prints_the_table_and_caches(tmp_path):
+def test_profile_script_prints_the_table_and_caches(tmp_path, capsys):
+    """scripts/profile_costs.py through its main(argv) in this process (a Python start-up fewer; its transport
+    probe starts its own two processes all the same)."""
     args = ["model=tiny", "train.micro_batch_size=2", "train.seq_len=32", "train.dtype=fp32",
             f"data.cache_dir={tmp_path}", "--world-size=2"]
-    out = subprocess.run([sys.executable, "scripts/profile_costs.py", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "layer (recompute selective)" in out.stdout and "all-reduce (2 ranks)" in out.stdout
-    cache = out.stdout.strip().splitlines()[-1].removeprefix("cache: ")
+    spec = importlib.util.spec_from_file_location("profile_costs_script", ROOT / "scripts" / "profile_costs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    assert script.main(args) == 0
+    assert torch.get_num_threads() == threads  # the profile restores this process's thread count
+    stdout = capsys.readouterr().out
+    assert "layer (recompute selective)" in stdout and "all-reduce (2 ranks)" in stdout
+    cache = stdout.strip().splitlines()[-1].removeprefix("cache: ")
     assert cache.startswith(str(tmp_path / "planner" / "costs-")) and MeasuredCosts.from_json(open(cache).read())
