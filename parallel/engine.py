@@ -1,6 +1,6 @@
 """ParallelEngine: this rank's share of a DP x TP x PP layout behind the trainer's `step(micro_batches)`.
 
-Construction names its steps, each in its own module: prepare the pipeline (`pipeline.prepare`), build this rank's
+Construction names its steps, each in its own module: lower the pipeline (`pipeline.lowered`), build this rank's
 stages by the chunk passes (`pipeline.build`), choose the transport (`pipeline.connect`), and set up the gradient
 sums (`rank_grads`). With `emulate` one process holds every pipeline rank of its (dp, tp) coordinate: the same
 stages, lists and runtime loop, over in-process channels instead of P2P.
@@ -20,7 +20,7 @@ from parallel.collectives import all_reduce_
 from parallel.pipeline.build import StagesByRank, build_stages, whole_model
 from parallel.pipeline.connect import choose_transport, programs_of
 from parallel.pipeline.evaluation import forward_only
-from parallel.pipeline.prepare import prepare_pipeline
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.runtime import Program, Record, StepScales, execute, execute_emulated
 from parallel.rank_grads import gradient_sync, norm_parameters, tied_pair
 from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult
@@ -82,7 +82,7 @@ class ParallelEngine:
     def __init__(self, spec: EngineSpec, decoder: Decoder, grid: ParallelGrid, weights: WeightSource | None = None):
         self.spec, self.grid = spec, grid
         config = decoder.config
-        self.pipeline = prepare_pipeline(spec.pipeline, config.num_hidden_layers)
+        self.pipeline = lower_pipeline(spec.pipeline, config.num_hidden_layers)
         # Emulation: the grid has no pipeline axis (world = dp * tp) and this process plays every pipeline rank.
         self.emulated = spec.emulate
         ranks = list(range(spec.pipeline.pp)) if self.emulated else [grid.pp_rank]
@@ -91,7 +91,7 @@ class ParallelEngine:
         self.stages_of: StagesByRank = build_stages(spec, self.pipeline, decoder, grid, ranks, weights)
         self.stages = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
         self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)
-        self.programs = self._prepare(self.pipeline.lowered)
+        self.programs = self._programs_of(self.pipeline.lowered)
         self.pair = tied_pair(decoder.plan.ties, type(decoder.module).__name__, self.stages, self.pipeline.n_stages)
         self.tied, self.first, self.head = self.pair.tied, self.pair.first, self.pair.head
         self.sync = gradient_sync(self.stages, self.lists, grid, spec.bucket_mb, self.pair, self.emulated,
@@ -106,9 +106,10 @@ class ParallelEngine:
     def lists(self, lists: dict[int, list[Action]]) -> None:
         """Replace the lists (tests inject broken ones); the runtime's programs follow."""
         self._lists = lists
-        self.programs = self._prepare([lists.get(r, self.pipeline.lowered[r]) for r in range(self.pipeline.spec.pp)])
+        every = [lists.get(r, self.pipeline.lowered[r]) for r in range(self.pipeline.spec.pp)]
+        self.programs = self._programs_of(every)
 
-    def _prepare(self, lists: Lists) -> dict[int, Program]:
+    def _programs_of(self, lists: Lists) -> dict[int, Program]:
         """This process's ranks' lists (of every rank's `lists`) as the runtime loop executes them."""
         return programs_of(lists, self.lists, self.pipeline, self.transport, self.peer_of)
 
@@ -188,7 +189,7 @@ class ParallelEngine:
     def forward_sums(self, micro_batches: list[MicroBatch], objective: Objective) -> torch.Tensor:
         """Every micro-batch through every stage in eval mode, no backward, through the same stages, transport and
         runtime: `objective`'s sums over this replica's micro-batches, float64 on every pipeline rank."""
-        grid, programs = self.grid, self._prepare(forward_only(self.pipeline, len(micro_batches)))
+        grid, programs = self.grid, self._programs_of(forward_only(self.pipeline, len(micro_batches)))
         for stage in self.stages.values():
             stage.reset()
             stage.module.eval()

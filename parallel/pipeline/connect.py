@@ -12,9 +12,9 @@ from parallel.grid import ParallelGrid
 from parallel.spec import EngineSpec
 
 from .actions import Action, Lists, comm_peer
-from .prepare import LoweredPipeline
+from .lowered import LoweredPipeline
 from .release import send_releases
-from .runtime import Program, prepare
+from .runtime import Program, make_program
 from .shm_transport import send_counts, shm_available, shm_transport
 from .transport import Boundary, LocalTransport, P2PTransport, Transport
 
@@ -50,5 +50,6 @@ def programs_of(lists: Lists, ranks: Iterable[int], pipeline: LoweredPipeline, t
     """`ranks`' lists (of every rank's `lists`) as the runtime loop executes them: peers resolved, receives placed,
     and which arrival proves which send done."""
     early = getattr(transport, "receives_early", False)
-    return {r: prepare(list(lists[r]), peer_of, early,
-                       send_releases(lists, r, pipeline.n_stages, pipeline.placement, pipeline.spec.pp)) for r in ranks}
+    n_stages, placement, pp = pipeline.n_stages, pipeline.placement, pipeline.spec.pp
+    return {r: make_program(list(lists[r]), peer_of, early, send_releases(lists, r, n_stages, placement, pp))
+            for r in ranks}

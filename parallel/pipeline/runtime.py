@@ -30,7 +30,7 @@ posts, before it blocks, the receives of the run that follows that compute: they
 and the gap between that compute and the next, on the critical path when this rank is the slow one, then
 carries only sends. (Posts move earlier again; the order of each peer's receives is unchanged.)
 
-`prepare` cuts a list into these runs once per engine. `run` is a generator that yields whenever the list must
+`make_program` cuts a list into these runs once per engine. `run` is a generator that yields whenever the list must
 wait for a transfer: `execute` waits on the transport (one process per rank); `execute_emulated` switches to
 another rank (all ranks in one process).
 """
@@ -132,7 +132,7 @@ class Run(NamedTuple):
 
 @dataclass(frozen=True)
 class Program:
-    """One rank's lowered list as the loop executes it, prepared once per engine rather than every step: code
+    """One rank's lowered list as the loop executes it, made once per engine rather than every step: code
     between a compute's end and its send's post runs cold on a rank that slept in a wait, so it is kept short."""
 
     runs: tuple[Run, ...]
@@ -141,8 +141,8 @@ class Program:
     releases: dict[Action, tuple[Action, ...]]  # RECV -> the sends its arrival proves done (see release.py)
 
 
-def prepare(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool,
-            releases: dict[Action, tuple[Action, ...]]) -> Program:
+def make_program(actions: list[Action], peer_of: Callable[[Action], int], receives_early: bool,
+                 releases: dict[Action, tuple[Action, ...]]) -> Program:
     """Cut the list into runs (receives moved early when the transport allows it) and resolve every peer."""
     runs = []
     for slot, group in early_receive_runs(actions) if receives_early else comm_runs(actions):
