@@ -4,7 +4,7 @@ The allow-list decides which classes the `.metadata` pickle may build; this deci
 checkpoint: every tensor's size is a list of counts, its chunks lie inside it, overlap nowhere and cover it, and
 every chunk has a storage entry (a file name, a non-negative offset and a length that holds at least the chunk's
 bytes). DCP itself trusts these numbers: a chunk outside its tensor or two chunks over one region would be copied
-into whatever the planner allocated, and a size of 10^12 elements would be allocated by the export.
+into whatever DCP's load planner allocated, and a size of 10^12 elements would be allocated by the export.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class TransformersDecoderAdapter:
     def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
         return None  # these families' planned modules are plain nn.Linear / nn.Embedding
 
-    # --- what the planner, recompute and TP need to know -------------------------------------------------------
+    # --- what the layout search, recompute and TP need -------------------------------------------------------
 
     def selective_recompute(self, layer: nn.Module) -> list:
         targets = []
@@ -152,4 +152,4 @@ class TransformersDecoderAdapter:
 
     def saved_bytes_per_layer(self, micro_batch_size: int, seq_len: int, dtype_bytes: int, mode: str,
                               tp: int = 1) -> None:
-        return None  # no closed formula: the planner measures a layer
+        return None  # no closed formula: the layout search measures a layer

@@ -72,12 +72,12 @@ class FamilyAdapter(Protocol):
         a size TP does not divide is refused before launch, naming the key."""
 
     def matmul_params_per_token(self) -> int:
-        """Weights one token multiplies with (routed experts counted top-k times): FLOPs, MFU, the planner."""
+        """Weights one token multiplies with (routed experts counted top-k times): FLOPs, MFU, the layout search."""
 
     def saved_bytes_per_layer(self, micro_batch_size: int, seq_len: int, dtype_bytes: int, mode: str,
                               tp: int = 1) -> int | None:
         """Bytes one layer saves for backward per micro-batch on a TP rank, or None where the family has no
-        closed formula (the planner then measures)."""
+        closed formula (the layout search then measures)."""
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from training.config import model_config  # noqa: E402
 from training.config.schema import model_decoder  # noqa: E402
 from training.layout import layout_world_size  # noqa: E402
 from training.output_paths import output_file_problem  # noqa: E402
-from training.planner.profile import measured_costs  # noqa: E402
-from training.planner.search import search  # noqa: E402
-from training.planner.search_report import chosen, no_fit_message, rejections, table  # noqa: E402
+from training.layout_search.profile import measured_costs  # noqa: E402
+from training.layout_search.search import search  # noqa: E402
+from training.layout_search.search_report import chosen, no_fit_message, rejections, table  # noqa: E402
 from training.specs import pipeline_spec  # noqa: E402
 
 MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-batch, stage) of layers(stage) "
@@ -111,7 +111,7 @@ def activation_bytes(lowered: Lists, partition: list[range], cfg: DictConfig) ->
     per_layer = model_decoder(cfg).adapter.saved_bytes_per_layer(cfg.train.micro_batch_size, cfg.train.seq_len,
                                                                  dtype_bytes, cfg.train.recompute, tp=cfg.parallel.tp)
     if per_layer is None:
-        from training.planner.profile import layer_saved_bytes
+        from training.layout_search.profile import layer_saved_bytes
 
         per_layer = layer_saved_bytes(cfg, cfg.train.recompute, torch.bfloat16 if dtype_bytes == 2 else torch.float32)
     # The simulator's count of live activations, each weighed by its stage's layers.

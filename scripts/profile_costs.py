@@ -1,4 +1,4 @@
-"""Measure (or read from the cache) the costs the planner predicts with, for a run config; print them.
+"""Measure (or read from the cache) the costs the layout search predicts with, for a run config; print them.
 
     python scripts/profile_costs.py model.hidden_size=256 train.seq_len=128 [--refresh] [--world-size=2]
 """
@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from omegaconf import DictConfig  # noqa: E402
 
 from training.cli import compose_validated  # noqa: E402
-from training.planner.costs import RECOMPUTE_MODES, MeasuredCosts, cache_path  # noqa: E402
-from training.planner.profile import measured_costs  # noqa: E402
+from training.layout_search.costs import RECOMPUTE_MODES, MeasuredCosts, cache_path  # noqa: E402
+from training.layout_search.profile import measured_costs  # noqa: E402
 
 
 def table(costs: MeasuredCosts) -> str:

@@ -7,12 +7,12 @@ import pytest
 
 from parallel.pipeline.partition import PartitionError, balanced_partition
 from tests.equivalence import compose_run_config
-from tests.test_planner_predict import fake_costs
+from tests.test_layout_search_predict import fake_costs
 from training.config import validate
-from training.planner.balance import cost_balanced_partition, flop_weights
-from training.planner.costs import save
-from training.planner.profile import run_setting
-from training.planner.costs import cost_key
+from training.layout_search.balance import cost_balanced_partition, flop_weights
+from training.layout_search.costs import save
+from training.layout_search.profile import run_setting
+from training.layout_search.costs import cost_key
 
 SMALL_32K = ["model.num_hidden_layers=8", "model.hidden_size=256", "model.num_attention_heads=4",
              "model.num_key_value_heads=2", "model.vocab_size=32000", "train.seq_len=128", "train.micro_batch_size=4",

@@ -1,6 +1,6 @@
 """Bad inputs end in exit 2 and one line naming the key or file and the fix (issue 35, item 9): a model.hf_config
 config.json with values no model builds from, a run directory name over NAME_MAX, a chat template that fails in
-scripts/generate.py, and a model that cannot fit this host's memory (the planner's per-rank estimate, before
+scripts/generate.py, and a model that cannot fit this host's memory (the cost model's per-rank estimate, before
 launch). Most cases run the pre-launch check in-process (`training.cli.preflight`, what `python train.py` calls);
 two go through `python train.py` itself."""
 
@@ -243,15 +243,15 @@ def test_a_sweep_launched_on_other_hosts_is_not_judged_by_this_one(monkeypatch, 
     assert code == 2 and "but parallel.memory_budget_gb=24; " in lines[0]
 
 
-def test_the_estimate_equals_the_planner_fed_with_measured_costs():
-    """The figure before launch is the planner's per-rank peak: for MiniMind (a closed activation formula) its
+def test_the_estimate_equals_the_cost_model_fed_with_measured_costs():
+    """The figure before launch is the cost model's per-rank peak: for MiniMind (a closed activation formula) its
     counted inputs give the peaks the measured ones give, within 5% (the head's saved bytes are a formula)."""
     import torch
 
     from training.memory_fit import estimated_costs
-    from training.planner.costs import Fit, MeasuredCosts
-    from training.planner.predict import candidate_of, predict
-    from training.planner.profile import measure_compute
+    from training.layout_search.costs import Fit, MeasuredCosts
+    from training.layout_search.predict import candidate_of, predict
+    from training.layout_search.profile import measure_compute
 
     cfg = compose_validated(["model=tiny", "train.seq_len=64", "train.micro_batch_size=2", "train.dtype=fp32",
                              "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=4"])

@@ -268,7 +268,7 @@ def test_synthetic_only_key_under_jsonl_warns(tmp_path, capsys):
                      "(here data.name=jsonl); it is ignored"]
 
 
-def test_memory_budget_without_the_planner_bounds_the_fixed_layout(capsys):
+def test_memory_budget_without_the_layout_search_bounds_the_fixed_layout(capsys):
     code, lines = run_preflight(["model=tiny", "parallel.memory_budget_gb=40"], capsys)
     assert code == 0 and lines == []  # read by the launch's memory check (tests/test_bad_inputs.py refuses)
 

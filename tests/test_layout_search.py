@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from training.config import CONF_DIR, register_schema
-from training.planner.costs import MeasuredCosts
-from training.planner.predict import Candidate, Prediction
-from training.planner.search import GIB, apply_candidate, search
-from training.planner.search_report import no_fit_message
+from training.layout_search.costs import MeasuredCosts
+from training.layout_search.predict import Candidate, Prediction
+from training.layout_search.search import GIB, apply_candidate, search
+from training.layout_search.search_report import no_fit_message
 
 # Four ranks of the tiny model (4 layers, 4 heads, 2 kv heads) at a global batch of 3 x 2 = 6 sequences.
 TINY = ["model=tiny", "schedule.n_microbatches=3", "train.micro_batch_size=2", "train.seq_len=32"]
@@ -145,7 +145,7 @@ def test_a_moe_model_is_searched_over_every_expert_split_of_its_dp_ranks():
 @pytest.fixture(scope="module")
 def costs_cache(tmp_path_factory) -> Path:
     """One data and cost cache for the module: the layouts' costs are measured once, then read."""
-    return tmp_path_factory.mktemp("planner-cache")
+    return tmp_path_factory.mktemp("costs-cache")
 
 
 def plan_script(*args: str, tmp_path, capsys) -> tuple[int, str, str]:
@@ -239,9 +239,9 @@ def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(tmp_path, co
 
 def test_accuracy_bench_candidates_are_valid_two_process_layouts_at_one_global_batch(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    import planner_accuracy as bench
+    import layout_search_accuracy as bench
 
-    from training.planner.search import global_batch, layout_problem
+    from training.layout_search.search import global_batch, layout_problem
 
     cfg = bench.compose_cfg(tmp_path)
     assert (cfg.model.num_hidden_layers, cfg.model.hidden_size, cfg.train.seq_len) == (8, 256, 128)

@@ -1,4 +1,4 @@
-"""The planner's model of a layout: simulated step with per-stage costs, communication, memory per rank."""
+"""The cost model of a layout: simulated step with per-stage costs, communication, memory per rank."""
 
 import dataclasses
 
@@ -6,8 +6,8 @@ import pytest
 
 from parallel.pipeline.partition import balanced_partition
 from tests.equivalence import compose_run_config
-from training.planner.costs import Fit, MeasuredCosts
-from training.planner.predict import Candidate, candidate_of, live_peak, predict
+from training.layout_search.costs import Fit, MeasuredCosts
+from training.layout_search.predict import Candidate, candidate_of, live_peak, predict
 
 MODES = ("none", "full", "selective")
 
@@ -92,7 +92,7 @@ def test_candidate_overrides_and_the_config_round_trip(cfg):
 
 def test_the_fixed_part_of_a_piece_does_not_scale_with_the_micro_batch(cfg):
     """t(b) = a + c b from times at b and 2b: a pipeline of half-size micro-batches pays a in full."""
-    from training.planner.costs import fixed_parts
+    from training.layout_search.costs import fixed_parts
 
     assert fixed_parts({"layer_f": 1.0}, {"layer_f": 1.6}) == {"layer_f": pytest.approx(0.4)}
     assert fixed_parts({"layer_f": 1.0}, {"layer_f": 2.5}) == {"layer_f": 0.0}  # superlinear: clamped

@@ -9,8 +9,8 @@ from models.minimind import deferred_weight_grad_bytes_per_layer, saved_activati
 from tests.conftest import ROOT
 from tests.equivalence import compose_run_config
 from training.config import model_config
-from training.planner.costs import Fit, MeasuredCosts, cache_path, cost_key, load_cached, save
-from training.planner.profile import measure_compute
+from training.layout_search.costs import Fit, MeasuredCosts, cache_path, cost_key, load_cached, save
+from training.layout_search.profile import measure_compute
 
 CPU = torch.device("cpu")
 
@@ -57,7 +57,7 @@ def test_costs_cache_round_trips_per_key(tmp_path):
                           head_params=5, param_bytes=4, optimizer_s_per_param=1e-9, boundary_bytes=8,
                           p2p=Fit(1e-4, 1e-9), allreduce=Fit(2e-4, 2e-9))
     path = save(cfg, costs)
-    assert path == cache_path(cfg, key) and path.parent == tmp_path / "planner"
+    assert path == cache_path(cfg, key) and path.parent == tmp_path / "costs"
     assert load_cached(cfg, key) == costs
     assert load_cached(cfg, cost_key(cfg, "cpu", "float32", "gloo", 2)) is None  # another thread count
     path.write_text("{broken")
@@ -78,4 +78,4 @@ def test_profile_script_prints_the_table_and_caches(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "layer (recompute selective)" in stdout and "all-reduce (2 ranks)" in stdout
     cache = stdout.strip().splitlines()[-1].removeprefix("cache: ")
-    assert cache.startswith(str(tmp_path / "planner" / "costs-")) and MeasuredCosts.from_json(open(cache).read())
+    assert cache.startswith(str(tmp_path / "costs" / "costs-")) and MeasuredCosts.from_json(open(cache).read())

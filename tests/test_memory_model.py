@@ -6,8 +6,8 @@ import sys
 import torch
 
 from tests.conftest import ROOT
-from training.planner.costs import Fit, MeasuredCosts
-from training.planner.profile import measure_compute
+from training.layout_search.costs import Fit, MeasuredCosts
+from training.layout_search.profile import measure_compute
 
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 

@@ -1,4 +1,4 @@
-"""After a traced step the trainer records the planner's predicted step time and peak memory next to the
+"""After a traced step the trainer records the cost model's predicted step time and peak memory next to the
 measured ones (None where no costs are cached for the shape)."""
 
 import dataclasses
@@ -10,10 +10,10 @@ import pytest
 
 from tests.equivalence import compose_run_config, layouts_worker
 from tests.spawn import run_workers
-from tests.test_planner_predict import fake_costs
-from training.planner.costs import cost_key, save
-from training.planner.profile import run_setting
-from training.planner.report import prediction_record
+from tests.test_layout_search_predict import fake_costs
+from training.layout_search.costs import cost_key, save
+from training.layout_search.profile import run_setting
+from training.layout_search.report import prediction_record
 
 PP2 = ["model=tiny", "parallel.pp=2", "train.steps=2", "train.trace_step=2", "train.log_every=5"]
 

@@ -130,7 +130,7 @@ def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[st
         check_output_dir(cfg.hydra, multirun)
         cfg.pop("hydra")
     warnings = validate(cfg, world_size)
-    from training.memory_fit import memory_problem  # the meta model and the planner: after the cheap checks
+    from training.memory_fit import memory_problem  # the meta model and the cost model: after the cheap checks
 
     if problem := memory_problem(cfg, world_size, this_host=not elsewhere):
         raise ConfigError(problem)

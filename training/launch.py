@@ -54,9 +54,9 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
     try:
         if cfg.parallel.plan == "auto" and not under_torchrun():  # under torchrun the ranks agree in run_worker
-            from training.planner.auto import plan_layout
+            from training.layout_search.auto import choose_layout
 
-            cfg = plan_layout(cfg, world_size)
+            cfg = choose_layout(cfg, world_size)
         validate(cfg, world_size)
         if problem := local_device_problem(cfg.parallel.backend, local_workers(world_size)):
             raise ConfigError(problem)  # CUDA would say 'invalid device ordinal' in the workers past the last GPU
@@ -202,7 +202,7 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
 
 def agreed_layout(cfg: DictConfig, watch: Watch, start: AttemptStore | None) -> DictConfig:
     """parallel.plan=auto under torchrun: rank 0's choice, applied and checked on every rank."""
-    from training.planner.auto import agree_on_layout
+    from training.layout_search.auto import agree_on_layout
 
     cfg = agree_on_layout(cfg, watch.rank, start.store if start else None)
     validate(cfg, int(os.environ["WORLD_SIZE"]))

@@ -1,7 +1,7 @@
 """Before launch: does the run fit this host's memory (or, on GPUs, each device's)? A 6.7B model on a 24 GB host
 is one line with the figures, not an allocator error in every worker.
 
-The figure per rank is the planner's memory model (`training.planner.predict`: weights, gradients, AdamW state,
+The figure per rank is the cost model's memory model (`training.layout_search.predict`: weights, gradients, AdamW state,
 and the activations live at once under the schedule), fed with what is known without running the model: parameter
 counts from the meta model and activation bytes from the family's closed formula (a cached measurement where the
 family has none; else only the head's, so the figure stays a lower bound and never refuses a run that fits)."""
@@ -19,13 +19,13 @@ MASTER_BYTES = 4  # fp32 master weights, whatever the compute dtype (as the prof
 
 
 def estimated_costs(cfg: DictConfig):
-    """The inputs of the planner's memory model known before launch; times are zero, only bytes are asked."""
+    """The inputs of the cost model's memory model known before launch; times are zero, only bytes are asked."""
     import torch
 
     from parallel.expert import expert_modules
     from training.config.schema import model_decoder
-    from training.planner.costs import MeasuredCosts
-    from training.planner.profile import measured_costs
+    from training.layout_search.costs import MeasuredCosts
+    from training.layout_search.profile import measured_costs
     from training.specs import resolve_dtype
 
     decoder = model_decoder(cfg)  # meta device: shapes only, any size
@@ -58,7 +58,7 @@ def estimated_costs(cfg: DictConfig):
 def _state_scale(cfg: DictConfig) -> float:
     """Bytes a parameter really costs over the 16 the memory model prices (weight, gradient, AdamW's two moments):
     under LoRA the base weights have no gradient or optimizer state; DPO keeps a frozen reference copy."""
-    from training.planner.costs import ADAMW_STATE_BYTES
+    from training.layout_search.costs import ADAMW_STATE_BYTES
 
     priced = 2 * MASTER_BYTES + ADAMW_STATE_BYTES
     held = MASTER_BYTES if cfg.lora.rank > 0 else priced
@@ -77,7 +77,7 @@ def _on_gpu(cfg: DictConfig) -> bool:
 def per_rank_bytes(cfg: DictConfig, launched: int | None) -> dict[int, int]:
     """Predicted peak bytes of each process this host starts, by global rank (pipeline coordinate from the rank
     grid, TP fastest; under emulation one process holds every stage)."""
-    from training.planner.predict import candidate_of, predict
+    from training.layout_search.predict import candidate_of, predict
 
     world = layout_world_size(cfg, launched)
     dp = resolved_dp(cfg, launched)

@@ -190,8 +190,8 @@ class Trainer:
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
                     if self.expert_load is not None:  # collective
                         record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank))
-                    if traced:  # the planner's prediction next to the measurement
-                        from training.planner.report import prediction_record
+                    if traced:  # the cost model's prediction next to the measurement
+                        from training.layout_search.report import prediction_record
 
                         record.update(prediction_record(cfg, self.grid, record))
                     metrics.log(step + 1, record)

@@ -2,9 +2,9 @@
 
     python scripts/bench/auto_partition.py [--rounds 7] [--microbatches 8]
 
-Profiles the model (or reads the cached costs), lets the planner choose the split, then runs the even and the
+Profiles the model (or reads the cached costs), lets the cost model choose the split, then runs the even and the
 chosen split alternated on two gloo processes (engine step + AdamW) and prints medians, the ratios and the
-planner's predictions for both. On a loaded machine the wall time follows the total work (the same for both
+cost model's predictions for both. On a loaded machine the wall time follows the total work (the same for both
 splits), so the busiest rank's CPU time is printed too: the critical path on a quiet machine."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 from training.config import CONF_DIR, register_schema, validate  # noqa: E402
-from training.planner.predict import candidate_of, predict  # noqa: E402
-from training.planner.profile import measured_costs  # noqa: E402
+from training.layout_search.predict import candidate_of, predict  # noqa: E402
+from training.layout_search.profile import measured_costs  # noqa: E402
 from training.trainer import build_model  # noqa: E402
 
 MODEL = ["model.num_hidden_layers=8", "model.hidden_size=256", "model.num_attention_heads=4",

@@ -1,4 +1,4 @@
-"""Planner accuracy: predicted against measured step time of several two-process layouts, and what plan=auto picks.
+"""Layout search accuracy: predicted against measured step time of several two-process layouts, and what plan=auto picks.
 
 The model is 8 layers x hidden 256 at seq 128, fp32, gloo, at a fixed global batch. Each candidate runs as
 `python train.py <its overrides>` for a few steps; rounds alternate the candidates (A B C ... A B C ...) so
@@ -6,7 +6,7 @@ that a noisy neighbour slows all of them alike; the median step time after the w
 with `predict` on the costs measured for this shape (scripts/profile_costs.py's cache). Prints the table, the
 Spearman rank correlation, the largest relative error and plan=auto's choice against the fastest measured.
 
-    python scripts/bench/planner_accuracy.py [--rounds 2] [--steps 6] [--warmup 2] [--results PATH]
+    python scripts/bench/layout_search_accuracy.py [--rounds 2] [--steps 6] [--warmup 2] [--results PATH]
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
 from training.config import CONF_DIR, register_schema  # noqa: E402
-from training.planner.predict import Candidate, predict  # noqa: E402
-from training.planner.profile import measured_costs  # noqa: E402
-from training.planner.search import search  # noqa: E402
-from training.planner.search_report import short  # noqa: E402
+from training.layout_search.predict import Candidate, predict  # noqa: E402
+from training.layout_search.profile import measured_costs  # noqa: E402
+from training.layout_search.search import search  # noqa: E402
+from training.layout_search.search_report import short  # noqa: E402
 
 WORLD = 2
 MODEL = ["model=tiny", "model.num_hidden_layers=8", "model.hidden_size=256", "model.name=bench8x256"]
@@ -154,7 +154,7 @@ def main() -> int:
     figures = report(candidates, predicted, measured, auto)
     print(f"total {time.monotonic() - started:.0f} s")
     if args.results:
-        update_results("planner_accuracy", figures, args.results)
+        update_results("layout_search_accuracy", figures, args.results)
     return 0
 
 

@@ -27,8 +27,8 @@ from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 from training.config import CONF_DIR, register_schema, validate  # noqa: E402
-from training.planner.costs import MeasuredCosts  # noqa: E402
-from training.planner.predict import candidate_of, predict  # noqa: E402
+from training.layout_search.costs import MeasuredCosts  # noqa: E402
+from training.layout_search.predict import candidate_of, predict  # noqa: E402
 from training.specs import engine_spec  # noqa: E402
 from training.trainer import build_model  # noqa: E402
 
@@ -127,7 +127,7 @@ def compare(base: list[str], costs_of) -> list[tuple[str, str, list[int], list[i
 
 def main(argv: list[str]) -> int:
     """Profile the shape (cached), then print predicted against measured peaks per rank."""
-    from training.planner.profile import measured_costs
+    from training.layout_search.profile import measured_costs
 
     base = [*SHAPE, f"data.cache_dir={ROOT / '.cache' / 'sluice'}", *argv]
     costs: MeasuredCosts = measured_costs(config(base), world_size=2)

@@ -119,9 +119,9 @@ def validate_parallel(cfg: DictConfig, world_size: int | None = None) -> None:
 
 
 def resolve_partition(cfg: DictConfig) -> None:
-    """parallel.layers_per_stage=auto -> the cost-balanced split (the planner's; imported only when asked)."""
+    """parallel.layers_per_stage=auto -> the cost-balanced split (the cost model's; imported only when asked)."""
     if cfg.parallel.layers_per_stage == "auto":
-        from training.planner.balance import resolve_auto_partition
+        from training.layout_search.balance import resolve_auto_partition
 
         resolve_auto_partition(cfg)
 

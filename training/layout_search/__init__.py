@@ -1,1 +1,1 @@
-"""The planner: measured costs, the model of one layout's step time and memory, and (search.py) the search."""
+"""The layout search: measured costs, the model of one layout's step time and memory, and (search.py) the search."""

@@ -11,10 +11,10 @@ from omegaconf import DictConfig
 
 from parallel.collectives import broadcast_object
 from parallel.grid import resolve_backend
-from training.planner.predict import Candidate
-from training.planner.profile import measured_costs
-from training.planner.search import apply_candidate, search
-from training.planner.search_report import chosen, no_fit_message
+from training.layout_search.predict import Candidate
+from training.layout_search.profile import measured_costs
+from training.layout_search.search import apply_candidate, search
+from training.layout_search.search_report import chosen, no_fit_message
 from training.config.values import ConfigError
 
 
@@ -27,7 +27,7 @@ def choose(cfg: DictConfig, world_size: int) -> tuple[Candidate, str]:
     return result.best.candidate, f"parallel.plan=auto chose {chosen(result.best)}"
 
 
-def plan_layout(cfg: DictConfig, world_size: int) -> DictConfig:
+def choose_layout(cfg: DictConfig, world_size: int) -> DictConfig:
     """The config with the chosen layout applied (and parallel.plan cleared); prints what was chosen."""
     candidate, line = choose(cfg, world_size)
     print(f"sluice: {line}", flush=True)

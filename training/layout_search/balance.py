@@ -8,7 +8,7 @@ import logging
 from omegaconf import DictConfig
 
 from parallel.pipeline.partition import balanced_partition
-from training.planner.costs import MeasuredCosts
+from training.layout_search.costs import MeasuredCosts
 from training.config.schema import model_config, model_decoder
 
 log = logging.getLogger("sluice")
@@ -40,7 +40,7 @@ def flop_weights(cfg: DictConfig) -> tuple[float, float]:
 
 def stage_weights(cfg: DictConfig) -> tuple[float, float, str]:
     """(embed, head) in layer units and where they come from: the cached measurement, else FLOPs."""
-    from training.planner.profile import measured_costs  # torch-heavy: only when a partition is wanted
+    from training.layout_search.profile import measured_costs  # torch-heavy: only when a partition is wanted
 
     costs = measured_costs(cfg, cached_only=True)
     if costs is not None:

@@ -119,9 +119,9 @@ def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: in
 
 
 def cache_path(cfg: DictConfig, key: dict) -> Path:
-    """The JSON file of `key` under the data cache dir's planner/ folder."""
+    """The JSON file of `key` under the data cache dir's costs/ folder."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cfg.data.cache_dir) / "planner" / f"costs-{digest}.json"
+    return Path(cfg.data.cache_dir) / "costs" / f"costs-{digest}.json"
 
 
 def load_cached(cfg: DictConfig, key: dict) -> MeasuredCosts | None:

@@ -12,7 +12,7 @@ from parallel.pipeline.partition import rank_stages
 from parallel.pipeline.lowered import LoweredPipeline, lower_pipeline
 from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
-from training.planner.costs import ADAMW_STATE_BYTES, MeasuredCosts
+from training.layout_search.costs import ADAMW_STATE_BYTES, MeasuredCosts
 from training.config.schema import model_config
 from training.specs import pipeline_spec
 

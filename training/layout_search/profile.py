@@ -28,9 +28,9 @@ from training.cluster import omp_threads
 from training.config.schema import model_config
 from training.layout import layout_world_size
 from training.objectives.lm import shifted_loss_sum
-from training.planner.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cost_key, fixed_parts,
+from training.layout_search.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cost_key, fixed_parts,
                                     load_cached, save, timed_fields)
-from training.planner.probe import measure_transport
+from training.layout_search.probe import measure_transport
 from training.specs import resolve_dtype
 
 log = logging.getLogger("sluice")

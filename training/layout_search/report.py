@@ -1,4 +1,4 @@
-"""After a traced step: the planner's prediction for this layout next to what the step measured."""
+"""After a traced step: the cost model's prediction for this layout next to what the step measured."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 
 from omegaconf import DictConfig
 
-from training.planner.predict import candidate_of, predict
-from training.planner.profile import measured_costs
+from training.layout_search.predict import candidate_of, predict
+from training.layout_search.profile import measured_costs
 
 log = logging.getLogger("sluice")
 MIB = 1 << 20

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from parallel.pipeline.schedules import SCHEDULES
-from training.planner.balance import cost_balanced_partition, measured_weights
+from training.layout_search.balance import cost_balanced_partition, measured_weights
 from training.config.schema import model_config
-from training.planner.costs import MeasuredCosts
-from training.planner.predict import Candidate, Prediction, predict
+from training.layout_search.costs import MeasuredCosts
+from training.layout_search.predict import Candidate, Prediction, predict
 from training.layout import resolve_global_batch
 from training.config.values import ConfigError
 from training.config.validate import validate_experts, validate_layout, validate_parallel
@@ -23,7 +23,7 @@ Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `pre
 # Each mode saves memory and costs time over the one before: a later one is tried only where none before fits.
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MICRO_BATCH_DIVISORS = (1, 2, 4)  # micro-batch sizes tried: the config's, its half and its quarter
-VIRTUAL_STAGES = (2, 4)  # vpp tried by the schedules that need virtual stages (the planner refuses what fails)
+VIRTUAL_STAGES = (2, 4)  # vpp tried by the schedules that need virtual stages (the search refuses what fails)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from omegaconf import DictConfig
 
-from training.planner.costs import MeasuredCosts
-from training.planner.predict import Candidate
-from training.planner.search import GIB, Option, SearchResult, layout_problem
+from training.layout_search.costs import MeasuredCosts
+from training.layout_search.predict import Candidate
+from training.layout_search.search import GIB, Option, SearchResult, layout_problem
 
 TABLE_ROWS = 20  # the ranked table shows the fastest ones; the rest are counted
 REJECTED_ROWS = 30
