@@ -141,7 +141,7 @@ class ParallelEngine:
         return [stage.chunk for stage in self.stages.values()]
 
     @property
-    def planned(self) -> SimResult:
+    def simulated_step(self) -> SimResult:
         """The simulated step (unit costs) that a trace is drawn against."""
         return self.pipeline.simulate()
 

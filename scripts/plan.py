@@ -23,7 +23,7 @@ from omegaconf import DictConfig  # noqa: E402
 from parallel.pipeline.actions import Lists  # noqa: E402
 from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
-from parallel.pipeline.render import plan_text  # noqa: E402
+from parallel.pipeline.render import step_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from training.cli import compose_validated, fail  # noqa: E402
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     note = f" ({tie}: counted once; the last stage holds a copy)" if tied and n_stages > 1 else ""
     print(f"  total {total:,} parameters{note}")
     print("schedule:")
-    print(plan_text(lowered, pp, n_stages, m, placement, simulated=sim))
+    print(step_text(lowered, pp, n_stages, m, placement, simulated=sim))
     print(f"predicted: makespan {sim.makespan:g} cost units, bubble fraction {sim.bubble_fraction:.1%}")
     memory = activation_bytes(lowered, partition, cfg)
     for r in range(pp):

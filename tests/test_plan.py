@@ -13,7 +13,7 @@ from parallel.pipeline.actions import Action, Costs, Kind
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import simulate
-from parallel.pipeline.timeline import (chrome_trace, draw_measured_vs_planned, draw_timeline, intervals,
+from parallel.pipeline.timeline import (chrome_trace, draw_measured_vs_simulated, draw_timeline, intervals,
                                         measured_bubble)
 from parallel.pipeline.trace_files import write_trace
 
@@ -119,11 +119,11 @@ def test_draw_timeline_from_a_simulation_or_from_intervals(tmp_path):
     assert is_png(draw_timeline(rows, tmp_path / "sub" / "rows.png", "hand-made"))  # folders are created
 
 
-def test_draw_measured_vs_planned(tmp_path):
-    planned = sim("zb-h1")
+def test_draw_measured_vs_simulated(tmp_path):
+    simulated = sim("zb-h1")
     measured = {r: [(a, 0.01 * s, 0.01 * e + 0.001) for a, s, e in row]
-                for r, row in intervals(planned, comm=True).items()}
-    assert is_png(draw_measured_vs_planned(planned, measured, tmp_path / "mvp.png", "step 3"))
+                for r, row in intervals(simulated, comm=True).items()}
+    assert is_png(draw_measured_vs_simulated(simulated, measured, tmp_path / "mvp.png", "step 3"))
 
 
 def test_intervals_of_a_simulation_skip_comm_unless_asked():
@@ -153,15 +153,15 @@ def test_measured_bubble_counts_only_compute_as_busy():
                      1: [("F0@s1", 1.0, 2.0), ("B0@s1", 2.0, 3.0)]})
     assert measured_bubble(measured) == pytest.approx(1 - 4.0 / (2 * 4.0))
     assert measured_bubble({}) == 0.0
-    planned = sim("1f1b")  # a simulated step, replayed as a "measurement", gives the simulator's bubble
-    assert measured_bubble(intervals(planned, comm=True)) == pytest.approx(planned.bubble_fraction)
+    simulated = sim("1f1b")  # a simulated step, replayed as a "measurement", gives the simulator's bubble
+    assert measured_bubble(intervals(simulated, comm=True)) == pytest.approx(simulated.bubble_fraction)
 
 
 def test_write_trace_writes_the_chrome_trace_and_the_picture(tmp_path):
-    planned = sim("1f1b", 2, 2)
-    trace = {r: [(a, 0.5 * s, 0.5 * e) for a, s, e in row] for r, row in intervals(planned, comm=True).items()}
-    bubble = write_trace(tmp_path / "run", 3, trace, planned)
-    assert bubble == pytest.approx(planned.bubble_fraction)  # the same step, only slower
+    simulated = sim("1f1b", 2, 2)
+    trace = {r: [(a, 0.5 * s, 0.5 * e) for a, s, e in row] for r, row in intervals(simulated, comm=True).items()}
+    bubble = write_trace(tmp_path / "run", 3, trace, simulated)
+    assert bubble == pytest.approx(simulated.bubble_fraction)  # the same step, only slower
     events = json.loads((tmp_path / "run" / "trace_step3.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1} >= {"F0@s1", "B1@s1", "RECV_F0@s1"}
     assert is_png(tmp_path / "run" / "trace_step3.png")

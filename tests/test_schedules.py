@@ -8,7 +8,7 @@ from parallel.pipeline.actions import Action, Costs, Kind, Schedule
 from parallel.pipeline.partition import rank_stages, stage_to_rank
 from parallel.pipeline.actions import comm_peer, hand_over, needs
 from parallel.pipeline.lowering import lower
-from parallel.pipeline.render import plan_text
+from parallel.pipeline.render import step_text
 from parallel.pipeline.lowered import load_schedule
 from parallel.pipeline.schedules import (SCHEDULES, RegisteredSchedule, find_schedule, gpipe, interleaved_1f1b,
                                          one_f_one_b, zb_h1, zbv)
@@ -227,8 +227,8 @@ def test_comm_cost_stretches_the_step():
     assert slow.makespan > fast.makespan and slow.busy == fast.busy
 
 
-def test_plan_text_draws_a_grid():
-    out = plan_text(built("1f1b", 2, 3), 2, 2, 3, "loop")
+def test_step_text_draws_a_grid():
+    out = step_text(built("1f1b", 2, 3), 2, 2, 3, "loop")
     lines = out.splitlines()
     assert lines[1] == "rank 0  | F0 F1 .  .  B0 -- F2 B1 -- .  B2 --"
     assert lines[2] == "rank 1  | .  F0 B0 -- F1 B1 -- F2 B2 -- .  ."  # idle at the end is bubble too

@@ -1,4 +1,4 @@
-"""Tracing a step: every rank times its actions, rank 0 writes one Chrome trace and a measured-vs-planned PNG."""
+"""Tracing a step: every rank times its actions, rank 0 writes one Chrome trace and a measured-vs-simulated PNG."""
 
 import dataclasses
 import json
@@ -24,7 +24,7 @@ def trace_worker(rank: int, world_size: int, schedule: str, run_dir: str) -> flo
     if grid.rank != 0:
         assert result.trace is None
         return None
-    return write_trace(run_dir, 3, result.trace, engine.planned)
+    return write_trace(run_dir, 3, result.trace, engine.simulated_step)
 
 
 def check_trace(path: Path, ranks: int, kinds: set[str]) -> None:
@@ -50,7 +50,7 @@ def test_traced_pp2_step_writes_chrome_trace_and_timeline(tmp_path):
 def test_emulated_trace_has_every_pipeline_rank(tmp_path):
     engine = ParallelEngine(layout_cfg("zb-h1", 2, 4), tiny(), ParallelGrid.single(torch.device("cpu")))
     trace = engine.step(batches(4), trace=True).trace
-    bubble = write_trace(tmp_path, 1, trace, engine.planned)
+    bubble = write_trace(tmp_path, 1, trace, engine.simulated_step)
     check_trace(tmp_path / "trace_step1.json", 2, {"F", "I", "W"})
     assert 0.0 <= bubble < 1.0
 

@@ -181,7 +181,7 @@ class Trainer:
                         from parallel.pipeline.trace_files import write_trace
 
                         record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace,
-                                                                self.engine.planned)
+                                                                self.engine.simulated_step)
                     if evaluated:
                         guard.evaluating(step + 1)
                         record.update(self.evaluate())

@@ -20,7 +20,7 @@ class Kind(str, Enum):
     def __new__(cls, value: str) -> Kind:
         member = str.__new__(cls, value)
         member._value_ = value
-        # A plain attribute, not a property: the plan checks read it about once per action (10^6 at scale).
+        # A plain attribute, not a property: the list checks read it about once per action (10^6 at scale).
         member.is_comm = value.startswith(("SEND", "RECV"))
         return member
 
@@ -41,7 +41,7 @@ SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.REC
 class Action(NamedTuple):
     """One unit of work: `kind` on micro-batch `microbatch` of stage `stage` (global stage index).
 
-    A named tuple rather than a dataclass: the plan checks build, hash and compare about 10^6 of them at
+    A named tuple rather than a dataclass: the list checks build, hash and compare about 10^6 of them at
     pp=64, and a tuple does that in C (a plain `(kind, mb, stage)` tuple is the same dictionary key)."""
 
     kind: Kind
@@ -67,7 +67,7 @@ class Action(NamedTuple):
 _ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@s(\d+))?")
 
 Schedule = list[list[Action]]  # one action list per pipeline rank, executed in order
-Lists = Sequence[Sequence[Action]]  # the same, read-only (a plan's lowered lists are tuples)
+Lists = Sequence[Sequence[Action]]  # the same, read-only (a LoweredPipeline's lists are tuples)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""The plan checks run with the cyclic garbage collector paused.
+"""The list checks run with the cyclic garbage collector paused.
 
-A plan at pp=64 is about 10^6 small tuples (one per action, none of them garbage, all alive for the
+The lists of a pp=64 step are about 10^6 small tuples (one per action, none of them garbage, all alive for the
 whole check). Each time the heap has grown by a quarter the collector walks every object, so it would
-walk the plan again and again: paused, lowering takes about half the time and checking a third less.
+walk the lists again and again: paused, lowering takes about half the time and checking a third less.
 """
 
 from __future__ import annotations

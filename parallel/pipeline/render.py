@@ -6,13 +6,13 @@ from .actions import Costs, Lists
 from .simulate import SimResult, simulate
 
 
-def plan_text(
+def step_text(
     lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None,
     simulated: SimResult | None = None,
 ) -> str:
     """A rank x time grid of the compute actions (one column per time quantum), with bubble and memory.
 
-    `simulated`: the step already simulated under `costs` (a large plan need not be replayed twice)."""
+    `simulated`: the step already simulated under `costs` (a large step need not be replayed twice)."""
     costs = costs or Costs()
     res = simulated or simulate(lowered, pp, n_stages, n_microbatches, placement, costs)
     quantum = min(c for c in (costs.f, costs.b, costs.i, costs.w, costs.comm) if c > 0)

@@ -78,7 +78,7 @@ def zb_h1(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
 def zbv(pp: int, n_microbatches: int, vpp: int = 2) -> Schedule:
     """ZB-V (Qi et al. 2023, sec. 6): two chunks per rank in a V, split backward; 1F1B's memory, ~no bubble."""
     m = n_microbatches
-    n = max(m, 2 * pp - 1)  # plan a full pipeline, then drop the micro-batches that do not exist
+    n = max(m, 2 * pp - 1)  # schedule a full pipeline, then drop the micro-batches that do not exist
     schedule = []
     for r in range(pp):
         down, up = r, 2 * pp - 1 - r  # chunk 0 on the way down the V, chunk 1 on the way back up

@@ -74,7 +74,7 @@ _HELD = {F: 1, B: -1, W: -1}  # micro-batches whose activations each kind takes 
 def peak_live(actions: Iterable[Action], size: Callable[[int], int] | None = None) -> int:
     """Most activations one rank holds at once: F holds its stage's until B frees them, or under an I/W split
     until W does; `size(stage)` weighs a stage's (default 1: the peak counts micro-batches)."""
-    if size is None:  # a running sum in C: this runs on every action of every plan's prediction
+    if size is None:  # a running sum in C: this runs on every action of every step's prediction
         return max(accumulate(map(_HELD.get, map(itemgetter(0), actions), repeat(0)), initial=0))
     live = peak = 0
     for kind, _, stage in actions:

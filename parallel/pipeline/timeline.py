@@ -1,4 +1,4 @@
-"""Pictures and traces of a pipeline step: planned (simulated) or measured, as PNG timelines or Chrome traces.
+"""Pictures and traces of a pipeline step: simulated or measured, as PNG timelines or Chrome traces.
 
 A measured step is `{rank: [(action, start_s, end_s), ...]}` with `Action` objects and times from one clock
 shared by all ranks (e.g. `time.time()` after a barrier).
@@ -12,7 +12,7 @@ from pathlib import Path
 from .actions import Action
 from .simulate import SimResult
 
-__all__ = ["COLORS", "chrome_trace", "draw_measured_vs_planned", "draw_timeline", "intervals", "measured_bubble"]
+__all__ = ["COLORS", "chrome_trace", "draw_measured_vs_simulated", "draw_timeline", "intervals", "measured_bubble"]
 
 Interval = tuple[Action, float, float]  # (action, start, end)
 Intervals = Mapping[int, Sequence[Interval]] | Sequence[Sequence[Interval]]
@@ -67,18 +67,18 @@ def draw_timeline(source: SimResult | Intervals, path: str | Path, title: str = 
     return _save(fig, path)
 
 
-def draw_measured_vs_planned(planned: SimResult | Intervals, measured: Intervals, path: str | Path,
-                             title: str = "") -> Path:
-    """Write a PNG with two panels: the planned (simulated) step above, the measured one below."""
+def draw_measured_vs_simulated(simulated: SimResult | Intervals, measured: Intervals, path: str | Path,
+                               title: str = "") -> Path:
+    """Write a PNG with two panels: the simulated step above, the measured one below."""
     plt = _pyplot()
-    plan_rows, real_rows = intervals(planned), intervals(measured)
-    width, height = _size(plan_rows if len(plan_rows) >= len(real_rows) else real_rows, 2)
+    sim_rows, real_rows = intervals(simulated), intervals(measured)
+    width, height = _size(sim_rows if len(sim_rows) >= len(real_rows) else real_rows, 2)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(width, height))
-    _draw(top, plan_rows, _heading(planned, "planned"), _unit(planned))
+    _draw(top, sim_rows, _heading(simulated, "simulated"), _unit(simulated))
     _draw(bottom, real_rows, _heading(measured, "measured"), "seconds")
     if title:
         fig.suptitle(title)
-    _legend(fig, plan_rows, real_rows)
+    _legend(fig, sim_rows, real_rows)
     return _save(fig, path)
 
 
@@ -131,7 +131,7 @@ def _draw(ax, rows: dict[int, list[Interval]], title: str, unit: str) -> None:
             if (end - start) / span > 0.004:
                 ax.text((start + end) / 2 - t0, rank, str(a.microbatch), ha="center", va="center",
                         fontsize=fontsize, color="white" if chunk == 0 else "black")
-        # One collection per color and rank: a pp=64 plan has ~10^5 boxes, which one patch each would take
+        # One collection per color and rank: a pp=64 step has ~10^5 boxes, which one patch each would take
         # minutes to draw.
         dense = len(row) > 200  # boxes a pixel or two wide: white edges and antialiasing would wash them out
         for (kind, chunk), spans in boxes.items():

@@ -158,7 +158,7 @@ def _sleep(r: dict, doc_path: Path, root: Path) -> list[str]:
                        f"{row['sluice_wins']}/{row['rounds']} |")
     pngs = [root / p for p in sleep.get("timelines", [])]
     if pngs:
-        out += ["", "Measured Sluice steps (below) under the simulator's ideal plan (above):", ""]
+        out += ["", "Measured Sluice steps (below) under the simulator's ideal step (above):", ""]
         out += [f"![{p.stem}]({os.path.relpath(p, doc_path.parent)})" for p in pngs]
     return out + [""]
 

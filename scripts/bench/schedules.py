@@ -8,7 +8,7 @@ distance to the ideal is what scheduling and transport cost, not the stages them
 shared memory between the ranks of this host) and torch.distributed.pipelining's counterpart of each schedule
 (gloo) run alternately, one step each per round; at the smallest m, Sluice over gloo too ("sluice_gloo"), to
 tell the runtime's share from the transport's. Writes the "sleep" section of results.json and, for m=8, a
-measured-vs-planned PNG per Sluice schedule. `make bench` measures m=8 (`--microbatches 8 16` adds m=16: ratios to
+measured-vs-simulated PNG per Sluice schedule. `make bench` measures m=8 (`--microbatches 8 16` adds m=16: ratios to
 the ideal within 0.01 of m=8's when last measured, for twice the time).
 
     python scripts/bench/schedules.py [--smoke] [--rounds N] [--f-ms MS] [--microbatches M ...] [--results PATH]
@@ -123,7 +123,7 @@ def traced_step(engine, name: str, setup: Setup, m: int, rank: int, ideal: Costs
     """One traced Sluice step: its mean action durations inside the pipeline (beside the ones measured alone,
     they show what sharing the machine with the other ranks adds) and, at the smallest m, the measured step
     drawn under the ideal one (PNG)."""
-    from parallel.pipeline.timeline import draw_measured_vs_planned
+    from parallel.pipeline.timeline import draw_measured_vs_simulated
 
     _, _, result = timed(lambda: engine.step(batches(m), trace=True))
     if rank != 0:
@@ -141,7 +141,7 @@ def traced_step(engine, name: str, setup: Setup, m: int, rank: int, ideal: Costs
         lowered = lower_pipeline(PipelineSpec(pp=PP, vpp=vpp, schedule=name, n_microbatches=m), PP * vpp)
         path = Path(setup.png_dir) / f"sleep_{name}_pp{PP}_m{m}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        draw_measured_vs_planned(lowered.simulate(ideal), result.trace, path,
+        draw_measured_vs_simulated(lowered.simulate(ideal), result.trace, path,
                                  title=f"{name}, pp={PP}, m={m} (seconds)")
     return {"traced_span_s": span, "traced_action_s": mean}
 

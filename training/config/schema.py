@@ -151,7 +151,7 @@ class TrainSchema:
     log_every: int = key(10, "log a metrics record every N steps (the first and last step are always logged)",
                          positive)
     trace_step: Optional[int] = key(
-        None, "step (1-based) to trace: Chrome trace and measured-vs-planned PNG in the run directory",
+        None, "step (1-based) to trace: Chrome trace and measured-vs-simulated PNG in the run directory",
         optional(positive))
     recompute: str = key(
         "none", "activation recomputation: `none`, `full` (each decoder layer), `selective` (attention core and MLP "

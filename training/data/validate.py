@@ -157,7 +157,7 @@ def _source_bound(spec: DataSpec, key: str, seq_len: int, fraction: float) -> tu
 def _synthetic_bounds(spec: DataSpec, seq_len: int, enough: int) -> tuple[int, int]:
     """Upper bounds on (training, held-out) samples of the synthetic corpus, except that a count at or above
     `enough` may be a lower bound: enough to pass, known from the document count without generating the corpus
-    (a pp=64 plan of 10^5 documents would spend seconds writing text only to count it).
+    (a pp=64 run of 10^5 documents would spend seconds writing text only to count it).
 
     Byte-level BPE gives each whitespace-separated word at least one token and each byte at most one."""
     train_ids, val_ids = split_documents(spec.num_docs, spec.val_fraction, spec.seed)
