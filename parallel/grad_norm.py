@@ -27,8 +27,13 @@ def global_grad_norm(norm_params: list[nn.Parameter], group, device: torch.devic
     return all_reduce_(sum_sq, group).sqrt()
 
 
-def scale_grads_(params: list[nn.Parameter], scale: float) -> None:
-    """Multiply every gradient in place (clipping), batched per device and dtype."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, scale)  # what torch.nn.utils.clip_grad_norm_ itself uses
+def scale_grads_(params: list[nn.Parameter], scale: torch.Tensor) -> None:
+    """Multiply every gradient in place by the 0-dim `scale` (clipping), batched per device and dtype, as
+    torch.nn.utils.clip_grad_norm_ does: the scale stays on the device (no host read), cast to the gradient's dtype
+    as a Python float scale would be."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_kind.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
+    for (device, dtype), grads in by_kind.items():
+        torch._foreach_mul_(grads, scale.to(device, dtype))

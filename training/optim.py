@@ -138,10 +138,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def clip_grad_norm(all_params: list[torch.nn.Parameter], norm_params: list[torch.nn.Parameter],
-                   max_norm: float, group, device: torch.device) -> float:
-    """Global L2 grad norm over `norm_params` (each unique parameter counted by exactly one rank),
-    summed over `group`; all of `all_params` are scaled when it exceeds max_norm (0 = no clipping)."""
-    norm = float(global_grad_norm(norm_params, group, device))  # the step's one read of the norm
-    if max_norm > 0 and norm > max_norm:
-        scale_grads_(all_params, max_norm / (norm + 1e-6))
+                   max_norm: float, group, device: torch.device) -> torch.Tensor:
+    """Global L2 grad norm over `norm_params` (each unique parameter counted by exactly one rank), summed over
+    `group`, as a float64 tensor on `device`; all of `all_params` are scaled when it exceeds max_norm (0 = no
+    clipping). Decided on the device, as torch's clip_grad_norm_ does: no host read (the step's vote reads it)."""
+    norm = global_grad_norm(norm_params, group, device)
+    if max_norm > 0:
+        # x * 1.0 is exact, so an unclipped step keeps its gradients bit for bit; a NaN norm compares False.
+        scale_grads_(all_params, torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0))
     return norm

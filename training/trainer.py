@@ -159,6 +159,7 @@ class Trainer:
                                            self.grid.device)
                 if guard.should_step(step + 1, result.loss, grad_norm):  # skip: same on every rank
                     self.optimizer.step()
+                grad_norm = guard.grad_norm  # the vote read the device's norm back with its flags: no read of its own
                 self.optimizer.zero_grad(set_to_none=True)
                 step_time = time.perf_counter() - start
                 if step == first and cfg.train.compile and self.grid.rank == 0:  # dynamo compiles at the first call

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
@@ -24,6 +26,7 @@ class StepGuard:
         self.policy = SkipPolicy(cfg.train.on_nonfinite, cfg.train.max_skipped_steps)
         self.world = dist.group.WORLD if grid.world_size > 1 else None
         self.stop_signal = 0  # SIGINT/SIGTERM every rank agreed on in the last vote: save after this step and stop
+        self.grad_norm = math.nan  # the last vote's grad norm, read back from the device
 
     @property
     def skipped(self) -> int:
@@ -43,14 +46,15 @@ class StepGuard:
         self.watch.collective(f"step {step}: grad-norm all-reduce", "mp")
         return loss
 
-    def should_step(self, step: int, loss: float, grad_norm: float) -> bool:
-        """One verdict on every rank: update, skip (False) or stop (NonFiniteError); and whether to stop after it."""
+    def should_step(self, step: int, loss: float, grad_norm: float | torch.Tensor) -> bool:
+        """One verdict on every rank: update, skip (False) or stop (NonFiniteError); and whether to stop after it.
+        The vote reads the device's grad norm back: `grad_norm` holds it as a host float afterwards."""
         self.watch.collective(f"step {step}: non-finite check", "world")
         signo = max(self.watch.interrupt.signo if self.watch.interrupt else 0, self.faults.signalled)
-        what, self.stop_signal = step_vote(loss, grad_norm, signo, self.world, self.grid.device)
+        what, self.stop_signal, self.grad_norm = step_vote(loss, grad_norm, signo, self.world, self.grid.device)
         if self.stop_signal and self.watch.interrupt is None:  # a peer got it: this rank's copy may still come
             self.watch.interrupt = Interrupt(self.stop_signal, own=False)
-        verdict = self.policy.should_step(step, what, loss, grad_norm)
+        verdict = self.policy.should_step(step, what, loss, self.grad_norm)
         self.watch.collective(f"step {step}: optimizer step", "dp")  # ZeRO-1 broadcasts its shards
         return verdict
 

@@ -19,18 +19,23 @@ class NonFiniteError(RuntimeError):
     """The loss or grad norm of a step is NaN/Inf and the run must stop; the message names the step."""
 
 
-def nonfinite_vote(loss: float, grad_norm: float, group, device: torch.device) -> str | None:
+def nonfinite_vote(loss: float, grad_norm: float | torch.Tensor, group, device: torch.device) -> str | None:
     """What was non-finite on any rank of `group` ("loss", "grad norm" or both), or None: the same on every rank."""
     return step_vote(loss, grad_norm, 0, group, device)[0]
 
 
-def step_vote(loss: float, grad_norm: float, signo: int, group, device: torch.device) -> tuple[str | None, int]:
-    """The non-finite verdict and the stop signal (0: none; the highest any rank of `group` received), agreed by
-    one small all-reduce: a signal reaches ranks at different moments, or only some of them."""
-    bad = torch.tensor([not math.isfinite(loss), not math.isfinite(grad_norm), signo], dtype=torch.int32,
-                       device=device)
-    flags = all_reduce_(bad, group, dist.ReduceOp.MAX).tolist()  # element-wise MAX of 0/1 = OR over ranks
-    return " and ".join(name for name, flag in zip(("loss", "grad norm"), flags[:2]) if flag) or None, flags[2]
+def step_vote(loss: float, grad_norm: float | torch.Tensor, signo: int, group,
+              device: torch.device) -> tuple[str | None, int, float]:
+    """The non-finite verdict, the stop signal (0: none; the highest any rank of `group` received) and the grad norm
+    as a host float, agreed by one small all-reduce (a signal reaches ranks at different moments, or only some of
+    them) and read in the step's one host read after the engine's: the norm's finiteness is judged on the device."""
+    norm = torch.as_tensor(grad_norm, dtype=torch.float64, device=device)
+    bad = torch.stack([torch.full((), not math.isfinite(loss), dtype=torch.int32, device=device),
+                       norm.isfinite().logical_not().int(), torch.full((), signo, dtype=torch.int32, device=device)])
+    flags = all_reduce_(bad, group, dist.ReduceOp.MAX)  # element-wise MAX of 0/1 = OR over ranks
+    *flags, signal, norm_value = torch.cat([flags.double(), norm.view(1)]).tolist()
+    what = " and ".join(name for name, flag in zip(("loss", "grad norm"), flags) if flag) or None
+    return what, int(signal), norm_value
 
 
 class SkipPolicy:
