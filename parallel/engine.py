@@ -23,7 +23,7 @@ from parallel.pipeline.evaluation import forward_only
 from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.runtime import Program, Record, StepScales, execute, execute_emulated
 from parallel.rank_grads import gradient_sync, norm_parameters, tied_pair
-from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult
+from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult, local_tokens, read_back
 
 if TYPE_CHECKING:  # names in annotations only
     from parallel.decoder import Decoder
@@ -55,25 +55,13 @@ def global_label_tokens(micro_batches: list[MicroBatch], grid: ParallelGrid,
     needs no collective and no device op for it; unstamped micro-batches (tests, benchmarks) are counted with
     one DP all-reduce, on the device (no host sync). Every replica's data comes from the same layer, so all
     replicas take the same branch."""
-    stamps = {mb.global_tokens for mb in micro_batches}
-    if None in stamps:
-        local = torch.stack([count(mb) for mb in micro_batches]).sum()
-        return all_reduce_(local.to(grid.device), grid.dp_group)
-    if len(stamps) != 1:
-        raise ValueError(f"the micro-batches of one step carry different global token counts {sorted(stamps)}")
-    return stamps.pop()
+    tokens = local_tokens(micro_batches, count, grid.device)
+    return tokens if isinstance(tokens, int) else all_reduce_(tokens, grid.dp_group)
 
 
 def loss_scale_of(tokens: int | torch.Tensor) -> float | torch.Tensor:
     """1 / tokens (at least 1) in float64; a host float and the device tensor round the same (IEEE division)."""
     return 1.0 / max(tokens, 1) if isinstance(tokens, int) else 1.0 / tokens.clamp(min=1).double()
-
-
-def read_back(sums: torch.Tensor, tokens: int | torch.Tensor) -> list[float]:
-    """The step's one host read: the float64 `sums`, then the token count (a host int needs no read)."""
-    if isinstance(tokens, int):
-        return [*sums.tolist(), tokens]
-    return torch.cat([sums, tokens.double().view(1)]).tolist()
 
 
 class ParallelEngine:

@@ -133,7 +133,8 @@ class LocalEngine:
 
     def _loss(self, logits: torch.Tensor, mb: MicroBatch,
               objective: Objective | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return (objective or self.objective)(logits, mb.labels.to(self.device), mb.extra, dense_token_loss)
+        return (objective or self.objective)(logits, mb.labels.to(self.device, non_blocking=True), mb.extra,
+                                            dense_token_loss)
 
     @torch.no_grad()
     def forward_sums(self, micro_batches: list[MicroBatch], objective: Objective) -> torch.Tensor:
@@ -157,16 +158,38 @@ class LocalEngine:
 
     def step(self, micro_batches: list[MicroBatch], trace: bool = False) -> StepResult:
         """Accumulate gradients over the micro-batches; `trace` has nothing to time in one process."""
-        count = sum(int(self.objective.count(mb)) for mb in micro_batches)
+        tokens = local_tokens(micro_batches, self.objective.count, self.device)
+        scale = max(tokens, 1) if isinstance(tokens, int) else tokens.clamp(min=1)  # the same float32 division
         width = self.objective.width
         sums = torch.zeros(width + 1, dtype=torch.float64, device=self.device)  # the objective's, aux: read once
         for mb in micro_batches:
             with autocast(self.device, self.dtype):
-                logits, aux = self.decoder(input_ids=mb.input_ids.to(self.device))
+                logits, aux = self.decoder(input_ids=mb.input_ids.to(self.device, non_blocking=True))
             loss_sum, parts = self._loss(logits, mb)
             del logits  # they die with the backward, not when the next forward rebinds the name (peak memory)
-            (loss_sum / max(count, 1) + aux / len(micro_batches)).backward()
+            (loss_sum / scale + aux / len(micro_batches)).backward()
             sums += torch.cat([parts, aux.detach().view(1)]).double()
-        *values, aux_sum = sums.tolist()
+        *values, aux_sum, count = read_back(sums, tokens)
+        count = int(count)
         return StepResult(values[0] / max(count, 1), aux_sum / len(micro_batches), count,
                           metrics=self.objective.metrics(values, count))
+
+
+def local_tokens(micro_batches: list[MicroBatch], count: Callable[[MicroBatch], torch.Tensor],
+                 device: torch.device) -> int | torch.Tensor:
+    """The objective's count: the data layer's stamp (the global batch's) as a host int, else these micro-batches'
+    sum as a device tensor (no host read: `read_back` reads it with the loss). Every micro-batch of a step carries
+    the same stamp."""
+    stamps = {mb.global_tokens for mb in micro_batches}
+    if None in stamps:
+        return torch.stack([count(mb) for mb in micro_batches]).sum().to(device, non_blocking=True)
+    if len(stamps) != 1:
+        raise ValueError(f"the micro-batches of one step carry different global token counts {sorted(stamps)}")
+    return stamps.pop()
+
+
+def read_back(sums: torch.Tensor, tokens: int | torch.Tensor) -> list[float]:
+    """The step's one host read: the float64 `sums`, then the token count (a host int needs no read)."""
+    if isinstance(tokens, int):
+        return [*sums.tolist(), tokens]
+    return torch.cat([sums, tokens.double().view(1)]).tolist()

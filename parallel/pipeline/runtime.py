@@ -285,8 +285,8 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
     stage = stages[s]
     batch = micro_batches[mb]
     if action.kind is Kind.F:
-        inputs = batch.input_ids.to(stage.device) if stage.is_first else inputs
-        labels = batch.labels.to(stage.device) if stage.is_last else None
+        inputs = batch.input_ids.to(stage.device, non_blocking=True) if stage.is_first else inputs
+        labels = batch.labels.to(stage.device, non_blocking=True) if stage.is_last else None
         out, what, to = (stage.forward(mb, inputs, labels, scales.loss_scale, scales.aux_scale, batch.extra),
                          ACTIVATION, s + 1)
     elif action.kind in (Kind.B, Kind.I):
