@@ -135,12 +135,16 @@ class MoEFeedForward(nn.Module):
         elif self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(tokens)
-        for expert_id, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(chosen == expert_id)
-            if token_idx.numel() == 0:
+        # Rows (token * top_k + slot) expert by expert, each expert's in ascending order as torch.where gives them,
+        # split by one read of the counts per layer (not a data-dependent torch.where, one device sync, per expert).
+        rows = torch.argsort(chosen.reshape(-1), stable=True)
+        counts = torch.bincount(chosen.reshape(-1), minlength=len(self.experts)).tolist()
+        for expert, mine in zip(self.experts, rows.split(counts)):
+            if mine.numel() == 0:
                 # Touch the expert so every rank's autograd graph has the same parameters.
                 out = out + 0.0 * sum(p.sum() for p in expert.parameters())
                 continue
+            token_idx, slot = mine // self.top_k, mine % self.top_k
             y = expert(tokens[token_idx]) * weights[token_idx, slot, None].to(tokens.dtype)
             out = out.index_add(0, token_idx, y)
         aux = tokens.new_zeros((), dtype=torch.float32)

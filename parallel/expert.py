@@ -45,6 +45,7 @@ class Routing:
     recv_counts: list[int]  # rows received from each ep rank
     by_expert: torch.Tensor  # received rows (source-major) regrouped expert-major
     expert_counts: list[int]  # received rows per local expert
+    local_ids: torch.Tensor  # the local expert of each expert-major row (built on the device)
 
 
 def routing_of(top_k_index: torch.Tensor, sent: torch.Tensor, received: torch.Tensor) -> Routing:
@@ -53,16 +54,28 @@ def routing_of(top_k_index: torch.Tensor, sent: torch.Tensor, received: torch.Te
     order = torch.argsort(top_k_index.reshape(-1), stable=True)
     ep, local = received.shape
     # Split sizes are host ints: one read of both count vectors (a device sync on GPUs, the dispatch's only one).
+    # The index tensors are built on the device from the same counts, sized by the host total (no read of their own).
     host = torch.cat([sent.reshape(-1), received.reshape(-1)]).tolist()
     sent_h, counts = host[:ep * local], host[ep * local:]
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    # Received rows arrive source by source, each source's rows sorted by expert: pick them expert by expert.
-    pieces = [torch.arange(starts[s * local + j], starts[s * local + j] + counts[s * local + j])
-              for j in range(local) for s in range(ep)]
-    by_expert = torch.cat(pieces).to(top_k_index.device)
+    expert_counts = [sum(counts[s * local + j] for s in range(ep)) for j in range(local)]
+    total = sum(counts)
+    local_ids = torch.repeat_interleave(torch.arange(local, device=received.device), received.sum(0),
+                                        output_size=total)
     return Routing(order, [sum(sent_h[r * local:(r + 1) * local]) for r in range(ep)],
-                   [sum(counts[s * local:(s + 1) * local]) for s in range(ep)], by_expert,
-                   [sum(counts[s * local + j] for s in range(ep)) for j in range(local)])
+                   [sum(counts[s * local:(s + 1) * local]) for s in range(ep)], expert_major(received, total),
+                   expert_counts, local_ids)
+
+
+def expert_major(received: torch.Tensor, total: int) -> torch.Tensor:
+    """Indices that regroup the `total` received rows expert by expert. They arrive source by source, each source's
+    rows sorted by expert: block (s, j) of `received[s, j]` rows; expert-major order walks the blocks as (j, s)."""
+    ep, local = received.shape
+    sizes = received.reshape(-1)
+    starts = sizes.cumsum(0) - sizes  # where block (s, j) begins among the received rows
+    blocks = torch.arange(ep * local, device=received.device).view(ep, local).t().reshape(-1)
+    moved = sizes[blocks]
+    shift = starts[blocks] - (moved.cumsum(0) - moved)  # a block's first row minus its expert-major position
+    return torch.repeat_interleave(shift, moved, output_size=total) + torch.arange(total, device=received.device)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -93,10 +106,12 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
 
 class ExpertDispatch:
     """`experts(tokens [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]` over the ep group: the
-    signature of transformers' MoE experts module; `run_local(rows, counts)` runs this rank's experts on rows grouped
-    expert by expert. (A class, not a closure, so that deepcopy rebinds it to the copy.)"""
+    signature of transformers' MoE experts module; `run_local(rows, counts, ids)` runs this rank's experts on rows
+    grouped expert by expert (`counts` per expert on the host, `ids` each row's local expert on the device). (A class,
+    not a closure, so that deepcopy rebinds it to the copy.)"""
 
-    def __init__(self, run_local: Callable[[torch.Tensor, list[int]], torch.Tensor], n_local: int, grid: ParallelGrid):
+    def __init__(self, run_local: Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor], n_local: int,
+                 grid: ParallelGrid):
         self.run_local, self.n_local, self.ep, self.group = run_local, n_local, grid.ep, grid.ep_group
 
     def __call__(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -106,7 +121,7 @@ class ExpertDispatch:
         routing = routing_of(top_k_index, sent, received)
         k = top_k_index.shape[-1]
         rows = all_to_all(tokens[routing.order // k], routing.send_counts, routing.recv_counts, self.group)
-        outputs = self.run_local(rows[routing.by_expert], routing.expert_counts)
+        outputs = self.run_local(rows[routing.by_expert], routing.expert_counts, routing.local_ids)
         back = torch.empty_like(routing.by_expert)
         back[routing.by_expert] = torch.arange(len(back), device=back.device)
         returned = all_to_all(outputs[back], routing.recv_counts, routing.send_counts, self.group)
@@ -130,7 +145,7 @@ class ListedExperts:
     def __init__(self, experts: nn.ModuleDict):
         self.experts = experts
 
-    def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, counts: list[int], ids: torch.Tensor) -> torch.Tensor:
         outputs, idle = [], []
         for expert, part in zip(self.experts.values(), rows.split(counts)):
             if part.shape[0]:
@@ -148,11 +163,9 @@ class StackedExperts:
     def __init__(self, module: nn.Module, forward: Callable):
         self.module, self.forward = module, forward
 
-    def __call__(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, counts: list[int], ids: torch.Tensor) -> torch.Tensor:
         if not rows.shape[0]:
             return _joined(rows * 0.0, rows, self.module.parameters(recurse=False))
-        ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
-                                      torch.tensor(counts, device=rows.device))
         return self.forward(rows, ids[:, None], torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device))
 
 
