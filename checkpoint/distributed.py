@@ -187,16 +187,16 @@ def _shared(names: list[str], grid: ParallelGrid) -> list[str]:
 
 
 def save_state(path: Path, state: TrainingState, what: str,
-               prepare: Callable[[int], str | None] | None = None) -> dict[str, str]:
+               before_write: Callable[[int], str | None] | None = None) -> dict[str, str]:
     """Write this rank's share into the DCP folder `path` (a collective over every rank); return the sha256 of
     every shard DCP wrote, by name (the ranks hash them together).
 
-    `prepare(bytes needed)` runs on rank 0 before anything is written (the folder's owner, its free space). A line
+    `before_write(bytes needed)` runs on rank 0 before anything is written (the folder's owner, its free space). A line
     it returns, and a failed write (a full or read-only disk: the folder and the space needed are named), end the
     save on every rank with the same CheckpointError starting with `what`; the partial folder is removed."""
     tensors = state_to_save(state)
     needed = saved_bytes(tensors, state)
-    problem = prepare(needed) if prepare is not None and state.grid.rank == 0 else None
+    problem = before_write(needed) if before_write is not None and state.grid.rank == 0 else None
     if problem := broadcast_object(problem, dist.group.WORLD if _distributed() else None, src=0):
         raise CheckpointError(problem)
     failure = None

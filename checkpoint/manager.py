@@ -261,7 +261,7 @@ class CheckpointManager:
         start = time.perf_counter()
         final = self.spec.dir / f"step_{step:08d}"
         tmp = self.spec.dir / f".{final.name}.tmp"
-        sums = save_state(tmp, self.state, what, lambda needed: self._prepare(needed, what))
+        sums = save_state(tmp, self.state, what, lambda needed: self._before_write(needed, what))
         problem = None
         if self.rank0:
             try:
@@ -279,7 +279,7 @@ class CheckpointManager:
         self._say(f"saved checkpoint step {step} to {final} in {time.perf_counter() - start:.2f}s")
         return final
 
-    def _prepare(self, needed: int, what: str) -> str | None:
+    def _before_write(self, needed: int, what: str) -> str | None:
         """Rank 0, before any rank writes: claim the folder (or refuse another run's), remove this run's saves
         killed earlier, check the free space; one line when the save cannot go ahead."""
         directory, self.needed = self.spec.dir, needed

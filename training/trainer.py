@@ -94,12 +94,12 @@ class Trainer:
         if self.distill and self.val_batches:
             self.val_batches = [with_inputs(micro_batches) for micro_batches in self.val_batches]
         if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
-            from training.objectives.reference import prepare_reference
+            from training.objectives.reference import compute_reference
 
             if grid.rank == 0:  # it reads every pair the run will train on before step 1: say so
                 log.info("dpo: computing the reference log-probabilities (forward only, the starting weights) of the "
                          "pairs the %d steps read; step 1 follows", cfg.train.steps)
-            prepare_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
+            compute_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
         state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
         self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,

@@ -70,18 +70,18 @@ def reference_table(engine: Engine, stream: PairBatches, steps: int, grid: Paral
     order = torch.cat([needed, needed[-1:].repeat((-len(needed)) % per_step)])
     table = torch.full((stream.num_samples, 2), float("nan"), dtype=torch.float64)
     for start in range(0, len(order), per_step):
-        chunk = order[start:start + per_step]
-        input_ids, labels = stream.samples.take(chunk[grid.dp_rank * per_replica:(grid.dp_rank + 1) * per_replica])
+        batch = order[start:start + per_step]
+        input_ids, labels = stream.samples.take(batch[grid.dp_rank * per_replica:(grid.dp_rank + 1) * per_replica])
         rows = len(input_ids) // stream.n_microbatches
         micro_batches = [MicroBatch(input_ids[i:i + rows], labels[i:i + rows]) for i in range(0, len(input_ids), rows)]
         logps = row_logps(engine, micro_batches)
         every = all_gather_cat(logps, grid.dp_group, dim=0).cpu().view(per_step, 2)  # replicas in DP-rank order
         real = min(per_step, len(needed) - start)
-        table[chunk[:real]] = every[:real]
+        table[batch[:real]] = every[:real]
     return table
 
 
-def prepare_reference(engine: Engine, stream: PairBatches, val_batches: list[list[MicroBatch]] | None, steps: int,
+def compute_reference(engine: Engine, stream: PairBatches, val_batches: list[list[MicroBatch]] | None, steps: int,
                       grid: ParallelGrid) -> float:
     """Give the training stream and the held-out micro-batches their reference log-probabilities, before any step
     changes the weights; return the seconds it took (logged on global rank 0)."""
