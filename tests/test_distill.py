@@ -193,6 +193,9 @@ def test_an_unfit_teacher_is_refused_in_one_line(workspace, tmp_path):
     cases = {
         (): "train.task=distill needs a teacher: set distill.teacher=<an HF folder (save_pretrained, "
             "scripts/export_hf.py) or a Sluice run directory or checkpoint>",
+        (f"distill.teacher={tmp_path / 'missing'}",):
+            f"distill.teacher={tmp_path / 'missing'} does not exist; give an HF folder (save_pretrained, "
+            "scripts/export_hf.py) or a Sluice run directory or checkpoint",
         (f"distill.teacher={tmp_path / 'empty'}",):
             f"distill.teacher={tmp_path / 'empty'} is neither an HF folder (no config.json) nor a Sluice training "
             "checkpoint; give a folder written by save_pretrained or scripts/export_hf.py, or a run directory",

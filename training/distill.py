@@ -49,6 +49,9 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
     from models import ModelError
 
     folder = Path(path)
+    if not folder.exists():
+        return (f"distill.teacher={path} does not exist; give an HF folder (save_pretrained, scripts/export_hf.py) or "
+                "a Sluice run directory or checkpoint")
     if not (folder / "config.json").is_file() and (not folder.is_dir() or find_checkpoint(folder) is None):
         return (f"distill.teacher={path} is neither an HF folder (no config.json) nor a Sluice training checkpoint; "
                 "give a folder written by save_pretrained or scripts/export_hf.py, or a run directory")
