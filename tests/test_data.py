@@ -173,7 +173,7 @@ def test_padded_format_layout(tmp_path, tokenizer_dir, tokenizer):
     assert len(micro_batches) == 3 and all(mb.input_ids.shape == (1, seq_len) for mb in micro_batches)
 
 
-def test_packed_format_chunks_without_pads(tmp_path, tokenizer_dir, tokenizer):
+def test_packed_format_cuts_samples_without_pads(tmp_path, tokenizer_dir, tokenizer):
     texts = synthetic_corpus(20, seed=5)
     path = write_jsonl(tmp_path / "docs.jsonl", texts)
     seq_len = 24

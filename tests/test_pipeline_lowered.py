@@ -42,14 +42,14 @@ def lines_run(fn) -> int:
 
 def phases(name: str, pp: int, m: int) -> tuple[int, dict[str, int]]:
     """Lowered actions, and lines run by lower, verify and simulate, for a built-in schedule."""
-    spec = SCHEDULES[name]
-    vpp = spec.default_vpp
+    registered = SCHEDULES[name]
+    vpp = registered.default_vpp
     n = pp * vpp
-    compute = spec.generate(pp, m, vpp)
-    lowered = lower(compute, pp, n, spec.placement)
-    work = {"lower": lines_run(lambda: lower(compute, pp, n, spec.placement)),
-            "verify": lines_run(lambda: verify(lowered, pp, n, m, spec.placement)),
-            "simulate": lines_run(lambda: simulate(lowered, pp, n, m, spec.placement))}
+    compute = registered.generate(pp, m, vpp)
+    lowered = lower(compute, pp, n, registered.placement)
+    work = {"lower": lines_run(lambda: lower(compute, pp, n, registered.placement)),
+            "verify": lines_run(lambda: verify(lowered, pp, n, m, registered.placement)),
+            "simulate": lines_run(lambda: simulate(lowered, pp, n, m, registered.placement))}
     return sum(map(len, lowered)), work
 
 
@@ -143,11 +143,11 @@ def test_random_faults_are_refused_with_the_action_named():
         return answers
 
     rng, cases = random.Random(0), []
-    for name, spec in SCHEDULES.items():
-        vpp = spec.default_vpp
+    for name, registered in SCHEDULES.items():
+        vpp = registered.default_vpp
         for pp, m in ((2, 4), (3, 3), (4, 8)):
-            lowered = lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement)
-            cases += [(mutate(lowered, rng, m, pp * vpp), pp, pp * vpp, m, spec.placement) for _ in range(25)]
+            lowered = lower(registered.generate(pp, m, vpp), pp, pp * vpp, registered.placement)
+            cases += [(mutate(lowered, rng, m, pp * vpp), pp, pp * vpp, m, registered.placement) for _ in range(25)]
     faults = 0
     for case in cases:
         verified, simulated = outcomes(*case)

@@ -106,10 +106,10 @@ def acts(measured: dict) -> dict:
 
 
 def sim(name: str, pp: int = 4, m: int = 8):
-    spec = SCHEDULES[name]
-    vpp = spec.default_vpp
-    return simulate(lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement), pp, pp * vpp, m,
-                    spec.placement, Costs(f=1, b=2, i=1, w=1))
+    registered = SCHEDULES[name]
+    vpp = registered.default_vpp
+    return simulate(lower(registered.generate(pp, m, vpp), pp, pp * vpp, registered.placement), pp, pp * vpp, m,
+                    registered.placement, Costs(f=1, b=2, i=1, w=1))
 
 
 def test_draw_timeline_from_a_simulation_or_from_intervals(tmp_path):

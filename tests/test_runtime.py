@@ -217,8 +217,8 @@ def test_live_activations_follow_the_schedule():
     results = run_workers(peaks_worker, pp, names, m, timeout=120)
     for name in names:
         measured = [r[name] for r in results]
-        spec = SCHEDULES[name]
-        lowered = lower(spec.generate(pp, m, 1), pp, pp, spec.placement)
-        assert measured == simulate(lowered, pp, pp, m, spec.placement).peak_live, name
+        registered = SCHEDULES[name]
+        lowered = lower(registered.generate(pp, m, 1), pp, pp, registered.placement)
+        assert measured == simulate(lowered, pp, pp, m, registered.placement).peak_live, name
     assert [r["1f1b"] for r in results] == [min(pp - r, m) for r in range(pp)] == [4, 3, 2, 1]
     assert [r["gpipe"] for r in results] == [m] * pp

@@ -33,16 +33,16 @@ def launch_check(path, pp: int, m: int, vpp: int = 1) -> None:
 @pytest.mark.parametrize("suffix", ["csv", "json"])
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_builtin_schedule_dumps_and_reloads_identically(tmp_path, name, suffix):
-    spec = SCHEDULES[name]
-    least, most = spec.vpp
+    registered = SCHEDULES[name]
+    least, most = registered.vpp
     for pp in (1, 2, 3, 4):
         for vpp in (least, least + 1) if most is None else (least,):
-            for m in (pp, 2 * pp) if spec.microbatches_multiple_of_pp else (1, 3, 8):
+            for m in (pp, 2 * pp) if registered.microbatches_multiple_of_pp else (1, 3, 8):
                 path = tmp_path / f"{name}-{pp}-{vpp}-{m}.{suffix}"
                 dump_builtin(name, pp, m, path, vpp)
                 compute, meta = load_table(path, pp=pp, n_microbatches=m, vpp=vpp)
-                assert compute == spec.generate(pp, m, vpp), (name, pp, vpp, m)
-                assert meta == TableMeta(pp, m, vpp, spec.placement, str(path))
+                assert compute == registered.generate(pp, m, vpp), (name, pp, vpp, m)
+                assert meta == TableMeta(pp, m, vpp, registered.placement, str(path))
 
 
 def test_table_is_a_readable_timeline(tmp_path):

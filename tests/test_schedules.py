@@ -28,9 +28,9 @@ def text(schedule: Schedule) -> list[str]:
 
 
 def built(name: str, pp: int, m: int, costs: Costs | None = None) -> Schedule:
-    spec = SCHEDULES[name]
-    vpp = spec.default_vpp
-    return lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement, costs)
+    registered = SCHEDULES[name]
+    vpp = registered.default_vpp
+    return lower(registered.generate(pp, m, vpp), pp, pp * vpp, registered.placement, costs)
 
 
 def vpps(name: str, pp: int) -> list[int]:
@@ -96,14 +96,14 @@ def test_lowered_1f1b_pairs_send_and_recv_into_one_batch():
 
 def test_lowering_sends_after_producer_and_receives_before_consumer():
     for pp, m in [(2, 4), (4, 8), (5, 5)]:
-        for name, spec in SCHEDULES.items():
-            n = pp * spec.default_vpp
+        for name, registered in SCHEDULES.items():
+            n = pp * registered.default_vpp
             for rank, actions in enumerate(built(name, pp, m)):
                 for k, a in enumerate(actions):
                     if a.kind in (Kind.SEND_F, Kind.SEND_B):
                         assert any((hand_over(b, n) or (None,))[0] == a for b in actions[:k]), (name, rank, k, a)
                     need = None if a.kind.is_comm else needs(a, n)
-                    if need is not None and comm_peer(need, n, spec.placement, pp) != rank:
+                    if need is not None and comm_peer(need, n, registered.placement, pp) != rank:
                         assert need in actions[:k], (name, rank, k, a)
 
 
@@ -160,13 +160,14 @@ def test_the_registry_refuses_layouts_a_schedule_cannot_run(name, pp, m, vpp, me
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_schedule_verifies_with_and_without_comm_costs(name):
-    spec = SCHEDULES[name]
+    registered = SCHEDULES[name]
     for pp in range(2, 9):
         for vpp in vpps(name, pp):
             for m in shapes(name, pp):
-                compute = spec.generate(pp, m, vpp)
+                compute = registered.generate(pp, m, vpp)
                 for costs in (Costs(), Costs(f=1, b=2, i=1, w=1, comm=0.5)):
-                    verify(lower(compute, pp, pp * vpp, spec.placement, costs), pp, pp * vpp, m, spec.placement)
+                    lowered = lower(compute, pp, pp * vpp, registered.placement, costs)
+                    verify(lowered, pp, pp * vpp, m, registered.placement)
 
 
 # --- Simulation. ----------------------------------------------------------------------------------------

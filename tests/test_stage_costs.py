@@ -9,10 +9,10 @@ from parallel.pipeline.simulate import simulate
 
 
 def run(name: str, pp: int, m: int, costs: Costs):
-    spec = SCHEDULES[name]
-    vpp = spec.default_vpp
-    lowered = lower(spec.generate(pp, m, vpp), pp, pp * vpp, spec.placement)
-    return simulate(lowered, pp, pp * vpp, m, spec.placement, costs)
+    registered = SCHEDULES[name]
+    vpp = registered.default_vpp
+    lowered = lower(registered.generate(pp, m, vpp), pp, pp * vpp, registered.placement)
+    return simulate(lowered, pp, pp * vpp, m, registered.placement, costs)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -247,11 +247,11 @@ def _slots(schedule: Schedule, pp: int, n_stages: int, placement: str, costs: Co
 
 def dump_builtin(name: str, pp: int, n_microbatches: int, path: str | Path, vpp: int | None = None) -> Path:
     """Dump a registered schedule, or one from a module (`pkg.mod:fn`); vpp defaults to the least it accepts."""
-    spec = find_schedule(name)
-    vpp = vpp or spec.default_vpp
-    spec.check(name, pp, n_microbatches, vpp)
-    compute = spec.generate(pp, n_microbatches, vpp)
-    return dump_table(compute, path, spec.placement, n_microbatches, vpp)
+    registered = find_schedule(name)
+    vpp = vpp or registered.default_vpp
+    registered.check(name, pp, n_microbatches, vpp)
+    compute = registered.generate(pp, n_microbatches, vpp)
+    return dump_table(compute, path, registered.placement, n_microbatches, vpp)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,12 +40,12 @@ def best_of(repeat: int, fn) -> tuple[float, float, object]:
 
 def bench(name: str, vpp: int, pp: int, m: int, repeat: int) -> str:
     """One line of figures for a schedule at one size: CPU seconds per phase, then totals as cpu/wall."""
-    spec = SCHEDULES[name]
+    registered = SCHEDULES[name]
     n = pp * vpp
-    compute = spec.generate(pp, m, vpp)
-    lower_cpu, lower_wall, lowered = best_of(repeat, lambda: lower(compute, pp, n, spec.placement))
-    verify_cpu, verify_wall, verified = best_of(repeat, lambda: verify(lowered, pp, n, m, spec.placement))
-    sim_cpu, sim_wall, _ = best_of(repeat, lambda: simulate(verified, pp, n, m, spec.placement))
+    compute = registered.generate(pp, m, vpp)
+    lower_cpu, lower_wall, lowered = best_of(repeat, lambda: lower(compute, pp, n, registered.placement))
+    verify_cpu, verify_wall, verified = best_of(repeat, lambda: verify(lowered, pp, n, m, registered.placement))
+    sim_cpu, sim_wall, _ = best_of(repeat, lambda: simulate(verified, pp, n, m, registered.placement))
     pipeline = PipelineSpec(pp=pp, vpp=vpp, schedule=name, n_microbatches=m)
     layers = iter(range(n, n + repeat))  # a new model depth per run: a new cache key, so the work is timed
     checks_cpu, checks_wall, _ = best_of(repeat, lambda: lower_pipeline(pipeline, next(layers)).simulate())

@@ -61,7 +61,7 @@ def _labels(ids: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
 
 
 class PackedSamples:
-    """The selected documents concatenated in order and cut into full seq_len chunks (the remainder dropped)."""
+    """The selected documents concatenated in order and cut into full seq_len samples (the remainder dropped)."""
 
     def __init__(self, docs: Documents, seq_len: int, doc_ids: np.ndarray | None = None):
         self.docs, self.seq_len = docs, seq_len

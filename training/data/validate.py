@@ -27,7 +27,7 @@ from training.data.tables import table_bytes
 from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer, synthetic_tokenizer_dir
 
 HEAD_LINES = 100  # rows read to catch a wrong file early; the loader checks every row
-SCAN_CHUNK = 1 << 20
+SCAN_BLOCK = 1 << 20
 PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]  # any template renders it
 
 
@@ -127,11 +127,11 @@ def _head_documents(rows: RowReader, tokenizer: PreTrainedTokenizerBase, spec: D
 
 
 def _line_upper_bound(path: str) -> int:
-    """At most this many rows: newlines + 1 (read in chunks, nothing kept)."""
+    """At most this many rows: newlines + 1 (read in blocks, nothing kept)."""
     lines = 1
     with open(path, "rb") as f:
-        while chunk := f.read(SCAN_CHUNK):
-            lines += chunk.count(b"\n")
+        while block := f.read(SCAN_BLOCK):
+            lines += block.count(b"\n")
     return lines
 
 

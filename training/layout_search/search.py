@@ -104,8 +104,8 @@ def schedule_choices(pp: int) -> list[tuple[str, int]]:
     """(schedule, vpp) pairs to try: one stage per rank needs no schedule; vpp only where a schedule needs it."""
     if pp == 1:
         return [("1f1b", 1)]  # a single stage is gradient accumulation whatever the schedule's name
-    return [(name, vpp) for name, spec in sorted(SCHEDULES.items())
-            for vpp in (VIRTUAL_STAGES if spec.default_vpp > 1 else (1,))]
+    return [(name, vpp) for name, registered in sorted(SCHEDULES.items())
+            for vpp in (VIRTUAL_STAGES if registered.default_vpp > 1 else (1,))]
 
 
 def micro_batch_sizes(cfg: DictConfig, per_replica: int) -> list[int]:
