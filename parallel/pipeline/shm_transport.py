@@ -327,8 +327,8 @@ def _slots(ring: mmap.mmap, n: int, nbytes: int) -> list[torch.Tensor]:
 def _read_exactly(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
+        part = sock.recv(n - len(data))
+        if not part:
             raise RuntimeError("a pipeline peer closed its connection while the shared-memory transport was set up")
-        data += chunk
+        data += part
     return data
