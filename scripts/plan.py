@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from parallel.pipeline.actions import Lists  # noqa: E402
-from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
+from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.render import step_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from parallel.pipeline.actions import Action, Kind
-from parallel.pipeline.lowering import lower
 from parallel.pipeline.lowered import load_schedule
+from parallel.pipeline.lowering import lower
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.simulate import ScheduleError, verify
 from parallel.spec import PipelineSpec

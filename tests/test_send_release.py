@@ -9,9 +9,9 @@ from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
 from parallel.pipeline import runtime
 from parallel.pipeline.actions import Action, counterpart, input_of
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.partition import stage_to_rank
-from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.release import send_releases
 from parallel.pipeline.transport import SENDS, LocalPending
 from parallel.spec import PipelineSpec

@@ -14,8 +14,8 @@ from omegaconf import DictConfig
 from models import build_model, decoder_of
 from parallel.expert import expert_modules
 from parallel.materialize import dense_shape
-from parallel.pipeline.partition import rank_stages
 from parallel.pipeline.lowered import lower_pipeline
+from parallel.pipeline.partition import rank_stages
 from training.config import model_config
 from training.data import PackedSamples, PaddedSamples, StepBatches, run_data_spec
 from training.data.pairs import PairSamples

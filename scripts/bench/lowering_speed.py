@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from parallel.pipeline.lowering import lower  # noqa: E402
 from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
+from parallel.pipeline.lowering import lower  # noqa: E402
 from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
 from parallel.pipeline.simulate import simulate, verify  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from parallel.pipeline.actions import B, F, I, W, Costs, Lists
-from parallel.pipeline.partition import rank_stages
 from parallel.pipeline.lowered import LoweredPipeline, lower_pipeline
+from parallel.pipeline.partition import rank_stages
 from parallel.pipeline.simulate import SimResult
 from parallel.spec import PipelineSpec
 from training.layout_search.costs import ADAMW_STATE_BYTES, MeasuredCosts
