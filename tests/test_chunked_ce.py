@@ -1,0 +1,30 @@
+"""The chunked cross-entropy of bf16 logits equals torch's over their fp32 copy, loss and gradient (issue 37 item 3)."""
+
+import torch
+import torch.nn.functional as F
+
+import parallel.chunked_ce as chunked_ce
+from parallel.step import IGNORE_INDEX, dense_token_loss
+
+
+def test_chunked_ce_equals_torch_on_bf16_logits(monkeypatch):
+    monkeypatch.setattr(chunked_ce, "CHUNK_ELEMENTS", 7 * 37)  # 7 rows a chunk: 50 rows end in a short chunk
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(50, 37, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 37, (50,), generator=generator)
+    targets[[0, 9, 49]] = IGNORE_INDEX
+    upstream = torch.rand(50, generator=generator)
+    mine, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = dense_token_loss(mine, targets)
+    expected = F.cross_entropy(theirs.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    (loss * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    assert mine.grad.dtype == torch.bfloat16 and not mine.grad[[0, 9, 49]].any()
+    torch.testing.assert_close(mine.grad.float(), theirs.grad.float(), rtol=1e-2, atol=1e-3)  # one bf16 rounding
+
+
+def test_fp32_logits_take_torch_cross_entropy_itself():
+    logits = torch.randn(5, 11, requires_grad=True)
+    targets = torch.tensor([1, IGNORE_INDEX, 3, 10, 0])
+    assert dense_token_loss(logits, targets).grad_fn.name() != "_ChunkedCrossEntropyBackward"
