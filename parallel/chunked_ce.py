@@ -34,7 +34,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """Per-token fp32 cross-entropy [N] of logits [N, V] (0 where ignored), upcasting CHUNK_ELEMENTS at a time."""
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Per-token fp32 cross-entropy [N] of logits [N, V] (0 where ignored): torch's own on fp32 logits, else
+    upcasting CHUNK_ELEMENTS at a time."""
+    if logits.dtype == torch.float32:
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
     rows = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
     return _ChunkedCrossEntropy.apply(logits, targets, ignore_index, rows)

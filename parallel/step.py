@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from parallel.chunked_ce import chunked_cross_entropy
+from parallel.chunked_ce import cross_entropy_rows
 from parallel.decoder import Decoder
 
 IGNORE_INDEX = -100  # labels with this value do not enter the loss (torch cross-entropy default)
@@ -81,9 +80,7 @@ class Engine(Protocol):
 def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 cross-entropy over full-vocabulary logits [N, V] (0 where ignored); bf16 logits are upcast a
     chunk of rows at a time (no fp32 copy of them all is kept per in-flight micro-batch)."""
-    if logits.dtype == torch.float32:
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
-    return chunked_cross_entropy(logits, targets, IGNORE_INDEX)
+    return cross_entropy_rows(logits, targets, IGNORE_INDEX)
 
 
 class Objective(Protocol):

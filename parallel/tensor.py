@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .chunked_ce import cross_entropy_rows
 from .collectives import all_gather_cat, all_reduce_, group_rank, group_size
 from .grid import ParallelGrid
 
@@ -214,8 +215,9 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group, vocab_start: int, ignore_index: int):
-        ctx.dtype, logits = logits.dtype, logits.float()
-        shifted = logits - all_reduce_(logits.max(dim=-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
+        ctx.dtype, saved, logits = logits.dtype, logits, logits.float()
+        shift = all_reduce_(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - shift.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = all_reduce_(exp.sum(dim=-1), group)
         valid = targets != ignore_index
@@ -225,13 +227,15 @@ class _VocabParallelCE(torch.autograd.Function):
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         all_reduce_(target_logit, group)
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, mine, valid)
+        # The backward recomputes the softmax from the logits as they came (bf16, say) with the same ops: the same
+        # numbers, without an fp32 [N, V/tp] kept per in-flight micro-batch.
+        ctx.save_for_backward(saved, shift, sum_exp, local, mine, valid)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local, mine, valid = ctx.saved_tensors
+        saved, shift, sum_exp, local, mine, valid = ctx.saved_tensors
+        softmax = (saved.float() - shift.unsqueeze(-1)).exp().div_(sum_exp.unsqueeze(-1))
         grad_loss = grad_loss * valid
         # d loss / d logits = softmax - onehot(target): the onehot part only on the shard holding the target.
         grad = softmax * grad_loss.unsqueeze(-1)
@@ -244,7 +248,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     """Per-token fp32 CE losses [N] (0 where ignored) from logits [N, V/tp] holding vocab [vocab_start, +V/tp)."""
     flat_logits, flat_targets = logits_shard.reshape(-1, logits_shard.shape[-1]), targets.reshape(-1)
     if group_size(group) == 1:
-        loss = F.cross_entropy(flat_logits.float(), flat_targets, ignore_index=ignore_index, reduction="none")
+        loss = cross_entropy_rows(flat_logits, flat_targets, ignore_index)
     else:
         loss = _VocabParallelCE.apply(flat_logits, flat_targets, group, vocab_start, ignore_index)
     return loss.view(targets.shape)

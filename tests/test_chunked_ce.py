@@ -28,3 +28,21 @@ def test_fp32_logits_take_torch_cross_entropy_itself():
     logits = torch.randn(5, 11, requires_grad=True)
     targets = torch.tensor([1, IGNORE_INDEX, 3, 10, 0])
     assert dense_token_loss(logits, targets).grad_fn.name() != "_ChunkedCrossEntropyBackward"
+
+
+def test_vocab_parallel_ce_keeps_bf16_logits_and_recomputes_the_same_gradient():
+    from parallel.tensor import _VocabParallelCE
+
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(20, 64, generator=generator) * 3).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 64, (20,), generator=generator)
+    targets[3] = IGNORE_INDEX
+    loss = _VocabParallelCE.apply(logits, targets, None, 0, IGNORE_INDEX)  # one shard: the whole vocabulary
+    saved = loss.grad_fn.saved_tensors
+    assert not any(t.dtype == torch.float32 and t.shape == logits.shape for t in saved)  # no fp32 [N, V] kept
+    loss.sum().backward()
+    reference = logits.detach().float().requires_grad_()
+    expected = F.cross_entropy(reference, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    expected.sum().backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad.float(), reference.grad.to(torch.bfloat16).float(), rtol=0, atol=0)
