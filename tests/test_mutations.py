@@ -86,8 +86,8 @@ def replicas_read_one_slice(mp: pytest.MonkeyPatch) -> None:
 
 def aux_times_dp(mp: pytest.MonkeyPatch) -> None:
     """The aux loss is scaled by 1/micro-batches of one replica instead of the global batch (x dp)."""
-    step_plan = engine.StepScales
-    mp.setattr(engine, "StepScales", lambda loss_scale, aux_scale, **kw: step_plan(loss_scale, aux_scale * DP, **kw))
+    scales = engine.StepScales
+    mp.setattr(engine, "StepScales", lambda loss_scale, aux_scale, **kw: scales(loss_scale, aux_scale * DP, **kw))
 
 
 # name -> (mutation, model, layout, what the failure must name): DP bugs need real DP processes, the others an

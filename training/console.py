@@ -133,7 +133,7 @@ class RunSummary:
         return self.start_step + self.steps
 
 
-def format_summary(summary: RunSummary, planned_steps: int) -> list[str]:
+def format_summary(summary: RunSummary, total_steps: int) -> list[str]:
     """The summary as a few lines: figures first, then where everything was written."""
     resumed = f" from step {summary.start_step}" if summary.start_step else ""
     figures = [f"{summary.steps} steps{resumed} in {summary.wall_time_s:.1f} s"]
@@ -144,9 +144,9 @@ def format_summary(summary: RunSummary, planned_steps: int) -> list[str]:
     if summary.mean_tokens_per_s is not None:
         figures.append(f"mean {summary.mean_tokens_per_s:.0f} tokens/s")
     if summary.interrupted:
-        ended = f"interrupted by {summary.interrupted} at step {summary.last_step} (of {planned_steps} steps)"
+        ended = f"interrupted by {summary.interrupted} at step {summary.last_step} (of {total_steps} steps)"
     else:
-        ended = "done" if summary.last_step >= planned_steps else f"stopped early (of {planned_steps} steps)"
+        ended = "done" if summary.last_step >= total_steps else f"stopped early (of {total_steps} steps)"
     lines = [f"{ended}: " + ", ".join(figures)]
     lines += [f"  {label}: {path}" for label, path in summary.outputs.items()]
     if "checkpoints" in summary.outputs:  # what a user does next, with the paths filled in
