@@ -50,11 +50,11 @@ LAYOUTS = [
     Layout("pp2-1f1b", ("parallel.pp=2", "schedule=1f1b"), 2, 1),  # real P2P between two processes
     Layout("tp2-pp2-vpp2-interleaved", ("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
                                         "schedule=interleaved-1f1b", EMU), 2, 1),
-    Layout("dp2-pp2-zb-h1", ("parallel.dp=2", "parallel.pp=2", "schedule=zb-h1", EMU), 2, 2),
-    Layout("pp2-zbv", ("parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU), 1, 1),
-    # Beyond the acceptance list: ZeRO-1, recompute, an uneven partition; bf16 against a bf16 process.
-    Layout("dp2-pp2-zero1-selective-3-1", ("parallel.dp=2", "parallel.zero=1", "train.recompute=selective",
-                                           "parallel.pp=2", "parallel.layers_per_stage=[3,1]", EMU), 2, 2),
+    # Beyond the acceptance list: ZB-H1's I/W split with ZeRO-1, recompute and an uneven partition in one run (pp2
+    # ZB-V is the acceptance's dp2-pp2-zbv); bf16 against a bf16 process.
+    Layout("dp2-pp2-zb-h1-zero1-selective-3-1", ("parallel.dp=2", "parallel.zero=1", "train.recompute=selective",
+                                                 "parallel.pp=2", "schedule=zb-h1", "parallel.layers_per_stage=[3,1]",
+                                                 EMU), 2, 2),
     Layout("bf16-pp2-full-recompute", ("parallel.pp=2", "train.recompute=full", EMU), 1, 1, ("train.dtype=bf16",)),
 ]
 ACCEPTANCE = [
