@@ -61,6 +61,9 @@ LAYOUTS = [Layout(*case) for case in [
 ]]
 
 
+MUTANT = "ep2-dp4-without-the-edp-sum"  # ep2-dp4 with a bug test_a_missing_edp_sum_is_caught must catch
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     return {"root": tmp_path_factory.mktemp("expert_parallel"), "baselines": {}, "results": {},
@@ -83,8 +86,11 @@ def layout_results(workspace, case: Layout) -> list[dict]:
 
         def compute(root: Path) -> dict[str, list[dict]]:
             runs = [([*STEPS, *c.run, *c.layout], str(root / c.name)) for c in group]
-            by_rank = run_workers(layouts_worker, case.world, runs, str(root / "cache"), timeout=900)
-            return {c.name: [r[i] for r in by_rank] for i, c in enumerate(group)}
+            # The mutant rides in the spawn of its layout's world size: a spawn of its own would cost one more start.
+            mutants = [([*STEPS, *c.run, *c.layout], str(root / MUTANT)) for c in group if c.name == "ep2-dp4"]
+            by_rank = run_workers(_layouts_then_mutants, case.world, runs, mutants, str(root / "cache"), timeout=900)
+            names = [c.name for c in group] + [MUTANT] * len(mutants)
+            return {name: [r[i] for r in by_rank] for i, name in enumerate(names)}
 
         workspace["results"].update(once_per_session(workspace["factory"], f"expert-parallel-world{case.world}",
                                                      compute))
@@ -118,21 +124,21 @@ def worst_errors(results: list[dict], reference: dict) -> dict[str, float]:
     return {k: float(f"{v:.2g}") for k, v in sorted(worst.items())}
 
 
-def _forgot_edp_sum(rank: int, world_size: int, *args) -> list[dict]:
-    """The layouts with expert gradients left unsummed over the edp group (the mutant the suite must catch)."""
+def _layouts_then_mutants(rank: int, world_size: int, runs: list, mutants: list, cache_dir: str) -> list[dict]:
+    """The layouts, then the `mutants` with expert gradients left unsummed over the edp group (the mutant the suite
+    must catch)."""
     from parallel.grid import ParallelGrid
 
+    results = layouts_worker(rank, world_size, runs, cache_dir)
     with mock.patch.object(ParallelGrid, "edp", property(lambda grid: 1)):
-        return layouts_worker(rank, world_size, *args)
+        return results + layouts_worker(rank, world_size, mutants, cache_dir)
 
 
 def test_a_missing_edp_sum_is_caught(workspace):
     case = next(c for c in LAYOUTS if c.name == "ep2-dp4")
-    root = workspace["root"]
-    runs = [([*STEPS, *case.run, *case.layout], str(root / "mutant"))]
-    results = [r[0] for r in run_workers(_forgot_edp_sum, case.world, runs, str(root / "cache"), timeout=600)]
+    layout_results(workspace, case)  # its spawn runs the mutant after the layouts
     with pytest.raises(AssertionError, match=r"grads model\.layers\.\d\.mlp\.experts"):
-        assert_equivalent(results, reference_run(workspace, case))
+        assert_equivalent(workspace["results"][MUTANT], reference_run(workspace, case))
 
 
 # --- the dispatch bookkeeping, in one process ------------------------------------------------------------------------
@@ -248,9 +254,9 @@ def test_ep_groups_are_carved_out_of_dp():
         assert r["members"]["mp"] == [0, 1, 2, 3]  # the norm's group: pp x ep of the one edp replica
 
 
-# --- checkpoints: saved EP-split, resumed in other layouts -------------------------------------------------------------
+# --- checkpoints: saved EP-split, resumed in other layouts ---------------------------------------------------------
 
-CKPT = ["train.steps=6", "checkpoint.every=3", "checkpoint.save_final=false"]
+CKPT = ["train.steps=4", "checkpoint.every=2", "checkpoint.save_final=false"]  # AdamW state after 2 steps
 EP2_PP2 = [*MOE, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
 EP1_PP2 = [*MOE, "parallel.dp=2", "parallel.pp=2", "schedule=1f1b", "schedule.n_microbatches=2"]
 EP4 = [*MOE, "parallel.dp=4", "parallel.ep=4", "schedule.n_microbatches=1"]  # the same global batch of 8 sequences
@@ -258,7 +264,7 @@ EP2_DP4_ZERO1 = [*MOE, "parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "sch
 # Qwen3-MoE's stacked experts: saved as DTensors on the (ep, tp) mesh (gate_up packed: whole over tp), resumed at ep4
 Q_EP2_TP2 = [*QWEN3_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "schedule.n_microbatches=2"]
 Q_EP4 = [*QWEN3_MOE, "parallel.dp=4", "parallel.ep=4", "schedule.n_microbatches=1"]
-STEP3 = "checkpoints/step_00000003"
+STEP2 = "checkpoints/step_00000002"
 RESUMES = [("ep2pp2", EP2_PP2, None), ("ep2pp2-resumed", EP2_PP2, "ep2pp2"), ("ep1pp2-from-ep2pp2", EP1_PP2, "ep2pp2"),
            ("ep4-from-ep2pp2", EP4, "ep2pp2"), ("ep4", EP4, None), ("ep1pp2", EP1_PP2, None),
            ("ep2dp4-zero1", EP2_DP4_ZERO1, None), ("ep2dp4-zero1-resumed", EP2_DP4_ZERO1, "ep2dp4-zero1"),
@@ -275,7 +281,7 @@ def _resumes_worker(rank: int, world_size: int, root: str) -> list[dict]:
 
     results = []
     for name, layout, source in RESUMES:
-        resume = [f"checkpoint.resume={Path(root) / source / STEP3}"] if source else []
+        resume = [f"checkpoint.resume={Path(root) / source / STEP2}"] if source else []
         cfg = compose_run_config([*CKPT, *layout, *resume], Path(root) / "cache")
         p = cfg.parallel
         grid = ParallelGrid.build(p.dp, p.tp, p.pp, backend="gloo", timeout_s=120, ep=p.ep)
@@ -302,7 +308,7 @@ def test_ep_checkpoint_resumes_bit_for_bit_in_its_own_layout(resumed, saved):
     """Under ZeRO-1 too: each rank saves the dense and the expert AdamW state it holds, and loads it back."""
     from tests.equivalence import assert_bitwise_resume
 
-    assert_bitwise_resume(resumed[saved], resumed[f"{saved}-resumed"], start=3)
+    assert_bitwise_resume(resumed[saved], resumed[f"{saved}-resumed"], start=2)
 
 
 @pytest.mark.parametrize("run,saved,uninterrupted", [("ep1pp2-from-ep2pp2", "ep2pp2", "ep1pp2"),
@@ -319,7 +325,7 @@ def test_ep_checkpoint_reshards_to_another_ep(resumed, run, saved, uninterrupted
     for reference in (straight, resumed[uninterrupted]):
         for tail in resumed[run]:
             torch.testing.assert_close(torch.tensor(tail["losses"], dtype=torch.float64),
-                                       torch.tensor(reference[0]["losses"][3:], dtype=torch.float64), rtol=1e-5, atol=0)
+                                       torch.tensor(reference[0]["losses"][2:], dtype=torch.float64), rtol=1e-5, atol=0)
         tied = not run.startswith("qwen3")  # qwen3-moe-tiny has its own lm_head
         expected, got = dense_params(reference, tied), dense_params(resumed[run], tied)
         assert expected.keys() == got.keys()
@@ -338,7 +344,7 @@ def test_an_ep_checkpoint_exports_the_trained_model(resumed, ep_root, tmp_path, 
     from tests.equivalence import dense_params
 
     tied = run == "ep2pp2"  # MiniMind: its own format keeps the dense names (the stock export is test_stock_export's)
-    folder = export_checkpoint(ep_root / run / "checkpoints" / "step_00000006", tmp_path / "hf",
+    folder = export_checkpoint(ep_root / run / "checkpoints" / "step_00000004", tmp_path / "hf",
                                "minimind" if tied else "hf")
     exported = (MiniMindForCausalLM if tied else AutoModelForCausalLM).from_pretrained(str(folder))
     trained = dense_params(resumed[run], tied)
