@@ -299,6 +299,14 @@ def _quantity(failure: str) -> str:
     return re.split(r" step \d| dp\d|:", failure, maxsplit=1)[0]
 
 
+def assert_params_match_plain_loop(result: dict, want: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:
+    """A one-process run's trained parameters against a plain PyTorch loop's, each within `rtol` in norm."""
+    params = {name: tensor for name, (tensor, *_) in result["params"].items()}
+    for name, tensor in want.items():
+        error = ((params[name] - tensor).norm() / tensor.norm()).item()
+        assert error <= rtol, f"parameter {name} differs from the plain loop by {error:.3g}"
+
+
 def assert_equivalent(results: list[dict], reference: dict, tol: Tolerances = FP32) -> None:
     """The layout computed what one process computes: per-step numbers, the data read, step-1 gradients, final
     parameters. A failure names every quantity that differs, each with its worst mismatch, worst first."""

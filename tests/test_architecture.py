@@ -144,16 +144,28 @@ OBJECTIVE_WORDS = re.compile(r"\b(dpo|preference|\w*logps|reward|reference (pass
                              r"LANGUAGE_MODEL|shifted_loss_sum)", re.IGNORECASE)
 
 
-def objective_namings(path: Path) -> list[str]:
-    """Every line of the file (code, strings, comments and docstrings alike) that names an objective."""
+def namings(path: Path, words: re.Pattern) -> list[str]:
+    """Every line of the file (code, strings, comments and docstrings alike) that `words` finds."""
     return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{n}: {line.strip()}"
-            for n, line in enumerate(path.read_text().splitlines(), 1) if OBJECTIVE_WORDS.search(line)]
+            for n, line in enumerate(path.read_text().splitlines(), 1) if words.search(line)]
+
+
+def parallel_namings(words: re.Pattern) -> list[str]:
+    """The lines of parallel/ that `words` finds."""
+    return [hit for path in sorted((ROOT / "parallel").rglob("*.py")) for hit in namings(path, words)]
+
+
+def flagged_lines(tmp_path: Path, lines: list[str], words: re.Pattern) -> list[int]:
+    """The line numbers `words` finds in a file of `lines`."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("\n".join(lines) + "\n")
+    return [int(hit.split(":")[1]) for hit in namings(sample, words)]
 
 
 def test_parallel_names_no_objective():
     """The LM loss, DPO and the reference pass live in training/objectives/ and reach the last stage as an Objective
     with the micro-batch's payload; no module of parallel/ names one of them."""
-    offenders = [hit for path in sorted((ROOT / "parallel").rglob("*.py")) for hit in objective_namings(path)]
+    offenders = parallel_namings(OBJECTIVE_WORDS)
     assert not offenders, offenders
 
 
@@ -162,25 +174,17 @@ def test_the_objective_check_catches_each_name(tmp_path):
     lines = ["from parallel.preference import RowLogps", "mb.ref_logps", "def sequence_logps(): ...",
              "# DPO's sums", '"""the reference log-probabilities"""', "LANGUAGE_MODEL = LanguageModelLoss()",
              "shifted_loss_sum(logits, labels)", "reward_margin", "reference counting frees it"]
-    sample = tmp_path / "sample.py"
-    sample.write_text("\n".join(lines) + "\n")
-    assert [int(hit.split(":")[1]) for hit in objective_namings(sample)] == list(range(1, len(lines)))
+    assert flagged_lines(tmp_path, lines, OBJECTIVE_WORDS) == list(range(1, len(lines)))
 
 
 # A fine-tuning method's words: parallel/ runs the passes its caller lists (EngineSpec.passes), never names one.
 FINE_TUNING_WORDS = re.compile(r"(lora|peft|low[- ]rank|fine[- ]?tun|adapter_pairs|merge_adapters)", re.IGNORECASE)
 
 
-def fine_tuning_namings(path: Path) -> list[str]:
-    """Every line of the file (code, strings, comments and docstrings alike) that names a fine-tuning method."""
-    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{n}: {line.strip()}"
-            for n, line in enumerate(path.read_text().splitlines(), 1) if FINE_TUNING_WORDS.search(line)]
-
-
 def test_parallel_names_no_fine_tuning_method():
     """LoRA is a chunk pass of training/lora.py that the trainer hands the engine, its merge is checkpoint's; the
     TP layers offer a generic additive branch. No module of parallel/ names LoRA or any other fine-tuning method."""
-    offenders = [hit for path in sorted((ROOT / "parallel").rglob("*.py")) for hit in fine_tuning_namings(path)]
+    offenders = parallel_namings(FINE_TUNING_WORDS)
     assert not offenders, offenders
 
 
@@ -189,9 +193,7 @@ def test_the_fine_tuning_check_catches_each_name(tmp_path):
     lines = ["from parallel.lora import apply_lora", "from parallel.spec import LoraSpec", "    lora: LoraSpec",
              "# a frozen weight (LoRA's base)", '"""with_adapters for PEFT names"""', "a low-rank branch",
              "fine-tuning", "merge_adapters(state, scale)", "the family adapter's tp_module"]
-    sample = tmp_path / "sample.py"
-    sample.write_text("\n".join(lines) + "\n")
-    assert [int(hit.split(":")[1]) for hit in fine_tuning_namings(sample)] == list(range(1, len(lines)))
+    assert flagged_lines(tmp_path, lines, FINE_TUNING_WORDS) == list(range(1, len(lines)))
 
 
 

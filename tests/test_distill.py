@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.equivalence import EMU, Layout, assert_equivalent, baseline, compose_run_config, layouts_worker
+from tests.equivalence import (EMU, Layout, assert_equivalent, assert_params_match_plain_loop, baseline,
+                               compose_run_config, layouts_worker)
 from tests.shared import once_per_session
 from tests.spawn import run_workers
 from tests.test_reference_loop import reference_lr
@@ -135,10 +136,7 @@ def test_one_process_equals_a_plain_pytorch_distillation_loop(workspace):
     last = records[-1]  # the held-out batches: the same two terms, no perplexity of a mixed loss
     assert "val_ppl" not in last and 0 < last["val_distill_loss"] < last["val_ce_loss"]
     assert last["val_loss"] == pytest.approx(ALPHA * last["val_ce_loss"] + (1 - ALPHA) * last["val_distill_loss"])
-    params = {name: tensor for name, (tensor, *_) in result["params"].items()}
-    for name, tensor in want["params"].items():
-        error = ((params[name] - tensor).norm() / tensor.norm()).item()
-        assert error <= 1e-4, f"parameter {name} differs from the plain loop by {error:.3g}"
+    assert_params_match_plain_loop(result, want["params"])
 
 
 # --- layouts against one process -------------------------------------------------------------------------------------

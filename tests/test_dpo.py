@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.equivalence import EMU, Layout, assert_equivalent, baseline, compose_run_config, layouts_worker
+from tests.equivalence import (EMU, Layout, assert_equivalent, assert_params_match_plain_loop, baseline,
+                               compose_run_config, layouts_worker)
 from tests.shared import once_per_session, session_dir
 from tests.spawn import run_workers
 from tests.test_reference_loop import reference_lr
@@ -151,10 +152,7 @@ def test_one_process_equals_a_plain_pytorch_dpo_loop(workspace, model):
         assert record["pairs"] == 8 and record["reward_accuracy"] == rewards["reward_accuracy"]
         assert [record[k] for k in REWARDS[:3]] == pytest.approx([rewards[k] for k in REWARDS[:3]], rel=1e-4, abs=1e-7)
     assert records[-1]["reward_margin"] > 0  # DPO moved the policy towards the chosen answers
-    params = {name: tensor for name, (tensor, *_) in result["params"].items()}
-    for name, tensor in want["params"].items():
-        error = ((params[name] - tensor).norm() / tensor.norm()).item()
-        assert error <= 1e-4, f"parameter {name} differs from the plain loop by {error:.3g}"
+    assert_params_match_plain_loop(result, want["params"])
 
 
 # --- layouts against one process -------------------------------------------------------------------------------------
