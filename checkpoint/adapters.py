@@ -1,5 +1,5 @@
 """LoRA adapters out as a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) or as MiniMind's LoRA
-.pth, and MiniMind's LoRA .pth in as Sluice's adapters.
+.pth, and either in as the adapters a run starts from (`lora.init`).
 
 The folder is what PEFT's own `save_pretrained` writes for a LoRA model, so `PeftModel.from_pretrained(base, folder)`
 loads it onto the base model: the dense weights the run started from (`checkpoint.load_dense`, also recorded as
@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from checkpoint.confine import inside, regular_file
 from checkpoint.dense import load_weights_only
 from checkpoint.errors import CheckpointError
 from checkpoint.lora_merge import adapter_pairs, is_adapter
@@ -33,6 +35,7 @@ PEFT_PREFIX = "base_model.model."  # PeftModel wraps the LM in a LoraModel: its 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 MINIMIND_RANK = 16  # MiniMind's apply_lora(model, rank=16), as its train_lora.py and eval_llm.py call it
 MINIMIND_A, MINIMIND_B = ".lora.A.weight", ".lora.B.weight"
+SLUICE_A, SLUICE_B = ".lora_A.weight", ".lora_B.weight"  # PEFT's names, inside the model
 
 
 def adapter_config(record: dict[str, Any], linears: list[str]) -> dict[str, Any]:
@@ -110,7 +113,18 @@ def read_minimind_lora(path: str | Path, rank: int, scale: float) -> dict[str, t
     of lora.rank `rank` and scale `scale` (= alpha / rank): B divided by the scale; a file of a larger rank whose
     extra components are zero (a padded export) is cut to `rank`. CheckpointError names what does not fit."""
     key = f"lora.init={path}"
-    loaded = load_weights_only(Path(path))
+    regular_file(path, key)  # stat first: a FIFO would block the read forever
+    try:
+        loaded = load_weights_only(Path(path))
+    except CheckpointError:
+        raise
+    except EOFError:
+        raise CheckpointError(f"{key}: the file is empty or cut short; give a file MiniMind's save_lora "
+                              "wrote") from None
+    except Exception as error:  # a zip or pickle torch cannot parse: its own words, on one line
+        detail = (str(error).strip() or type(error).__name__).splitlines()[0]
+        raise CheckpointError(f"{key}: cannot be read as a state_dict ({detail}); give a file MiniMind's save_lora "
+                              "wrote") from None
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise CheckpointError(f"{key}: not a state_dict of tensors (MiniMind's save_lora writes one)")
     loaded = {k.removeprefix("module."): v for k, v in loaded.items()}  # as MiniMind's load_lora strips DDP's prefix
@@ -118,14 +132,60 @@ def read_minimind_lora(path: str | Path, rank: int, scale: float) -> dict[str, t
     if not linears or len(loaded) != 2 * len(linears) or any(n + MINIMIND_B not in loaded for n in linears):
         raise CheckpointError(f"{key}: holds no MiniMind LoRA pairs (<linear>.lora.A.weight and "
                               "<linear>.lora.B.weight for each adapted linear); give a file MiniMind's save_lora wrote")
+    pairs = {name: (loaded[name + MINIMIND_A], loaded[name + MINIMIND_B]) for name in linears}
+    return sluice_pairs(key, pairs, rank, 1.0, scale)
+
+
+def read_peft_lora(folder: str | Path, rank: int, scale: float) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA folder (what `save_adapters` and PEFT's `save_pretrained` write) as Sluice adapter weights for a
+    run of lora.rank `rank` and scale `scale`: B rescaled from the folder's `lora_alpha / r` to the run's."""
+    key = f"lora.init={folder}"
+    if not any((Path(folder) / name).exists() for name in (CONFIG, WEIGHTS)):
+        raise CheckpointError(f"{key}: a folder without {CONFIG} and {WEIGHTS}; give a PEFT adapter folder "
+                              "(scripts/export_hf.py RUN OUT --adapters-only writes one) or a MiniMind LoRA .pth")
+    config_path, weights_path = (inside(folder, name, key) for name in (CONFIG, WEIGHTS))
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{key}: {CONFIG} is not JSON ({error}); give a folder PEFT's save_pretrained wrote")
+    r, alpha = (config.get(k) if isinstance(config, dict) else None for k in ("r", "lora_alpha"))
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (r, alpha)):
+        raise CheckpointError(f"{key}: {CONFIG} needs positive r and lora_alpha (here r={r}, lora_alpha={alpha})")
+    if config.get("use_rslora") or config.get("use_dora"):
+        raise CheckpointError(f"{key}: rsLoRA / DoRA adapters are not plain LoRA; give a plain LoRA folder")
+    try:
+        loaded = load_file(str(weights_path))
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"{key}: {WEIGHTS} cannot be read ({error})") from None
+    names = {k.removeprefix(PEFT_PREFIX): v for k, v in loaded.items()}
+    linears = sorted({k[:-len(SLUICE_A)] for k in names if k.endswith(SLUICE_A)})
+    if not linears or len(names) != 2 * len(linears) or any(n + SLUICE_B not in names for n in linears):
+        raise CheckpointError(f"{key}: {WEIGHTS} holds no LoRA pairs (<linear>.lora_A.weight and "
+                              "<linear>.lora_B.weight for each adapted linear, nothing else)")
+    pairs = {name: (names[name + SLUICE_A], names[name + SLUICE_B]) for name in linears}
+    return sluice_pairs(key, pairs, rank, alpha / r, scale)
+
+
+def read_lora_init(path: str | Path, rank: int, scale: float) -> dict[str, torch.Tensor]:
+    """lora.init's adapters: a PEFT folder, else MiniMind's LoRA .pth (see the two readers)."""
+    if Path(path).is_dir():
+        return read_peft_lora(path, rank, scale)
+    return read_minimind_lora(path, rank, scale)
+
+
+def sluice_pairs(key: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, file_scale: float,
+                 scale: float) -> dict[str, torch.Tensor]:
+    """Linear -> (A, B) of a file as Sluice's adapter weights of rank `rank`, B moved from the file's scale to the
+    run's (the product B A x scale unchanged); zero extra
+    components (a padded export) are cut, a real rank mismatch is refused naming the rank to set."""
     out = {}
-    for name in linears:
-        a, b = loaded[name + MINIMIND_A].float(), loaded[name + MINIMIND_B].float()
-        have = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != have:
+    for name, (a, b) in pairs.items():
+        a, b = a.float(), b.float()
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise CheckpointError(f"{key}: {name}'s A {tuple(a.shape)} and B {tuple(b.shape)} are not a LoRA pair")
+        have = a.shape[0]
         if have != rank and (have < rank or bool(a[rank:].any()) and bool(b[:, rank:].any())):
             raise CheckpointError(f"{key}: its adapters have rank {have}; set lora.rank={have}")
-        out[f"{name}.lora_A.weight"] = a[:rank].contiguous()
-        out[f"{name}.lora_B.weight"] = (b[:, :rank].double() / scale).float().contiguous()
+        out[f"{name}{SLUICE_A}"] = a[:rank].contiguous()
+        out[f"{name}{SLUICE_B}"] = (b[:, :rank].double() * file_scale / scale).float().contiguous()
     return out

@@ -6,7 +6,8 @@ dense name and its weight; it gains two children, `lora_A` [rank, in] and `lora_
 `model.layers.0.self_attn.q_proj.lora_A.weight`), and a branch `lora_B(lora_A(dropout(x))) * alpha / rank` that the
 linear adds to its output (`parallel.tensor.add_branch`: the TP layers carry it through their own collectives, so
 their forwards are not restated here). lora_A starts normal(0, 0.02), drawn per dense name from the seed, and lora_B
-at zero (MiniMind's train_lora), so step 0 computes the base model.
+at zero (MiniMind's train_lora), so step 0 computes the base model; with `lora.init` both start from a file (MiniMind's
+LoRA .pth or a PEFT folder, `checkpoint.adapters`), so step 0 computes where that file's run ended.
 
 TP slices an adapter the way its base linear is sliced. A colwise linear (output rows split, input replicated):
 lora_A whole, lora_B split by rows; the rank-sized activation enters the TP region, so its gradient is summed over TP
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from checkpoint.adapters import read_lora_init
+from checkpoint.errors import CheckpointError
 from checkpoint.lora_merge import ADAPTERS
 from parallel.decoder import Decoder
 from parallel.expert import is_expert
@@ -42,6 +45,7 @@ from parallel.tensor_pass import local_block, plan_pattern
 
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 INIT_STD = 0.02  # lora_A's initial standard deviation (MiniMind's train_lora)
+FIX_TARGETS = "set lora.targets to the linears the file adapts (those of the run that saved it)"
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class LoraSpec:
     targets: tuple[str, ...] | None = None  # linear-name patterns; None: every square linear (MiniMind's choice)
     dropout: float = 0.0  # on the adapters' input only
     seed: int = 0  # lora_A's initial values are drawn per dense name from it (the same in every layout)
+    init: str | None = None  # a MiniMind LoRA .pth or PEFT folder whose adapters the run starts from instead
 
     @property
     def enabled(self) -> bool:
@@ -115,14 +120,52 @@ def initial_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tenso
     return torch.randn(shape, generator=generator) * INIT_STD
 
 
+def _targets_text(spec: LoraSpec) -> str:
+    return f"lora.targets={list(spec.targets)}" if spec.targets is not None else "lora.targets=null (square linears)"
+
+
+def file_adapters(spec: LoraSpec, shapes: dict[str, tuple[int, int]], targets: set[str],
+                  whole: bool) -> dict[str, torch.Tensor]:
+    """The dense initial adapter weights lora.init holds for `targets`, linears among `shapes` (dense name -> (out,
+    in)); CheckpointError naming the first linear where the file and the run disagree. A pair of zeros counts as none
+    (MiniMind's padded export writes one for each square linear not adapted). `whole`: `shapes` is every linear of the
+    model's layers, so a pair naming none of them is refused too (a chunk sees only its own layers)."""
+    weights = read_lora_init(spec.init, spec.rank, spec.scale)
+    key, a, b = f"lora.init={spec.init}", ".lora_A.weight", ".lora_B.weight"
+    live = {n[:-len(a)] for n, t in weights.items() if n.endswith(a) and (t.any() or weights[n[:-len(a)] + b].any())}
+    for name in sorted(live - targets):
+        if name in shapes:
+            raise CheckpointError(f"{key}: it holds adapters for {name}, which {_targets_text(spec)} does not adapt; "
+                                  f"{FIX_TARGETS}")
+        if whole:
+            raise CheckpointError(f"{key}: it holds adapters for {name}, not a linear of this model's decoder layers; "
+                                  "give adapters trained on this model")
+    for name in sorted(targets):
+        if name not in live:
+            raise CheckpointError(f"{key}: it holds no adapters for {name}, which {_targets_text(spec)} adapts; "
+                                  f"{FIX_TARGETS}")
+        out_features, in_features = shapes[name]
+        have_in, have_out = weights[name + a].shape[1], weights[name + b].shape[0]
+        if (have_out, have_in) != (out_features, in_features):
+            raise CheckpointError(f"{key}: its adapters of {name} are {have_in}x{have_out} (in x out) but the linear "
+                                  f"is {in_features}x{out_features}; give adapters trained on this model")
+    return {n: t for n, t in weights.items() if n.rpartition(".")[0].rpartition(".")[0] in targets}
+
+
 def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
-    """Freeze every parameter of `decoder` (a chunk, after TP and EP) and give each targeted linear its adapters.
+    """Freeze every parameter of `decoder` (a chunk, after TP and EP) and give each targeted linear its adapters,
+    their initial values drawn or (lora.init) read from the file, once per chunk.
 
     A chunk may hold no target (the patterns name another stage's layers): it then trains nothing itself."""
     if not spec.enabled:
         return decoder
     styles = [(plan_pattern(key), style) for key, style in decoder.plan.tp_plan.items()]
-    targets = [(n, m) for n, m in layer_linears(decoder) if targeted(n, m, spec, grid.tp)]
+    linears = layer_linears(decoder)
+    targets = [(n, m) for n, m in linears if targeted(n, m, spec, grid.tp)]
+    initial = None
+    if spec.init is not None:
+        shapes = {n: dense_shape(m.weight, grid.tp) for n, m in linears}
+        initial = file_adapters(spec, shapes, {n for n, _ in targets}, whole=False)
     for param in decoder.module.parameters():
         param.requires_grad_(False)
     for name, linear in targets:
@@ -130,28 +173,30 @@ def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
         if grid.tp > 1 and style == "replicated_with_grad_allreduce":
             raise ValueError(f"lora.targets: {name} is TP-replicated with a partial gradient; LoRA adapts colwise, "
                              "rowwise and whole linears: leave it out of lora.targets")
-        _adapt(name, linear, spec, grid)
+        _adapt(name, linear, spec, grid, initial)
     return decoder
 
 
-def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid) -> None:
-    """Give one linear its adapters, sliced as TP slices it, and the branch that adds them."""
+def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid,
+           initial: dict[str, torch.Tensor] | None) -> None:
+    """Give one linear its adapters (dense initial values from `initial`, else drawn), sliced as TP slices it, and
+    the branch that adds them."""
     out_features, in_features = dense_shape(linear.weight, grid.tp)
     row, col = isinstance(linear, RowParallelLinear), isinstance(linear, ColumnParallelLinear)
     for child, shape, dim in (("lora_A", (spec.rank, in_features), 1 if row else None),
                               ("lora_B", (out_features, spec.rank), 0 if col else None)):
-        weight = _adapter_weight(f"{name}.{child}.weight", shape, dim, linear.weight, spec.seed, grid)
+        weight_name = f"{name}.{child}.weight"
+        dense = initial[weight_name] if initial is not None else initial_adapter(weight_name, shape, spec.seed)
+        weight = _adapter_weight(dense, dim, linear.weight, grid)
         holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         holder.weight = weight
         setattr(linear, child, holder)
     add_branch(linear, LowRank(linear, spec.scale, spec.dropout))
 
 
-def _adapter_weight(name: str, shape: tuple[int, int], dim: int | None, base: nn.Parameter, seed: int,
-                    grid: ParallelGrid) -> nn.Parameter:
-    """This rank's block of one adapter weight, with its initial value (on the compute device beside a meta base:
+def _adapter_weight(dense: torch.Tensor, dim: int | None, base: nn.Parameter, grid: ParallelGrid) -> nn.Parameter:
+    """This rank's block of one adapter weight, from its dense initial value (on the compute device beside a meta base:
     no weight source holds it); TP-marked when sliced, EP-marked beside an EP-split expert."""
-    dense = initial_adapter(name, shape, seed)
     tensor = local_block(dense, grid.tp_rank, grid.tp, dim) if dim is not None else dense
     device = grid.device if base.is_meta else base.device
     weight = nn.Parameter(tensor.to(device=device, dtype=base.dtype, copy=tensor is not dense).contiguous())

@@ -35,11 +35,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def lora_spec(cfg: DictConfig) -> LoraSpec:
-    """The adapters the config asks for (`lora.*`; the initial lora_A drawn from train.seed)."""
+    """The adapters the config asks for (`lora.*`; the initial lora_A drawn from train.seed, or lora.init's file)."""
     lora = cfg.lora
     targets = tuple(lora.targets) if lora.targets is not None else None
     return LoraSpec(rank=int(lora.rank), alpha=None if lora.alpha is None else float(lora.alpha), targets=targets,
-                    dropout=float(lora.dropout), seed=int(cfg.train.seed))
+                    dropout=float(lora.dropout), seed=int(cfg.train.seed), init=lora.get("init"))
 
 
 def own_passes(cfg: DictConfig) -> tuple[LoraSpec, ...]:

@@ -260,6 +260,11 @@ class LoraSchema:
         "(`q_proj`, `self_attn.*`, `mlp.experts.*.up_proj`; `*` stands for one name component); `null` = every "
         "square linear (in = out: `q_proj` and `o_proj` when heads x head_dim = hidden), MiniMind's choice")
     dropout: float = key(0.0, "dropout on the adapters' input (the base linear sees the whole input)", fraction())
+    init: Optional[str] = key(
+        None, "adapters the run starts from instead of lora_A normal / lora_B zeros: a MiniMind LoRA `.pth` (its "
+        "`save_lora`, or `scripts/export_hf.py RUN OUT --adapters-only --format pth`) or a PEFT adapter folder "
+        "(`--adapters-only`); its linears must be the ones `lora.targets` adapts, its rank `lora.rank` "
+        "([checkpoints](checkpoints.md#lora))", optional(text))
 
 
 @dataclass

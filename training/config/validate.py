@@ -2,6 +2,7 @@
 derive (schedule.n_microbatches from train.global_batch_size, parallel.layers_per_stage=auto). Each key's own rule
 sits beside it in the schema; this module applies those and holds the rules that relate several keys."""
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -181,6 +182,29 @@ def validate_lora(cfg: DictConfig) -> list[str]:
     return []
 
 
+def validate_lora_init(cfg: DictConfig) -> None:
+    """lora.init exists, is a regular file (or a PEFT folder of them) and its adapters fit the linears lora.targets
+    adapts in this model (the pass's own reading, on the whole meta model)."""
+    from checkpoint.errors import CheckpointError
+    from parallel.materialize import dense_shape
+    from training.config.schema import model_decoder
+    from training.lora import file_adapters, layer_linears, lora_targets
+    from training.specs import lora_spec
+
+    spec = lora_spec(cfg)
+    if not spec.enabled or spec.init is None:
+        return
+    if not os.path.lexists(spec.init):
+        raise ConfigError(f"lora.init={spec.init} does not exist; give a MiniMind LoRA .pth (scripts/export_hf.py "
+                          "RUN OUT --adapters-only --format pth writes one) or a PEFT adapter folder")
+    decoder = model_decoder(cfg)
+    shapes = {name: dense_shape(module.weight, 1) for name, module in layer_linears(decoder)}
+    try:
+        file_adapters(spec, shapes, set(lora_targets(decoder, spec)), whole=True)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+
+
 def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
     """Data source and files (the data module's own check), and the tokenizer's ids against the model's and against
     the tokenizer beside the initial weights."""
@@ -205,7 +229,8 @@ def validate_data(cfg: DictConfig, world_size: int | None = None) -> None:
 
 def validate_checkpoint(cfg: DictConfig) -> None:
     """A checkpoint to resume exists, is complete and readable, and was written for this model; a distillation
-    teacher can teach it; the folders the run writes (checkpoint.dir, data.cache_dir) can be created and written."""
+    teacher can teach it; LoRA's starting adapters (lora.init) fit; the folders the run writes (checkpoint.dir,
+    data.cache_dir) can be created and written."""
     from checkpoint.manager import check_resume, find_checkpoint
     from training.output_paths import output_dir_problem
 
@@ -241,6 +266,7 @@ def validate_checkpoint(cfg: DictConfig) -> None:
 
     if problem := teacher_problem(cfg, model_config(cfg).vocab_size):
         raise ConfigError(problem)
+    validate_lora_init(cfg)
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
