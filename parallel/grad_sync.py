@@ -114,10 +114,23 @@ class Rider:
     pp_early: bool = False
 
 
+# The most gradient elements the rider may take along in float64. Beyond it a bucket of the sums alone is cheaper: an
+# extra all-reduce of a few bytes, started after the last F, against a float64 concatenation, a reduction of twice
+# the bytes and a copy back of every gradient in the bucket (with 25 MB buckets a small model is one bucket, all of
+# it carried: 1.26x DDP's dp2 step at hidden 128, 2 layers, issue 39).
+CARRIED_MAX_NUMEL = 1 << 14
+
+
 def carrier_of(order: list[Bucket], dp_group: Group) -> Bucket | None:
-    """The smallest bucket reduced over DP alone: the rider makes it travel in float64, so it costs least there."""
-    plain = [b for b in order if len(b.groups) == 1 and b.groups[0] is dp_group and group_size(dp_group) > 1]
-    return min(plain, key=lambda b: sum(p.numel() for p in b.params), default=None)
+    """The bucket the rider travels in: the smallest bucket reduced over DP alone if it is small enough to carry in
+    float64 (`CARRIED_MAX_NUMEL`), else a new bucket of no parameters (the caller puts it first); None at dp 1."""
+    if group_size(dp_group) == 1:
+        return None
+    plain = [b for b in order if len(b.groups) == 1 and b.groups[0] is dp_group]
+    smallest = min(plain, key=lambda b: sum(p.numel() for p in b.params), default=None)
+    if smallest is not None and sum(p.numel() for p in smallest.params) <= CARRIED_MAX_NUMEL:
+        return smallest
+    return Bucket([], (dp_group,))
 
 
 def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
@@ -139,9 +152,10 @@ class GradientSync:
     order): collectives match by order on a group, and a replica whose expert got no tokens in the last
     micro-batch must not launch its buckets in a different order than its peers.
 
-    The step's loss and aux sums ride in one DP bucket (the carrier) instead of a collective of their own, so a
-    step issues no DP collective but its buckets. The carrier launches only once this process has run its last
-    F (the sums are final then); in every schedule that is before any stage's final backward, so nothing waits.
+    The step's loss and aux sums ride in one DP bucket (the carrier): the smallest one if it is tiny, else a bucket
+    of the sums alone at the head of the order (`carrier_of`), so a step issues no DP collective but its buckets.
+    The carrier launches only once this process has run its last F (the sums are final then); in every schedule
+    that is before any stage's final backward, so nothing waits.
     Over the pipeline group the sums need a collective of their own; at dp 1 on gloo it too starts after the
     last F and is done by the step's end, elsewhere it runs in `step_sums`."""
 
@@ -162,6 +176,8 @@ class GradientSync:
         self.carrier = carrier_of(self.order, dp_group)
         if self.carrier is not None:
             self.carrier.rider = rider.values
+            if not self.carrier.params:  # the sums alone: first in line, launched once the last F has run
+                self.order.insert(0, self.carrier)
         # Without a DP carrier (dp 1) the sums start over the pipeline group once final, where that may run
         # beside the transfers; the step's end then finds them summed instead of waiting for a collective.
         self.pp_early = (rider.pp_early and self.carrier is None and group_size(dp_group) == 1
@@ -176,6 +192,8 @@ class GradientSync:
     def start_step(self) -> None:
         """Forget the previous step's launches and timings; give the buckets' gradients their flat homes."""
         self.launched, self.ready, self.armed, self.pp_sums = 0, set(), {}, None
+        if self.carrier is not None and not self.carrier.params:
+            self.ready.add(id(self.carrier))  # no gradient to wait for: only the last F
         for bucket in self.order:
             if bucket.rider is None:  # the carrier travels in float64: its gradients cannot be views of it
                 bucket.attach_grads()
