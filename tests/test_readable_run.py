@@ -154,6 +154,27 @@ def test_the_header_counts_adapters_rows_and_the_partition(tmp_path, data_cache)
                   "steps)"}
 
 
+def test_a_dpo_header_counts_the_label_tokens_of_chosen_and_rejected(tmp_path, data_cache):
+    """Under DPO a step's positions are its pairs' two rows; the label tokens are the answers of both, counted here
+    from the micro-batches the stream hands out."""
+    def turn(question: str, answer: str) -> list[dict]:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+    rows = [{"chosen": turn(f"q {i}", "yes " * (i % 5 + 1)), "rejected": turn(f"q {i}", "no " * (i % 3 + 1))}
+            for i in range(40)]
+    (tmp_path / "dpo.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = compose_run_config(["model=tiny", "train.task=dpo", "data=jsonl", f"data.path={tmp_path / 'dpo.jsonl'}",
+                              "data.tokenizer=synthetic", "data.format=chat", "train.seq_len=64",
+                              "train.micro_batch_size=4", "schedule.n_microbatches=2", "train.steps=3"], data_cache)
+    stream, _ = build_data(cfg, 0, 1, verbose=False)
+    tokens = dict((line[:10].strip(), line[11:]) for line in run_header(cfg, stream, dp=1, processes=1))["tokens"]
+    labels = sum(mb.num_label_tokens() for _ in range(3) for mb in next(stream))
+    positions = 3 * 2 * 4 * 64  # steps x micro-batches x sequences (two per pair) x seq_len
+    assert 0 < labels < positions // 4
+    assert tokens == (f"512 per step (4 pairs, chosen and rejected), label tokens {100 * labels / positions:.2f}% "
+                      f"({labels:,} of {positions:,} over this run's 3 steps)")
+
+
 @pytest.mark.parametrize("parallel, partition", [
     ([], "4 layers on one stage"),
     (["parallel.pp=2", "parallel.layers_per_stage=[3,1]"],

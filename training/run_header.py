@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from models import build_model, decoder_of
@@ -76,9 +77,15 @@ class LabelTokens:
 
 def label_tokens(data: StepBatches, steps: int) -> LabelTokens:
     """The label tokens of this run's next `steps` steps from the stream's position (the first steps reading at most
-    COUNTED_SAMPLES samples, one step at least), counted as each step's loss counts them; the stream does not move."""
+    COUNTED_SAMPLES samples, one step at least), counted as each step's loss counts them (a pair's: those of its
+    chosen and rejected rows, two sequences of positions); the stream does not move."""
     per_step = data.global_batch_size
     counted = min(steps, max(1, COUNTED_SAMPLES // per_step))
+    if isinstance(data.samples, PairSamples):  # the DPO loss is a mean over pairs: global_tokens_at counts pairs
+        pairs = data._indices(data.position, counted * per_step)  # the stream's global order, as it reads the steps
+        rows = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).flatten()
+        labels = int(data.samples.rows.label_counts(rows).sum())
+        return LabelTokens(counted, labels, counted * per_step * 2 * data.seq_len)
     labels = sum(data.global_tokens_at(data.position + k * per_step) for k in range(counted))
     return LabelTokens(counted, labels, counted * per_step * data.seq_len)
 
@@ -159,12 +166,13 @@ def steps_line(data: StepBatches, steps: int, unit: str) -> str:
 
 
 def tokens_line(data: StepBatches, remaining: int) -> str:
-    """Label tokens against positions over this run's steps (or the first of them)."""
+    """Label tokens against positions over this run's steps (or the first of them); pairs: chosen and rejected."""
     tokens = label_tokens(data, remaining)
     counted = _plural(tokens.steps, "step")
     over = f"this run's {counted}" if tokens.steps == remaining else f"the first {counted}"
-    return (f"{tokens.positions // tokens.steps:,} per step, label tokens {_share(tokens.labels, tokens.positions)} "
-            f"({tokens.labels:,} of {tokens.positions:,} over {over})")
+    pairs = f" ({data.global_batch_size:,} pairs, chosen and rejected)" if isinstance(data.samples, PairSamples) else ""
+    return (f"{tokens.positions // tokens.steps:,} per step{pairs}, label tokens "
+            f"{_share(tokens.labels, tokens.positions)} ({tokens.labels:,} of {tokens.positions:,} over {over})")
 
 
 def resumed_line(first_step: int, steps: int, resumed_from: Path | None, position: int, unit: str) -> str:
@@ -187,7 +195,7 @@ def run_header(cfg: DictConfig, data: StepBatches, dp: int, processes: int, firs
     lines = [("model", model_line(size)), ("data", data_line(data, spec.format, spec.preference)),
              ("steps", steps_line(data, steps, unit)), ("layout", layout_line(cfg, dp, processes, size.moe)),
              ("partition", partition_line(cfg, size.num_layers))]
-    if steps > first_step and not spec.preference:  # a DPO step is a mean over pairs: tokens_per_s counts positions
+    if steps > first_step:
         lines.append(("tokens", tokens_line(data, steps - first_step)))
     if first_step:
         lines.append(("resumed", resumed_line(first_step, steps, resumed_from, data.position, unit)))
