@@ -53,10 +53,19 @@ def in_this_process(monkeypatch):
     return run_all
 
 
+def compile_rows_uncompiled(cells, layouts, warmup, rounds, mode):
+    """compiled.measure_cells's rows without compiling (compiled.py's own smoke compiles): the sweep's glue is tested."""
+    return [{"cell": cell.name, "layout": layout, "mode": mode, "choice": "eager", "ratio": 1.0, "spread": 0.0,
+             "eager_s": 1.0, "compiled_s": 1.0} for cell in cells for layout in layouts]
+
+
 @pytest.mark.timeout(900)
 def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatch):
     results, doc, pngs = tmp_path / "results.json", tmp_path / "benchmarks.md", tmp_path / "png"
-    in_this_process(monkeypatch).main(["--smoke", "--results", str(results), "--doc", str(doc), "--png-dir", str(pngs)])
+    heat_map = tmp_path / "sizes.png"
+    monkeypatch.setattr(importlib.import_module("compiled"), "measure_cells", compile_rows_uncompiled, raising=False)
+    in_this_process(monkeypatch).main(["--smoke", "--results", str(results), "--doc", str(doc), "--png-dir", str(pngs),
+                                       "--heat-map", str(heat_map)])
     r = json.loads(results.read_text())
     for name in SLEEP:
         assert isinstance(r["sleep"][name]["sluice_over_ideal"], float) and r["sleep"][name]["sluice_over_ideal"] > 0
@@ -94,7 +103,16 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert all(row["peak_mib"] > 0 and row["step_s"] > 0 for row in r["recompute"]["rows"].values())
     compiled = r["compiled"]["rows"][0]  # a compiled layer trains with eager's first loss
     assert compiled["losses_close"] is True and compiled["compiled_s"] > 0 and compiled["eager_s"] > 0, compiled
+    sizes = r["sizes"]  # the sweep's one tiny cell, one round: every comparison measured, the heat map drawn
+    (cell,) = sizes["cells"]
+    assert set(sizes["ratios"][cell]) == {"compile", "compile_pp2", "dp", "zero1"}, sizes["ratios"]
+    for name in ("dp", "zero1"):  # both sides trained the same model on the same data
+        row = sizes["ratios"][cell][name]
+        assert row["ratio"] > 0 and row["spread"] == 0 and len(row["round_ratios"]) == 1, row
+        assert row["first_loss"]["sluice"] == pytest.approx(row["first_loss"]["torch"], rel=1e-5), row
+    assert sizes["worst"]["cell"] == cell and heat_map.read_bytes().startswith(b"\x89PNG")
     page = doc.read_text()
+    assert "## Model sizes: Sluice / peer across a grid of sizes" in page and "![size sweep](sizes.png)" in page
     assert "## Acceptance" in page and "make bench ARGS=--smoke" in page and "## Transport" in page
     assert "## Expert parallelism: ep=4 against replicated experts (dp=4)" in page
     assert "## Compiled layers: `train.compile=true` against eager" in page

@@ -9,11 +9,17 @@ warm-up. Memory: each variant alone in two fresh processes, the peak resident se
 its steps, less what the process held before the model was built (interpreter, torch, data), with freed memory
 returned to the system at once (`common.freed_to_the_system`).
 
+The size sweep (`scripts/bench/sizes.py`) calls `measure_cells`: both comparisons at each of a list of model sizes,
+in one pair of processes, each cell's variants alternated as above; per cell the median of the per-round ratios
+Sluice / peer and their spread (half the interquartile range of those ratios).
+
     python scripts/bench/data_parallel.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -116,6 +122,48 @@ def timing_worker(rank: int, world: int, setup: Setup) -> dict:
         steps[f"{name}_sluice"] = SluiceDP(setup, optim_cfg, grid, zero)
         steps[f"{name}_torch"] = DDPStep(setup, optim_cfg, zero)
     return first_then_alternate(steps, micro, setup.warmup, setup.rounds)
+
+
+def cells_worker(rank: int, world: int, setups: list[Setup]) -> list[dict]:
+    """Per setup (cell): the four variants built, alternated A B (one step each per round), then freed."""
+    init_gloo()
+    optim_cfg = OmegaConf.structured(OptimSchema)
+    grid = ParallelGrid.build(dp=DP, tp=1, pp=1, backend="gloo", timeout_s=600)
+    out = []
+    for setup in setups:
+        steps = {}
+        for name, zero in ZERO.items():
+            steps[f"{name}_sluice"] = SluiceDP(setup, optim_cfg, grid, zero)
+            steps[f"{name}_torch"] = DDPStep(setup, optim_cfg, zero)
+        out.append(first_then_alternate(steps, replica_batches(setup, rank), setup.warmup, setup.rounds))
+        del steps
+        gc.collect()  # the next cell's models do not share the heap with this one's
+    return out
+
+
+def ratio_and_spread(sluice_runs: list[float], peer_runs: list[float]) -> dict:
+    """The median of the per-round ratios Sluice / peer (each round ran one step of each back to back) and their
+    spread: half the interquartile range (0 with one round)."""
+    ratios = [a / b for a, b in zip(sluice_runs, peer_runs)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios * 3)
+    return {"ratio": statistics.median(ratios), "spread": (q3 - q1) / 2, "round_ratios": ratios}
+
+
+def measure_cells(cells: list, warmup: int, rounds: int, timeout: float = 3600) -> dict[str, dict]:
+    """dp2 against DDP and zero1 against DDP + ZeroRedundancyOptimizer at each cell (a `size_grid.Cell`): by cell
+    name, by comparison, the ratio and spread (`ratio_and_spread`), the medians and the raw step times."""
+    setups = [Setup(c.layers, c.hidden, c.seq, c.micro_batch_size, c.microbatches, warmup, rounds) for c in cells]
+    measured = run_workers(cells_worker, DP, setups, timeout=timeout)[0]
+    out = {}
+    for cell, ours in zip(cells, measured):
+        rows = {}
+        for name in ZERO:
+            sluice, peer = ours["times"][f"{name}_sluice"], ours["times"][f"{name}_torch"]
+            rows[name] = {**ratio_and_spread(sluice.wall, peer.wall), **sluice.summary("sluice"),
+                          **peer.summary("torch"), "first_loss": {side: ours["first_loss"][f"{name}_{side}"]
+                                                                  for side in ("sluice", "torch")}}
+        out[cell.name] = rows
+    return out
 
 
 def memory_worker(rank: int, world: int, setup: Setup, name: str) -> dict:

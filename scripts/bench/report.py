@@ -56,6 +56,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
                   + (f" ({took})." if took else "."), ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _full_size(r) + _memory(r) + _overhead(r)
     lines += _transport(r) + _experts(r) + _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + _compiled(r)
+    lines += _sizes(r, doc_path, root)
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -128,6 +129,12 @@ def _acceptance(r: dict) -> list[str]:
                      f"{c['default_one_process_speedup']:.3f}", c["default_one_process_speedup"] >= 1.15))
         rows.append(("no layout slower compiled than eager", ", ".join(f"{row['name']} {row['speedup']:.3f}"
                                                                      for row in c["rows"]), c["none_slower"]))
+    sizes = r.get("sizes")
+    if sizes and sizes.get("worst"):
+        w = sizes["worst"]
+        rows.append((f"every cell of the size sweep ({len(sizes['cells'])} cells): Sluice / peer at most 1.00 + the "
+                     "cell's spread", f"worst {w['comparison']} at {w['cell']}: {w['ratio']:.3f} ± {w['spread']:.3f}",
+                     sizes["within_spread"]))
     out = ["## Acceptance", "", "| criterion | measured | met |", "|---|---|---|"]
     out += [f"| {c} | {m} | {'yes' if ok else '**no**'} |" for c, m, ok in rows]
     return out + [""]
@@ -375,6 +382,37 @@ def _compiled(r: dict) -> list[str]:
     return out + ["", "First losses equal to 1e-5 relative in every setup." if all(row["losses_close"] for row in
                                                                                    c["rows"]) else
                   "**First losses differ** beyond 1e-5 relative.", ""]
+
+
+def _sizes(r: dict, doc_path: Path, root: Path) -> list[str]:
+    """The size sweep: the heat map, the machine and command it was measured with, the table and the worst cell."""
+    z = r.get("sizes")
+    if not z:
+        return []
+    columns = z["comparisons"]
+    out = ["## Model sizes: Sluice / peer across a grid of sizes", "",
+           f"Measured with `{z['command']}` on {_machine(r)} (`scripts/bench/sizes.py`, cells in "
+           "`scripts/bench/size_grid.py`: MiniMind-3's shape, vocab 6400, one axis at a time around hidden 256, 4 "
+           "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
+           f"cell's two variants alternate in the same processes, one step each per round ({z['rounds']} rounds "
+           f"after {z['warmup']} warm-up); the ratio is the median of the per-round ratios Sluice / peer (below 1: "
+           "Sluice faster), ± half their interquartile range. Compile: the Trainer with `train.compile=auto` against "
+           "eager, one process (both cores) and pp2 (one core each); DP: as in the data-parallel section, at each "
+           f"size. The sweep took {z['wall_s'] / 60:.1f} min.", ""]
+    if z.get("png"):
+        out += [f"![size sweep]({os.path.relpath(root / z['png'], doc_path.parent)})", ""]
+    out += ["| cell (hidden-layers-seq-micro-batch) | " + " | ".join(columns.values()) + " |",
+            "|---" * (len(columns) + 1) + "|"]
+    for cell in z["cells"]:
+        row = z["ratios"].get(cell, {})
+        out.append(f"| {cell} | " + " | ".join(f"{row[c]['ratio']:.3f} ± {row[c]['spread']:.3f}" if c in row else "—"
+                                              for c in columns) + " |")
+    if z.get("worst"):
+        w = z["worst"]
+        out += ["", f"Worst cell: {columns[w['comparison']]} at {w['cell']}, {w['ratio']:.3f} ± {w['spread']:.3f}"
+                + ("; every cell within 1.00 + its spread." if z["within_spread"]
+                   else "; **not every cell within 1.00 + its spread**.")]
+    return out + [""]
 
 
 def _transport_name(sleep: dict) -> str:

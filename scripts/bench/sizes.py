@@ -1,0 +1,159 @@
+"""The size sweep: every comparison Sluice makes with a peer, at each model size of `size_grid` (issue 39): compiled
+layers (`train.compile=auto`) against eager in one process and in a pp2 pipeline, dp2 against DDP, zero1 against DDP
+with ZeroRedundancyOptimizer. Writes the "sizes" section of results.json and a heat map PNG of the ratios.
+
+Each cell's two variants run in the same processes, one step each per round (A B A B) after a warm-up; a cell's
+ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster) and its spread half their
+interquartile range. `--quick` measures `size_grid.QUICK` (the default `make bench`), no option every cell
+(`make bench ARGS=--sizes`).
+
+    python scripts/bench/sizes.py [--quick] [--smoke] [--only compile|dp] [--rounds N] [--warmup N]
+                                  [--results PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compiled  # noqa: E402
+import data_parallel  # noqa: E402
+from common import ROOT, bench_parser, run_workers, update_results  # noqa: E402
+from size_grid import QUICK, Cell, sweep_cells  # noqa: E402
+
+PNG = ROOT / "bench" / "sizes.png"
+COMPARISONS = {  # column -> what the ratio divides (Sluice's side / its peer)
+    "compile": "compiled (auto) / eager, one process",
+    "compile_pp2": "compiled (auto) / eager, pp2",
+    "dp": "dp2 / DDP",
+    "zero1": "zero1 / DDP + ZeroRedundancyOptimizer",
+}
+SMOKE = Cell(64, 2, 16, 1, 2)  # one tiny cell, one round: checks the script works
+
+
+LAYOUTS = {"one-process": "compile", "pp2": "compile_pp2"}  # compiled.py's layout -> this sweep's column
+
+
+def compile_cells(cells: list[Cell], warmup: int, rounds: int) -> dict[str, dict]:
+    """Compiled (`train.compile=auto`) against eager at each cell, one process and pp2 (`compiled.measure_cells`):
+    by cell name, by column, the ratio compiled / eager, its spread, both medians and auto's choice."""
+    measure = getattr(compiled, "measure_cells", None) or _compile_each
+    out: dict[str, dict] = {}
+    for row in measure(cells, layouts=tuple(LAYOUTS), warmup=warmup, rounds=rounds, mode="auto"):
+        out.setdefault(row["cell"], {})[LAYOUTS[row["layout"]]] = {
+            "ratio": row["ratio"], "spread": row["spread"], "sluice_s": row["compiled_s"], "torch_s": row["eager_s"],
+            "choice": row.get("choice"), "mode": row.get("mode")}
+    return out
+
+
+def _compile_each(cells: list[Cell], layouts: tuple[str, ...], warmup: int, rounds: int, mode: str) -> list[dict]:
+    """compiled.py's Trainer-based worker per cell and layout (`train.compile=true`), where its `measure_cells` is
+    not there to call."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for cell in cells:
+            for layout in layouts:
+                pp = 2 if layout == "pp2" else 1
+                setup = compiled.Setup(f"{cell.name}-{layout}", cell_model(cell), pp, cell.seq, cell.micro_batch_size,
+                                       cell.microbatches, warmup, rounds)
+                times = run_workers(compiled.worker, pp, setup, cache, timeout=3600)[0]["times"]
+                rows.append({"cell": cell.name, "layout": layout, "mode": "true", "choice": None,
+                             **data_parallel.ratio_and_spread(times["compiled"].wall, times["eager"].wall),
+                             "compiled_s": times["compiled"].summary("c")["c_s"],
+                             "eager_s": times["eager"].summary("e")["e_s"]})
+    return rows
+
+
+def cell_model(cell: Cell) -> tuple[str, ...]:
+    """The MiniMind-3 shape (vocab 6400, 8 heads, 4 KV heads) at the cell's width and depth, as config overrides."""
+    return ("model=minimind3", f"model.hidden_size={cell.hidden}", f"model.num_hidden_layers={cell.layers}")
+
+
+def worst(ratios: dict[str, dict]) -> dict | None:
+    """The cell and comparison where Sluice stands worst against its peer (the highest ratio)."""
+    found = [(row["ratio"], cell, column, row["spread"]) for cell, columns in ratios.items()
+             for column, row in columns.items()]
+    if not found:
+        return None
+    ratio, cell, column, spread = max(found)
+    return {"cell": cell, "comparison": column, "ratio": ratio, "spread": spread}
+
+
+def draw_heat_map(section: dict, path: Path) -> Path:
+    """Rows = cells, columns = comparisons, colour = ratio (green below 1, red above), each square `ratio ± spread`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    cells, columns = section["cells"], list(COMPARISONS)
+    values = np.full((len(cells), len(columns)), np.nan)
+    for i, cell in enumerate(cells):
+        for j, column in enumerate(columns):
+            row = section["ratios"].get(cell, {}).get(column)
+            if row is not None:
+                values[i, j] = row["ratio"]
+    finite = values[np.isfinite(values)]
+    reach = max(0.1, float(np.abs(finite - 1).max())) if finite.size else 0.1
+    fig, ax = plt.subplots(figsize=(2.0 * len(columns) + 2.5, 0.45 * len(cells) + 1.6))
+    cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="#dddddd")  # grey: a comparison not measured
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, aspect="auto",
+                      norm=TwoSlopeNorm(vcenter=1.0, vmin=1 - reach, vmax=1 + reach))
+    for i, cell in enumerate(cells):
+        for j, column in enumerate(columns):
+            row = section["ratios"].get(cell, {}).get(column)
+            text = "—" if row is None else f"{row['ratio']:.2f} ± {row['spread']:.2f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(columns)), [COMPARISONS[c] for c in columns], fontsize=7, rotation=12)
+    ax.set_yticks(range(len(cells)), cells, fontsize=8)
+    ax.set_title("Sluice / peer step time by model size (below 1: Sluice faster); hidden-layers-seq-micro-batch",
+                 fontsize=9)
+    fig.colorbar(image, ax=ax, label="step time ratio")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> dict:
+    parser = bench_parser(__doc__, "one tiny cell, 1 round: checks the script works", rounds=6, warmup=1)
+    parser.add_argument("--quick", action="store_true", help="the QUICK subset of cells (the default make bench)")
+    parser.add_argument("--only", choices=("compile", "dp"), help="one side of the sweep only")
+    parser.add_argument("--png", type=Path, default=PNG)
+    args = parser.parse_args(argv)
+    cells = [SMOKE] if args.smoke else QUICK if args.quick else sweep_cells()
+    rounds = 1 if args.smoke else args.rounds
+    warmup = 0 if args.smoke else args.warmup
+    start = time.perf_counter()
+    ratios: dict[str, dict] = {cell.name: {} for cell in cells}
+    if args.only != "dp":
+        for name, columns in compile_cells(cells, warmup, rounds).items():
+            ratios[name].update(columns)
+    if args.only != "compile":
+        for name, columns in data_parallel.measure_cells(cells, warmup, rounds).items():
+            ratios[name].update(columns)
+    png = draw_heat_map({"cells": [c.name for c in cells], "ratios": ratios}, args.png)
+    section = {"cells": [c.name for c in cells], "comparisons": COMPARISONS, "ratios": ratios,
+               "worst": worst(ratios), "within_spread": all(row["ratio"] <= 1.0 + row["spread"]
+                                                            for columns in ratios.values() for row in columns.values()),
+               "command": "smoke" if args.smoke else "make bench" if args.quick else "make bench ARGS=--sizes",
+               "rounds": rounds, "warmup": warmup, "wall_s": time.perf_counter() - start,
+               "png": str(png.resolve().relative_to(ROOT)) if png.resolve().is_relative_to(ROOT) else str(png)}
+    update_results("sizes", section, args.results)
+    for name, columns in ratios.items():
+        print(f"{name}: " + ", ".join(f"{c} {r['ratio']:.3f} ± {r['spread']:.3f}" for c, r in columns.items()))
+    if section["worst"]:
+        w = section["worst"]
+        print(f"worst: {w['comparison']} at {w['cell']}, {w['ratio']:.3f} ± {w['spread']:.3f}; heat map {png}")
+    return section
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
