@@ -28,7 +28,8 @@ test: setup
 
 # Sleep schedules vs the simulator's ideal, the real model vs torch.distributed.pipelining, single-process
 # overhead, transport hop latency, EP, DP/ZeRO-1 vs DDP, TP vs DTensor, recompute vs torch.utils.checkpoint, compiled layers
-# (see scripts/bench/run_all.py): bench/results.json, docs/benchmarks.md, bench/timelines/*.png.
+# and the size sweep's quick cells (see scripts/bench/run_all.py): bench/results.json, docs/benchmarks.md,
+# bench/timelines/*.png, bench/sizes.png. `make bench ARGS=--sizes`: the size sweep alone, every cell.
 bench: setup
 	$(PY) scripts/bench/run_all.py $(ARGS)
 
