@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import pytest
@@ -57,9 +58,34 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(tmp_path, data_cache):
-    run_dir = tmp_path / "run"
-    result = train(["train.steps=4", "parallel.pp=2", "debug.fault='nan@rank=1,step=2'"], data_cache, run_dir)
+STALLS = {  # a stalled DP rank: tests/test_launch_faults.py (SIGSTOP under torchrun dp2)
+    "pipeline": ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1", "at step 2 "),
+    "start-up": ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group", ""),
+}
+
+
+def stall_args(name: str) -> list[str]:
+    layout, fault, waiting, _ = STALLS[name]
+    # Start-up gets its own bound: a busy machine may take long to import, which must not count as a stall after it.
+    key, bound = ("parallel.startup_timeout_s", STARTUP_TIMEOUT_S) if "start-up" in waiting else \
+        ("parallel.timeout_s", TIMEOUT_S)
+    return ["train.steps=3", layout, f"{key}={bound}", f"debug.fault='{fault}'"]
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory, data_cache) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Three self-launched pp2 runs that fail on purpose, side by side (the suite waits once for their start-ups
+    and timeouts): a NaN on rank 1 at step 2, and rank 1 stalled in the pipeline or in start-up."""
+    base = tmp_path_factory.mktemp("failed-runs")
+    plans = {"nan": ["train.steps=4", "parallel.pp=2", "debug.fault='nan@rank=1,step=2'"],
+             **{name: stall_args(name) for name in STALLS}}
+    with ThreadPool(len(plans)) as pool:
+        results = pool.map(lambda name: train(plans[name], data_cache, base / name / "run"), plans)
+    return {name: (result, base / name / "run") for name, result in zip(plans, results)}
+
+
+def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(failed_runs):
+    result, run_dir = failed_runs["nan"]
     assert result.returncode == 1
     [line] = sluice_lines(result.stderr)
     assert "non-finite loss and grad norm at step 2" in line and "train.on_nonfinite=stop" in line
@@ -67,17 +93,11 @@ def test_nan_with_stop_fails_every_rank_naming_the_step_in_one_line(tmp_path, da
         assert "at step 2" in json.loads((run_dir / "failures" / f"rank{rank}.json").read_text())["message"]
 
 
-@pytest.mark.parametrize("layout, fault, waiting, at", [
-    ("parallel.pp=2", "stall@rank=1,step=2,action=F0@s1", "receiving gradient from rank 1", "at step 2 "),
-    ("parallel.pp=2", "stall@rank=1,step=0", "start-up: joining the process group", ""),
-], ids=["pipeline", "start-up"])  # a stalled DP rank: tests/test_launch_faults.py (SIGSTOP under torchrun dp2)
-def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_path, data_cache, layout, fault, waiting,
-                                                                         at):
-    run_dir = tmp_path / "run"
-    # Start-up gets its own bound: a busy machine may take long to import, which must not count as a stall after it.
-    key, bound = ("parallel.startup_timeout_s", STARTUP_TIMEOUT_S) if "start-up" in waiting else \
-        ("parallel.timeout_s", TIMEOUT_S)
-    result = train(["train.steps=3", layout, f"{key}={bound}", f"debug.fault='{fault}'"], data_cache, run_dir)
+@pytest.mark.parametrize("name", STALLS)
+def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(failed_runs, name):
+    _, _, waiting, at = STALLS[name]
+    bound = STARTUP_TIMEOUT_S if "start-up" in waiting else TIMEOUT_S
+    result, run_dir = failed_runs[name]
     assert result.returncode == 1
     lines = sluice_lines(result.stderr)
     # The heartbeats name the stalled rank first (alive, busy with no peer to wait for), then the wait that timed out.
@@ -94,15 +114,23 @@ def test_stall_is_caught_by_the_hang_doctor_which_names_the_stalled_rank(tmp_pat
         assert dumps[1]["blocked_s"] <= bound + 15
 
 
-def start_long_run(cmd: list[str], run_dir: Path, cache: Path) -> subprocess.Popen:
-    """A run long enough to interrupt, in its own process group; returns once rank 0 logged a step."""
-    proc = subprocess.Popen([*cmd, *TINY, "train.steps=100000", f"data.cache_dir={cache}",
-                             f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def launch_long_run(cmd: list[str], run_dir: Path, cache: Path, output=subprocess.PIPE) -> subprocess.Popen:
+    """A run long enough to interrupt, in its own process group; `output` takes its stdout and stderr."""
+    return subprocess.Popen([*cmd, *TINY, "train.steps=100000", f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, stdout=output, stderr=output, text=True, start_new_session=True)
+
+
+def wait_for_step_1(proc: subprocess.Popen, run_dir: Path) -> subprocess.Popen:
+    """`proc` once rank 0 logged a step."""
     metrics = run_dir / "metrics.jsonl"
     wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0 or proc.poll() is not None, 240, "step 1")
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert proc.poll() is None, proc.communicate()[1][-3000:] if proc.stderr else proc.returncode
     return proc
+
+
+def start_long_run(cmd: list[str], run_dir: Path, cache: Path) -> subprocess.Popen:
+    """A run long enough to interrupt, in its own process group; returns once rank 0 logged a step."""
+    return wait_for_step_1(launch_long_run(cmd, run_dir, cache), run_dir)
 
 
 def test_ctrl_c_saves_a_two_worker_run_and_exits_130_with_the_resume_command(tmp_path, data_cache):
@@ -124,18 +152,25 @@ def test_ctrl_c_saves_a_two_worker_run_and_exits_130_with_the_resume_command(tmp
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "self-launch"])
-def test_workers_exit_when_their_launcher_is_killed(tmp_path, data_cache, launcher):
+def test_workers_exit_when_their_launcher_is_killed_under_both_launchers(tmp_path, data_cache):
+    """Both launchers side by side (their start-ups overlap). Their output goes nowhere: nobody reads it while the
+    other run starts, and a full pipe would block a worker."""
     torchrun = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2"]
-    cmd = [*torchrun, "train.py"] if launcher == "torchrun" else [sys.executable, "train.py"]
-    proc = start_long_run([*cmd, "parallel.pp=2"], tmp_path / "run", data_cache)
+    launchers = {"torchrun": [*torchrun, "train.py"], "self-launch": [sys.executable, "train.py"]}
+    procs = {name: launch_long_run([*cmd, "parallel.pp=2"], tmp_path / name, data_cache, subprocess.DEVNULL)
+             for name, cmd in launchers.items()}
     try:
-        workers = pids_where(3, proc.pid)
-        assert len(workers) >= 2
-        proc.kill()  # SIGKILL: the launcher cannot stop anybody
-        proc.communicate(timeout=30)
-        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and pid in pids_where(4, proc.pid)
-                                   for pid in workers), 30, "every worker to exit after its launcher died")
+        for name, proc in procs.items():
+            wait_for_step_1(proc, tmp_path / name)
+        workers = {name: pids_where(3, proc.pid) for name, proc in procs.items()}
+        assert all(len(pids) >= 2 for pids in workers.values()), workers
+        for proc in procs.values():
+            proc.kill()  # SIGKILL: the launcher cannot stop anybody
+        for name, proc in procs.items():
+            proc.communicate(timeout=30)
+            wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and pid in pids_where(4, proc.pid)
+                                       for pid in workers[name]), 30, f"{name}'s workers to exit after it died")
     finally:
-        if pids_where(4, proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs.values():
+            if pids_where(4, proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
