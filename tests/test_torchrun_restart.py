@@ -49,14 +49,11 @@ def losses_by_step(run_dir: Path) -> list[float]:
     return list(dict(sorted({r["step"]: r["loss"] for r in rows}.items())).values())
 
 
-def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_for_bit(tmp_path, data_cache):
-    """Rank 1 is killed at step 3; in the restarted group it joins last, after rank 0 entered the rendezvous (the
-    order that read the dead rank's address from torchrun's store and failed, or hung, before each start had a store
-    of its own)."""
-    run_dir = tmp_path / "killed"
-    result = torchrun(["--max-restarts", "1", "tests/late_rank_train.py", "train.py", *TINY, *RESTART,
-                       "debug.fault='kill@rank=1,step=3'", f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"],
-                      ROOT, tmp_path / "torchrun", 300)
+def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_for_bit(torchrun_runs, data_cache, tmp_path):
+    """The killed run of `torchrun_runs`: rank 1 is killed at step 3; in the restarted group it joins last, after
+    rank 0 entered the rendezvous (the order that read the dead rank's address from torchrun's store and failed, or
+    hung, before each start had a store of its own)."""
+    result, _, run_dir = torchrun_runs["killed"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sluice: rank 1 died (SIGKILL" in result.stderr and "connectFullMesh" not in result.stderr
     log = (run_dir / "train.log").read_text()
@@ -67,26 +64,30 @@ def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_for_bit(tmp_path,
 
 
 @pytest.fixture(scope="module")
-def failed_runs(tmp_path_factory, data_cache) -> dict[str, tuple[subprocess.CompletedProcess, Path, Path]]:
-    """Two failing torchrun runs side by side (their timeouts overlap), each started in an empty working directory:
-    rank 0 stalled in start-up, and rank 1 frozen (SIGSTOP) at the start of step 3."""
-    faults = {"start-up": ["stall@rank=0,step=0", "parallel.startup_timeout_s=10"],
-              "step 3": ["stop@rank=1,step=3", "parallel.timeout_s=8", "train.steps=100000"]}
-    base = tmp_path_factory.mktemp("torchrun-reports")
+def torchrun_runs(tmp_path_factory, data_cache) -> dict[str, tuple[subprocess.CompletedProcess, Path, Path]]:
+    """Three torchrun runs side by side (their start-ups and timeouts overlap), each started in an empty working
+    directory: rank 1 killed at step 3 under --max-restarts 1 (started through tests/late_rank_train.py), rank 0
+    stalled in start-up, and rank 1 frozen (SIGSTOP) at the start of step 3."""
+    faults = {"killed": ["kill@rank=1,step=3", *RESTART],
+              "start-up": ["stall@rank=0,step=0", "parallel.dp=2", "parallel.startup_timeout_s=10"],
+              "step 3": ["stop@rank=1,step=3", "parallel.dp=2", "parallel.timeout_s=8", "train.steps=100000"]}
+    base = tmp_path_factory.mktemp("torchrun-runs")
     procs = {}
     for name, (fault, *args) in faults.items():
         cwd, run_dir = base / name / "cwd", base / name / "run"
         cwd.mkdir(parents=True)
-        command = [str(ROOT / "train.py"), *TINY, "parallel.dp=2", *args, f"debug.fault='{fault}'",
+        entry = ["--max-restarts", "1", str(ROOT / "tests" / "late_rank_train.py")] if name == "killed" else []
+        command = [*entry, str(ROOT / "train.py"), *TINY, *args, f"debug.fault='{fault}'",
                    f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"]
-        procs[name] = (command, cwd, run_dir)
+        procs[name] = (command, cwd, run_dir, 300 if name == "killed" else 240)
     with ThreadPool(len(procs)) as pool:
-        results = pool.map(lambda item: torchrun(item[0], item[1], item[1].parent / "torchrun", 240), procs.values())
-    return {name: (result, cwd, run_dir) for (name, (_, cwd, run_dir)), result in zip(procs.items(), results)}
+        results = pool.map(lambda item: torchrun(item[0], item[1], item[1].parent / "torchrun", item[3]),
+                           procs.values())
+    return {name: (result, cwd, run_dir) for (name, (_, cwd, run_dir, _)), result in zip(procs.items(), results)}
 
 
-def test_a_start_up_failure_under_torchrun_reports_into_the_run_directory_only(failed_runs):
-    result, cwd, run_dir = failed_runs["start-up"]
+def test_a_start_up_failure_under_torchrun_reports_into_the_run_directory_only(torchrun_runs):
+    result, cwd, run_dir = torchrun_runs["start-up"]
     assert result.returncode != 0
     assert list(cwd.iterdir()) == []  # rank 1 ran Hydra here: before, its failures/ and hang/ landed here
     record = json.loads((run_dir / "failures" / "rank1.json").read_text())
@@ -97,10 +98,10 @@ def test_a_start_up_failure_under_torchrun_reports_into_the_run_directory_only(f
     assert sluice_lines(result.stderr)[0] == f"sluice: {record['message']}"
 
 
-def test_a_rank_frozen_at_step_3_is_named_in_step_3(failed_runs):
+def test_a_rank_frozen_at_step_3_is_named_in_step_3(torchrun_runs):
     """Its heartbeat said so as the step began, not a second later: the last periodic beat described start-up or
     an earlier step (steps of the tiny model take a fraction of a second)."""
-    result, cwd, run_dir = failed_runs["step 3"]
+    result, cwd, run_dir = torchrun_runs["step 3"]
     assert result.returncode != 0
     line = sluice_lines(result.stderr)[0]
     assert line.startswith("sluice: rank 1 stalled at step 3 in step 3: starting, last heard "), line
