@@ -7,11 +7,12 @@ and --help go through train.py's entry point (training.cli.main) in this process
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
-from training.cli import main
+from training.cli import main, preflight
 
 BAD_CONFIGS = [
     (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
@@ -44,6 +45,21 @@ def train_py_here(args: list[str], monkeypatch, capsys) -> subprocess.CompletedP
         main()
     out = capsys.readouterr()
     return subprocess.CompletedProcess(sys.argv, leave.value.code, out.out, out.err)
+
+
+def launch_here(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`python train.py args` in this process for commands refused after Hydra composed the run but before any worker
+    starts (a used run directory, no layout within the budget): the pre-launch check, then training.launch.run on
+    the composed config. Hydra's own part between them, making the run directory, is left out."""
+    from training.config.schema import compose_config
+    from training.launch import run
+
+    run_dir = next(arg.partition("=")[2] for arg in args if arg.startswith("hydra.run.dir="))
+    with pytest.raises(SystemExit) as leave:
+        preflight(args)
+        run(compose_config([arg for arg in args if not arg.startswith("hydra.")]), Path(run_dir))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["train.py", *args], leave.value.code, out.out, out.err)
 
 
 def test_bad_output_directory_is_one_line(tmp_path, monkeypatch, capsys):
