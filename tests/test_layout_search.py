@@ -3,8 +3,8 @@
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 import sys
 from dataclasses import replace
@@ -190,9 +190,8 @@ RUN = ["train.steps=2", "data.num_docs=300", "logger=none", "train.dtype=fp32", 
        "optim.warmup_steps=0", "parallel.plan=auto", "parallel.memory_budget_gb=8"]
 
 
-def train(launcher: list[str], tmp_path, cache: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+def train(launcher: list[str], run_dir: Path, cache: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     """Run train.py with plan=auto; the process result and the layout its final checkpoint recorded."""
-    run_dir = tmp_path / "run"
     cmd = [*launcher, "train.py", *TINY, *RUN, f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -211,28 +210,46 @@ def chosen_layout(stdout: str) -> dict:
     return {**chosen, "ep": int(pairs.get("parallel.ep", 1))}  # named only where it splits experts
 
 
-def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(tmp_path, costs_cache):
-    proc, layout = train([sys.executable], tmp_path, costs_cache, "parallel.dp=2")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+@pytest.fixture(scope="module")
+def plan_auto_runs(tmp_path_factory, costs_cache) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
+    """Two plan=auto runs side by side (their start-ups overlap): two self-launched workers (parallel.dp=2 makes the
+    world), and two torchrun ranks."""
+    base = tmp_path_factory.mktemp("plan-auto")
+    runs = {"self-launch": ([sys.executable], ["parallel.dp=2"]),
+            "torchrun": ([TORCHRUN, "--standalone", "--nproc-per-node", "2"], [])}
+    if not os.path.exists(TORCHRUN):  # its test is skipped
+        del runs["torchrun"]
+    with ThreadPool(len(runs)) as pool:
+        results = pool.map(lambda name: train(runs[name][0], base / name, costs_cache, *runs[name][1]), runs)
+    return dict(zip(runs, results))
+
+
+def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(plan_auto_runs):
+    proc, layout = plan_auto_runs["self-launch"]
     assert layout == chosen_layout(proc.stdout)
     assert layout["dp"] * layout["tp"] * layout["pp"] == 2
     assert layout["dp"] * layout["n_microbatches"] * layout["micro_batch_size"] == 12  # as written: dp=2 x 3 x 2
 
 
-def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, costs_cache):
-    cmd = [sys.executable, "train.py", *TINY, *RUN[:-1], "parallel.memory_budget_gb=1e-6",
-           f"data.cache_dir={costs_cache}", f"hydra.run.dir={tmp_path}/run"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    [line] = proc.stderr.strip().splitlines()
+def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, costs_cache, capsys):
+    """train.py's path in this process (tests/test_config_errors.py's launch_here): refused before any worker."""
+    from tests.test_config_errors import launch_here
+
+    result = launch_here([*TINY, *RUN[:-1], "parallel.memory_budget_gb=1e-6", f"data.cache_dir={costs_cache}",
+                          f"hydra.run.dir={tmp_path}/run"], capsys)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
     assert line.startswith("sluice: config error: no layout of 1 rank fits parallel.memory_budget_gb=1e-06: the "
                            "smallest predicted peak is ")
     assert "raise parallel.memory_budget_gb to at least " in line
 
 
-@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(tmp_path, costs_cache):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc, layout = train([torchrun, "--standalone", "--nproc-per-node", "2"], tmp_path, costs_cache)
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="no torchrun")
+def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(plan_auto_runs):
+    proc, layout = plan_auto_runs["torchrun"]
     assert proc.stdout.count("sluice: parallel.plan=auto chose ") == 1  # rank 0 chose, once
     assert layout == chosen_layout(proc.stdout)
 

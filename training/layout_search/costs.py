@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def save(cfg: DictConfig, costs: MeasuredCosts) -> Path:
     """Write `costs` to its cache file (atomically: a rename); return the path."""
     path = cache_path(cfg, costs.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs sharing the cache may measure at once
     tmp.write_text(costs.to_json())
     tmp.replace(path)
     return path
