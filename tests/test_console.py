@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_config_errors import launch_here
 from training.console import RunSummary, check_run_dir, format_summary, interpreter
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
@@ -43,7 +44,8 @@ def test_summary_lines():
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refused(tmp_path, data_cache):
+def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refused(tmp_path, data_cache,
+                                                                                        capsys):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     run_dir = tmp_path / "run"
     common = [*TINY, f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"]
@@ -71,8 +73,7 @@ def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refus
     assert text.index(done) > max(i for i, t in enumerate(text) if t.startswith("step "))
     assert f"  metrics: {run_dir / 'metrics.jsonl'}" in text and f"  tensorboard: {run_dir / 'tb'}" in text
 
-    again = subprocess.run([sys.executable, "train.py", *common], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+    again = launch_here(common, capsys)  # train.py's path in this process: refused before any worker starts
     assert again.returncode == 2
     lines = again.stderr.strip().splitlines()
     assert len(lines) == 1 and "already holds metrics.jsonl" in lines[0] and "hydra.run.dir" in lines[0]

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import ROOT
+from tests.test_config_errors import launch_here
 from tests.equivalence import layouts_worker
 from tests.spawn import run_workers
 from training.console import check_run_dir
@@ -111,7 +112,8 @@ def test_sigterm_saves_the_step_and_resume_auto_equals_an_uninterrupted_run(tmp_
     assert_resumed_equals(run_dir, baseline, tmp_path)
 
 
-def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is_then_refused(tmp_path, data_cache):
+def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is_then_refused(tmp_path, data_cache,
+                                                                                               capsys):
     run_dir = tmp_path / "run"
     result = train(["debug.fault='sigint@rank=0,step=2'", "checkpoint.save_final=false"], data_cache, run_dir)
     assert result.returncode == 130, result.stderr[-3000:]
@@ -120,7 +122,9 @@ def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is
         "false); set checkpoint.save_final=true or checkpoint.every=N to save when interrupted")
     assert not (run_dir / "checkpoints").exists()
 
-    refused = train(["checkpoint.resume=auto"], data_cache, run_dir)
+    # train.py's path in this process (tests/test_config_errors.py): refused before any worker starts
+    refused = launch_here([*TINY, f"train.steps={STEPS}", "checkpoint.resume=auto", f"data.cache_dir={data_cache}",
+                           f"hydra.run.dir={run_dir}"], capsys)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert sluice_lines(refused.stderr) == [
         f"sluice: config error: checkpoint.resume=auto: run directory {run_dir} holds metrics.jsonl but "
