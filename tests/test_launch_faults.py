@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -161,42 +162,79 @@ def first_named(proc: subprocess.Popen) -> tuple[float, str]:
                 (math.inf, ""))
 
 
-def test_a_stopped_worker_is_named_first_within_timeout_plus_15s_under_both_launchers(tmp_path, data_cache):
-    """Both launchers at once: their timeouts overlap, so the suite waits for one."""
-    runs = {name: (launch(cmd, [*layout, "train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"],
-                          tmp_path / name / "run", data_cache), target) for name, (cmd, layout, target) in LAUNCHERS.items()}
-    stopped_at = {}
-    for name, (proc, target) in runs.items():
-        started(proc, tmp_path / name / "run")
-        os.kill(rank_pid(proc.pid, target), signal.SIGSTOP)
-        stopped_at[name] = time.monotonic()
-    for name, (proc, target) in runs.items():
-        stderr, _ = finish(proc, TIMEOUT_S + 60)
-        at, line = first_named(proc)
-        assert line.startswith(f"sluice: rank {target} stalled "), stderr[-3000:]
-        assert "last heard" in line and "waiting on it" in line
-        took = at - stopped_at[name]
-        print(f"{name}: rank {target} stopped, named after {took:.1f}s: {line}")  # the figure, with pytest -s
-        assert took <= TIMEOUT_S + 15, f"{name}: named after {took:.1f}s: {line}"
+RESTARTS = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1", "train.max_restarts=1", "optim.lr=1e-3"]
+CRASH = "debug.fault='crash@rank=1,step=5'"
 
 
-def test_a_killed_worker_ends_the_run_before_any_timeout_under_torchrun(tmp_path, data_cache):
+@dataclass
+class Faulted:
+    """A run this module faulted: its process, its stderr once it ended, and when it was faulted and ended."""
+
+    proc: subprocess.Popen
+    target: int
+    stderr: str = ""
+    faulted_at: float = math.inf
+    took: float = math.inf  # from the fault to the end of the run
+
+
+@pytest.fixture(scope="module")
+def faulted_runs(tmp_path_factory, data_cache) -> dict[str, Faulted]:
+    """Four runs side by side, so that the suite waits once for their timeouts and start-ups: a worker stopped
+    (SIGSTOP) under each launcher, a worker killed (SIGKILL) under torchrun, and a self-launched crash that comes
+    back after its restart. Each is its own run in its own directory; only the waiting overlaps."""
+    base = tmp_path_factory.mktemp("faulted")
+    long_run = ["train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"]
+    plans = {f"stopped under {name}": (cmd, layout, target) for name, (cmd, layout, target) in LAUNCHERS.items()}
+    plans["killed under torchrun"] = LAUNCHERS["torchrun"]
+    runs = {name: Faulted(launch(cmd, [*layout, *long_run], base / name / "run", data_cache), target)
+            for name, (cmd, layout, target) in plans.items()}
+    crash = launch([sys.executable, "train.py"], ["parallel.dp=2", *RESTARTS, CRASH], base / "crash" / "run",
+                   data_cache)
+    runs["crash"] = Faulted(crash, 1)
+    try:
+        for name, run in runs.items():
+            if name != "crash":
+                started(run.proc, base / name / "run")
+        for name, run in runs.items():
+            if name != "crash":
+                os.kill(rank_pid(run.proc.pid, run.target), signal.SIGKILL if name.startswith("killed")
+                        else signal.SIGSTOP)
+                run.faulted_at = time.monotonic()
+        for name in sorted(runs, key=lambda name: not name.startswith("killed")):  # the killed one first: timed
+            run, began = runs[name], time.monotonic()
+            run.stderr, took = finish(run.proc, 300 if name == "crash" else TIMEOUT_S + 60)
+            run.took = began + took - run.faulted_at
+    finally:
+        for run in runs.values():
+            if run.proc.poll() is None or pids_where(4, run.proc.pid):
+                os.killpg(run.proc.pid, signal.SIGKILL)
+    return runs
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_stopped_worker_is_named_first_within_timeout_plus_15s(faulted_runs, launcher):
+    """Each launcher's run of `faulted_runs`: the stopped rank is named first, within parallel.timeout_s + 15 s."""
+    run = faulted_runs[f"stopped under {launcher}"]
+    at, line = first_named(run.proc)
+    assert line.startswith(f"sluice: rank {run.target} stalled "), run.stderr[-3000:]
+    assert "last heard" in line and "waiting on it" in line
+    took = at - run.faulted_at
+    print(f"{launcher}: rank {run.target} stopped, named after {took:.1f}s: {line}")  # the figure, with pytest -s
+    assert took <= TIMEOUT_S + 15, f"{launcher}: named after {took:.1f}s: {line}"
+
+
+def test_a_killed_worker_ends_the_run_before_any_timeout_under_torchrun(faulted_runs):
     """The death itself ends the run: well before parallel.timeout_s could (about 0.5 s on an idle machine; the
     bound is the timeout, so a loaded machine's slower teardown is no failure, a missed death still is)."""
-    cmd, layout, target = LAUNCHERS["torchrun"]
-    proc = start(cmd, [*layout, "train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"], tmp_path / "run",
-                 data_cache)
-    os.kill(rank_pid(proc.pid, target), signal.SIGKILL)
-    stderr, took = finish(proc, 60)
-    line = first_sluice_line(stderr)  # the agent may stop the survivors before they speak: its report names it then
-    named = line.startswith(f"sluice: rank {target} died") if line else \
-        f"local_rank: {target}" in stderr and "Signal 9 (SIGKILL)" in stderr
-    assert named, stderr[-3000:]
-    print(f"torchrun: rank {target} killed, the run ended {took:.1f}s later: {line or 'torchrun named it'}")
-    assert took < TIMEOUT_S, f"the run ended {took:.1f}s after the kill: it waited out parallel.timeout_s"
+    run = faulted_runs["killed under torchrun"]
+    line = first_sluice_line(run.stderr)  # the agent may stop the survivors before they speak: its report names it
+    named = line.startswith(f"sluice: rank {run.target} died") if line else \
+        f"local_rank: {run.target}" in run.stderr and "Signal 9 (SIGKILL)" in run.stderr
+    assert named, run.stderr[-3000:]
+    print(f"torchrun: rank {run.target} killed, the run ended {run.took:.1f}s later: {line or 'torchrun named it'}")
+    assert run.took < TIMEOUT_S, f"the run ended {run.took:.1f}s after the kill: it waited out parallel.timeout_s"
 
 
-RESTARTS = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1", "train.max_restarts=1", "optim.lr=1e-3"]
 PP2 = LAUNCHERS["self-launch"][1]  # the restart is the launcher's, whatever the layout: two workers, not four
 
 
@@ -237,14 +275,12 @@ def test_a_killed_worker_is_named_dead_at_once_and_the_restarted_run_is_bit_for_
     assert log.count("step 8 loss") == 1
 
 
-def test_a_crash_that_comes_back_after_the_same_checkpoint_ends_the_run_in_one_line_each(tmp_path, data_cache):
-    fault = "debug.fault='crash@rank=1,step=5'"
-    result = subprocess.run([sys.executable, "train.py", *TINY, "parallel.dp=2", *RESTARTS, fault,
-                             f"data.cache_dir={data_cache}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(TEMP)})
-    assert result.returncode == 1
+def test_a_crash_that_comes_back_after_the_same_checkpoint_ends_the_run_in_one_line_each(faulted_runs):
+    """The crash run of `faulted_runs` (self-launched dp2, train.max_restarts=1)."""
+    run = faulted_runs["crash"]
+    assert run.proc.returncode == 1, run.stderr[-3000:]
     crash = "sluice: rank 1: debug.fault: injected crash on rank 1 at step 5"
-    assert sluice_lines(result.stderr) == [  # no traceback, the crashing rank's own words, not its peer's
+    assert sluice_lines(run.stderr) == [  # no traceback, the crashing rank's own words, not its peer's
         f"{crash}; restart 1 of 1 from checkpoint step 4",
         f"{crash} (the other workers were stopped; it failed 2 times after checkpoint step 4, more than "
         "train.max_restarts=1)"]
