@@ -122,6 +122,19 @@ def draw_heat_map(section: dict, path: Path) -> Path:
     return path
 
 
+def command_of(argv: list[str]) -> str:
+    """How the sweep was run, as the page shows it: the script and its options, not where it wrote."""
+    shown, skip = [], False
+    for arg in argv:
+        if arg in ("--results", "--png"):
+            skip = True
+        elif not skip:
+            shown.append(arg)
+        else:
+            skip = False
+    return " ".join(["python scripts/bench/sizes.py", *shown])
+
+
 def main(argv: list[str]) -> dict:
     parser = bench_parser(__doc__, "one tiny cell, 1 round: checks the script works", rounds=6, warmup=1)
     parser.add_argument("--quick", action="store_true", help="the QUICK subset of cells (the default make bench)")
@@ -143,7 +156,7 @@ def main(argv: list[str]) -> dict:
     section = {"cells": [c.name for c in cells], "comparisons": COMPARISONS, "ratios": ratios,
                "worst": worst(ratios), "within_spread": all(row["ratio"] <= 1.0 + row["spread"]
                                                             for columns in ratios.values() for row in columns.values()),
-               "command": "smoke" if args.smoke else "make bench" if args.quick else "make bench ARGS=--sizes",
+               "command": command_of(argv),
                "rounds": rounds, "warmup": warmup, "wall_s": time.perf_counter() - start,
                "png": str(png.resolve().relative_to(ROOT)) if png.resolve().is_relative_to(ROOT) else str(png)}
     update_results("sizes", section, args.results)
