@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
-from parallel.compile import apply_compile
+from parallel.compile import apply_compile, compile_mode
 from parallel.expert import apply_expert_parallel
 from parallel.materialize import is_meta, materialize_
 from parallel.recompute import apply_recompute
@@ -69,7 +69,8 @@ def chunk_passes(spec: EngineSpec, weights: WeightSource | None) -> list[ChunkPa
     return [prune, lambda chunk, site: shard_modules(chunk, site.grid),
             lambda chunk, site: apply_expert_parallel(chunk, site.grid), *spec.passes,
             lambda chunk, site: apply_recompute(chunk, spec.recompute),
-            lambda chunk, site: apply_compile(chunk, spec.compile), partial(materialise, weights=weights),
+            lambda chunk, site: apply_compile(chunk, compile_mode(spec.compile, site.grid.device)),
+            partial(materialise, weights=weights),
             _replicated_grad_sums]
 
 

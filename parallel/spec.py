@@ -56,7 +56,7 @@ class EngineSpec:
     timeout_s: float
     emulate: bool  # one process plays every pipeline rank of its (dp, tp) coordinate
     recompute: str  # activation recomputation of the decoder layers: none | full | selective
-    compile: bool  # torch.compile each decoder layer (after the TP, EP and recompute passes)
+    compile: bool | str | None  # train.compile: true, false, auto or null (`parallel.compile.compile_mode` resolves it)
     bucket_mb: float  # data-parallel gradient buckets (MiB), reduced as soon as they are final
     transport: str  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
     passes: tuple[Callable, ...]  # the caller's own chunk passes (`parallel.passes`), run after TP and EP

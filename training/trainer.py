@@ -17,6 +17,7 @@ from tqdm import tqdm
 from checkpoint.distributed import TrainingState
 from checkpoint.manager import CheckpointManager, find_checkpoint
 from models import build_model as build_module, decoder_of
+from parallel.compile import CompileTrial, compile_mode
 from parallel.decoder import Decoder
 from parallel.engine import build_engine
 from parallel.expert import expert_modules
@@ -82,6 +83,9 @@ class Trainer:
         decoder, weights = build_model(cfg)
         config, moe = decoder.config, bool(expert_modules(decoder))  # the whole model's, before any pass prunes it
         self.engine = build_engine(with_teacher(engine_spec(cfg, grid.device), cfg, grid), decoder, grid, weights)
+        self.compile_mode = compile_mode(cfg.train.compile, grid.device)
+        self.compile_trial = (CompileTrial(self.engine.chunks(), grid.device, world_group(grid))
+                              if self.compile_mode == "auto" else None)  # times compiled and eager steps, keeps one
         self.expert_load = (ExpertLoad(self.engine.chunks(), config.num_hidden_layers, config.num_experts, grid.device)
                             if moe else None)
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero,
@@ -162,8 +166,11 @@ class Trainer:
                 grad_norm = guard.grad_norm  # the vote read the device's norm back with its flags: no read of its own
                 self.optimizer.zero_grad(set_to_none=True)
                 step_time = time.perf_counter() - start
-                if step == first and cfg.train.compile and self.grid.rank == 0:  # dynamo compiles at the first call
+                if step == first and self.compile_mode != "off" and self.grid.rank == 0:  # compiled at the first call
                     log.info("train.compile: the first step took %.1f s, compiling each decoder layer", step_time)
+                choice = self.compile_trial.after_step(step_time) if self.compile_trial is not None else None
+                if choice is not None and self.grid.rank == 0:  # every rank made it (one all-reduce of the times)
+                    log.info(choice.line())
                 losses.append(result.loss)
                 if on_step is not None:
                     on_step(step + 1)

@@ -10,6 +10,7 @@ Each process builds both trainers (same seed: the same weights) and runs them in
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -41,10 +42,12 @@ class Setup:
     warmup: int
     rounds: int
 
-    def overrides(self, compiled: bool, cache_dir: str) -> list[str]:
+    def overrides(self, compiled: bool | str, cache_dir: str) -> list[str]:
+        """The run config's overrides; `compiled` is train.compile's value (true, false or auto)."""
+        value = str(compiled).lower()
         return [*self.model, f"train.seq_len={self.seq}", f"train.micro_batch_size={self.micro_batch_size}",
                 f"schedule.n_microbatches={self.microbatches}", f"parallel.pp={self.pp}", "schedule=1f1b",
-                "train.dtype=fp32", "parallel.backend=gloo", f"train.compile={str(compiled).lower()}", "logger=none",
+                "train.dtype=fp32", "parallel.backend=gloo", f"train.compile={value}", "logger=none",
                 "data.num_docs=400", "checkpoint.save_final=false", "optim.warmup_steps=0", f"data.cache_dir={cache_dir}"]
 
     @property
@@ -97,6 +100,81 @@ def summarize(by_rank: list[dict], setup: Setup) -> dict:
             "matmul_share": ours["matmul_share"], "speedup_bound": 1 / ours["matmul_share"],
             "losses_close": abs(losses["eager"] - losses["compiled"]) <= 1e-5 * abs(losses["eager"]),
             "setup": asdict(setup)}
+
+
+# --- The size sweep's compile cells (scripts/bench/sizes.py calls measure_cells) -------------------------------
+
+LAYOUT_PP = {"one-process": 1, "pp2": 2}
+
+
+def cell_setup(cell, layout: str, warmup: int, rounds: int) -> Setup:
+    """A `size_grid.Cell` as a Setup: MiniMind-3 (vocab 6400, 8 heads, 4 KV heads) at the cell's width and depth."""
+    model = ("model=minimind3", f"model.hidden_size={cell.hidden}", f"model.num_hidden_layers={cell.layers}")
+    return Setup(f"{cell.name}-{layout}", model, LAYOUT_PP[layout], cell.seq, cell.micro_batch_size, cell.microbatches,
+                 warmup, rounds)
+
+
+def cells_worker(rank: int, world: int, setups: list[Setup], mode: str, cache_dir: str) -> list[dict]:
+    """Each setup in turn: an eager Trainer and one with train.compile=`mode`; under `auto` the compiled trainer runs
+    its compiling step and its trial (`parallel.compile.TRIAL`) first and goes on in the mode it chose; then both
+    alternate (`alternate`). Per setup: the step times by variant and auto's choice."""
+    if world > 1:
+        init_gloo()
+    torch.set_num_threads(max(CORES // world, 1))
+    out = []
+    for setup in setups:
+        with tempfile.TemporaryDirectory() as run_root:
+            grid = ParallelGrid.build(1, 1, world, backend="gloo", timeout_s=1800)
+            steps = {name: TrainerStep(Trainer(compose_config(setup.overrides(value, cache_dir)), grid,
+                                               Path(run_root) / name))
+                     for name, value in (("eager", False), ("compiled", mode))}
+            timed(steps["eager"])
+            trial, choice = steps["compiled"].trainer.compile_trial, None
+            wall = timed(steps["compiled"])[0]  # compiles the layers
+            if trial is not None:
+                choice = trial.after_step(wall)
+                while choice is None:
+                    choice = trial.after_step(timed(steps["compiled"])[0])
+            times = alternate(steps, setup.warmup, setup.rounds)
+        out.append({"times": times, "choice": None if choice is None else ("compiled" if choice.compiled else "eager"),
+                    "trial": None if choice is None else {"compiled_s": choice.compiled_s, "eager_s": choice.eager_s}})
+    return out
+
+
+def ratio_and_spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """The median of the per-round ratios (each round ran one step of each back to back) and half their
+    interquartile range (0 with one round)."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), (q3 - q1) / 2
+
+
+def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2"), warmup: int = 1, rounds: int = 5,
+                  mode: str = "auto", timeout: float = 7200) -> list[dict]:
+    """Compiled against eager at each `size_grid.Cell` and layout ("one-process": both cores; "pp2": a 1F1B pipeline,
+    one core per rank), with train.compile=`mode` ("auto" or "true") on the compiled side. One spawn per layout runs
+    every cell (an eager and a compiled Trainer per cell, same seed and data); after the compiling step (and auto's
+    trial) the two alternate one step each per round (A B A B) for `warmup` + `rounds` rounds.
+
+    One dict per cell and layout: "cell" (its name), "hidden", "layers", "seq", "micro_batch_size", "layout", "mode",
+    "ratio" (the median over rounds of compiled_s / eager_s of that round: below 1 = compiled faster), "spread" (the
+    measured noise of the ratio: half the interquartile range of the per-round ratios), "eager_s" and "compiled_s"
+    (median wall seconds per step, slowest rank), "choice" (auto's: "compiled" or "eager"; None under "true") and
+    "trial" (the summed step times auto chose from; None under "true")."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for layout in layouts:
+            setups = [cell_setup(cell, layout, warmup, rounds) for cell in cells]
+            measured = run_workers(cells_worker, LAYOUT_PP[layout], setups, mode, cache, timeout=timeout)[0]
+            for cell, got in zip(cells, measured):
+                compiled, eager = got["times"]["compiled"].wall, got["times"]["eager"].wall
+                ratio, spread = ratio_and_spread(compiled, eager)
+                rows.append({"cell": cell.name, "hidden": cell.hidden, "layers": cell.layers, "seq": cell.seq,
+                             "micro_batch_size": cell.micro_batch_size, "layout": layout, "mode": mode,
+                             "ratio": ratio, "spread": spread, "eager_s": statistics.median(eager),
+                             "compiled_s": statistics.median(compiled), "choice": got["choice"],
+                             "trial": got["trial"], "round_ratios": [a / b for a, b in zip(compiled, eager)]})
+    return rows
 
 
 def setups(smoke: bool, warmup: int, rounds: int) -> list[Setup]:

@@ -7,7 +7,7 @@ uses it. A `name` is MISSING: the preset that conf/config.yaml's defaults list p
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
@@ -156,9 +156,11 @@ class TrainSchema:
     recompute: str = key(
         "none", "activation recomputation: `none`, `full` (each decoder layer), `selective` (attention core and MLP "
         "activations)", one_of("none", "full", "selective"))
-    compile: bool = key(
-        False, "`true`: compile each decoder layer with `torch.compile` (inductor) after the TP, EP and recompute "
-        "passes; the first step also compiles (its time is logged); numbers equal eager within fp32 round-off")
+    compile: Optional[Union[bool, str]] = key(
+        None, "`true`: compile each decoder layer with `torch.compile` (inductor) after the TP, EP and recompute "
+        "passes; the first step also compiles (its time is logged); numbers equal eager within fp32 round-off. "
+        "`auto`: compile, time steps 2-5 compiled and eager in turns, keep the faster (logged); `null` = `auto` on "
+        "CUDA, `false` on CPU", optional(one_of(True, False, "auto")))
     eval_every: int = key(0, "validation every N steps and at the end (`0` = never): `val_loss` and `val_ppl` in the "
                              "metrics", non_negative)
     eval_batches: int = key(10, "batches per validation pass", positive)

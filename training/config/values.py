@@ -60,7 +60,8 @@ def one_of(*choices: Any) -> Rule:
     def check(key: str, value: Any) -> str | None:
         if value in choices:
             return None
-        return f"{key}={value} is not supported; use one of {', '.join(str(c) for c in choices)}"
+        named = (str(c).lower() if isinstance(c, bool) else str(c) for c in choices)  # as written: true, not True
+        return f"{key}={value} is not supported; use one of {', '.join(named)}"
     return check
 
 
