@@ -1,5 +1,6 @@
-"""`train.compile=true`: compiled decoder layers train with one eager process's numbers, at the suite's fp32
-tolerances, in each layout family (a ZB-H1 pipeline with its I/W split, TP, DP) and in one process. TP is the bf16
+"""`train.compile=true` and `auto` (which toggles the layers between compiled and eager, then keeps the faster):
+compiled decoder layers train with one eager process's numbers, at the suite's fp32 tolerances, in each layout
+family (a ZB-H1 pipeline with its I/W split, TP, DP) and in one process. TP is the bf16
 one and DP rides with EP and with an emulated pipeline: a layout of its own for each would compile the same layers
 again (inductor's cold cache is the module's cost).
 
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.timeout(1200)  # the module's spawn compiles (inductor,
 
 STEPS = ["train.steps=2", "schedule.n_microbatches=4"]  # step 2 runs the compiled graphs again, after an update
 COMPILED = "train.compile=true"
+AUTO = "train.compile=auto"
 TINY = ["model=tiny"]
 LAYOUTS = [
     Layout("pp2-zb-h1", TINY, ["parallel.pp=2", "schedule=zb-h1", COMPILED], 2, 1),
@@ -32,6 +34,9 @@ LAYOUTS = [
            ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU, "train.recompute=selective",
             COMPILED], 2, 2),
     Layout("bf16-tp2", [*TINY, "train.dtype=bf16"], ["parallel.tp=2", COMPILED], 2, 1, BF16_TP_TOL),
+    # train.compile=auto: compiled, then eager and compiled in turns (its trial), then the faster; 6 steps pass the
+    # choice (the same layers and shapes as pp2-zb-h1: dynamo's cache, no compile of their own).
+    Layout("pp2-1f1b-auto", [*TINY, "train.steps=6"], ["parallel.pp=2", "schedule=1f1b", AUTO], 2, 1),
 ]
 
 
@@ -78,3 +83,81 @@ def test_one_compiled_process_equals_eager_and_keeps_the_dense_names(tmp_path, c
     assert got["params"].keys() == eager["params"].keys()  # compiled in place: no `_orig_mod.` in any name
     assert_equivalent([got], eager, FP32)
     assert sum("train.compile: the first step took" in r.message for r in caplog.records) == 1  # logged once
+
+
+def test_auto_chooses_by_the_measured_steps_logs_it_once_and_trains_as_eager(tmp_path, caplog):
+    """train.compile=auto in one process (the MoE model and shapes of the test above: dynamo's cache)."""
+    import logging
+    import re
+
+    from parallel.grid import ParallelGrid
+
+    single = ParallelGrid.single(torch.device("cpu"))
+    run = [*STEPS, "model=tiny-moe", "train.steps=6"]
+    eager = run_training(compose_run_config(run, tmp_path / "cache"), single, tmp_path / "eager")
+    with caplog.at_level(logging.INFO, logger="sluice"):
+        got = run_training(compose_run_config([*run, AUTO], tmp_path / "cache"), single, tmp_path / "auto")
+    assert_equivalent([got], eager, FP32)
+    lines = [r.message for r in caplog.records if r.message.startswith("train.compile=auto")]
+    assert len(lines) == 1, lines
+    found = re.fullmatch(r"train.compile=auto: compiled steps took (\S+) s, eager steps (\S+) s \(sum of 2 each\): "
+                         r"(keeping the compiled layers|running eager from now on)", lines[0])
+    assert found, lines[0]
+    compiled_s, eager_s = float(found[1]), float(found[2])
+    assert found[3] == ("keeping the compiled layers" if compiled_s < eager_s else "running eager from now on")
+
+
+class _Chunk:
+    """A stand-in for a Decoder: only its layers."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def blocks(self):
+        return list(enumerate(self.layers))
+
+
+def _compiled_layers(n: int) -> list[torch.nn.Module]:
+    layers = [torch.nn.Linear(2, 2) for _ in range(n)]
+    for layer in layers:
+        layer.compile()  # nothing is compiled before a call
+    return layers
+
+
+def test_auto_times_compiled_eager_eager_compiled_after_the_compiling_step_then_keeps_the_faster():
+    from parallel.compile import CompileTrial
+
+    layers = _compiled_layers(2)
+    trial = CompileTrial([_Chunk(layers)], torch.device("cpu"), None)
+    modes, choice = [], None
+    for seconds in (9.0, 1.0, 2.0, 4.0, 3.0):  # the compiling step, then C E E C: compiled 4 s, eager 6 s
+        choice = trial.after_step(seconds)
+        modes.append([layer._compiled_call_impl is not None for layer in layers])
+    assert modes == [[True] * 2, [False] * 2, [False] * 2, [True] * 2, [True] * 2]
+    assert (choice.compiled_s, choice.eager_s, choice.compiled) == (4.0, 6.0, True)
+    assert trial.after_step(0.1) is None  # chosen once
+
+    slow = CompileTrial([_Chunk(layers)], torch.device("cpu"), None)
+    for seconds in (9.0, 5.0, 2.0, 2.0, 5.0):
+        choice = slow.after_step(seconds)
+    assert not choice.compiled and all(layer._compiled_call_impl is None for layer in layers)
+
+
+def _trial_worker(rank: int, world_size: int, seconds: list[list[float]]) -> tuple:
+    import torch.distributed as dist
+
+    from parallel.compile import CompileTrial
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    layers = _compiled_layers(1)
+    trial = CompileTrial([_Chunk(layers)], torch.device("cpu"), dist.group.WORLD)
+    for s in seconds[rank]:
+        choice = trial.after_step(s)
+    return choice.compiled_s, choice.eager_s, choice.compiled, layers[0]._compiled_call_impl is not None
+
+
+def test_auto_makes_every_rank_the_same_choice():
+    """Rank 0 alone would keep the compiled layers, rank 1 alone eager ones: the slowest rank's sums decide for both."""
+    seconds = [[9.0, 1.0, 2.0, 2.0, 1.0], [9.0, 3.0, 2.0, 2.0, 3.0]]
+    assert run_workers(_trial_worker, 2, seconds, timeout=120) == [(6.0, 4.0, False, False)] * 2
