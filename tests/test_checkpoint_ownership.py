@@ -4,8 +4,6 @@ it, and nothing a run prunes, cleans or overwrites was saved by another run."""
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ from checkpoint.dense import CheckpointError
 from checkpoint.manager import check_ownership, complete_checkpoints
 from checkpoint.ownership import OWNER, RUN_ID
 from parallel.grid import ParallelGrid
-from tests.conftest import ROOT
 from tests.equivalence import compose_run_config, run_training
 from training.specs import checkpoint_spec
 from training.trainer import Trainer
@@ -77,11 +74,13 @@ def test_a_fresh_run_is_refused_another_runs_folder_and_changes_nothing_in_it(ow
     shutil.rmtree(folder / ".step_00000009.tmp")
 
 
-def test_train_py_refuses_another_runs_folder_before_launch(owned, tmp_path):
+def test_train_py_refuses_another_runs_folder_before_launch(owned, tmp_path, capsys):
+    """train.py's path in this process (tests/test_config_errors.py's launch_here): refused before any worker."""
+    from tests.test_config_errors import launch_here
+
     root, run, folder = owned
-    out = subprocess.run([sys.executable, "train.py", *TINY, "train.steps=2", "logger=none",
-                          f"checkpoint.dir={folder}", f"data.cache_dir={root / 'cache'}",
-                          f"hydra.run.dir={tmp_path / 'b'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = launch_here([*TINY, "train.steps=2", "logger=none", f"checkpoint.dir={folder}",
+                       f"data.cache_dir={root / 'cache'}", f"hydra.run.dir={tmp_path / 'b'}"], capsys)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"sluice: config error: checkpoint.dir={folder} belongs to another "

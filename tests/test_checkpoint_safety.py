@@ -3,8 +3,6 @@
 import io
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ from checkpoint.export import read_training_weights
 from checkpoint.manager import COMPLETE, META, check_resume, complete_checkpoints, prune
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from parallel.grid import ParallelGrid
-from tests.conftest import ROOT
 from tests.equivalence import compose_run_config, run_training
 
 TINY = ["model=tiny", "train.steps=1", "schedule.n_microbatches=1"]
@@ -72,11 +69,14 @@ def test_the_payload_in_metadata_never_runs_on_resume_auto_or_export(saved, tmp_
     assert not marker.exists()
 
 
-def test_train_py_refuses_the_payload_before_launch_in_one_line(saved, tmp_path):
+def test_train_py_refuses_the_payload_before_launch_in_one_line(saved, tmp_path, monkeypatch, capsys):
+    """train.py's pre-launch check, through its entry point in this process (it ends before Hydra runs)."""
+    from tests.test_config_errors import train_py_here
+
     checkpoint, marker = poisoned_copy(saved, tmp_path)
-    out = subprocess.run([sys.executable, "train.py", *TINY, f"checkpoint.resume={checkpoint}", "logger=none",
-                          f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'again'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = train_py_here([*TINY, f"checkpoint.resume={checkpoint}", "logger=none",
+                         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'again'}"], monkeypatch,
+                        capsys)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "refusing to unpickle" in lines[0] and "builtins.eval" in lines[0], lines

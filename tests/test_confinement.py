@@ -9,8 +9,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +24,6 @@ from checkpoint.export import export_checkpoint, read_training_weights
 from checkpoint.manager import TOKENIZER, check_resume, complete_checkpoints, find_checkpoint
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from parallel.grid import ParallelGrid
-from tests.conftest import ROOT
 from tests.equivalence import compose_run_config, run_training
 from tests.test_scripts import one_line_failure, script
 
@@ -126,7 +123,10 @@ def test_storage_paths_outside_the_checkpoint_are_refused_on_resume_and_export(s
     assert not (tmp_path / "out").exists()
 
 
-def test_a_fifo_as_metadata_is_refused_before_launch_and_by_export(saved, tmp_path):
+def test_a_fifo_as_metadata_is_refused_before_launch_and_by_export(saved, tmp_path, monkeypatch, capsys):
+    """train.py's pre-launch check runs through its entry point in this process (it ends before Hydra runs)."""
+    from tests.test_config_errors import train_py_here
+
     checkpoint = copied_checkpoint(saved, tmp_path)
     fifo = checkpoint / METADATA_FILE
     fifo.unlink()
@@ -135,9 +135,9 @@ def test_a_fifo_as_metadata_is_refused_before_launch_and_by_export(saved, tmp_pa
     assert problem == f"checkpoint: {fifo} is a FIFO, not a regular file; refusing to open it (replace it with the " \
         "real file)", problem
     refused(lambda: read_training_weights(checkpoint), fifo)
-    out = subprocess.run([sys.executable, "train.py", *TINY, f"checkpoint.resume={checkpoint}", "logger=none",
-                          f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'again'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = train_py_here([*TINY, f"checkpoint.resume={checkpoint}", "logger=none",
+                         f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'again'}"], monkeypatch,
+                        capsys)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
         f"sluice: config error: checkpoint: {fifo} is a FIFO, not a regular file; refusing to open it (replace it "

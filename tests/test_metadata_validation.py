@@ -7,8 +7,6 @@ import pickle
 import re
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from checkpoint.manager import META, check_resume
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.grid import ParallelGrid
-from tests.conftest import ROOT
 from tests.equivalence import compose_run_config, run_training
 from training.config import ConfigError, validate
 from training.data import StepBatches, TensorSamples
@@ -113,12 +110,14 @@ def test_a_negative_step_never_trains(saved, tmp_path):
     assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
 
 
-def test_train_py_exits_2_for_a_tampered_step(saved, tmp_path):
+def test_train_py_exits_2_for_a_tampered_step(saved, tmp_path, monkeypatch, capsys):
+    """train.py's pre-launch check, through its entry point in this process (it ends before Hydra runs)."""
+    from tests.test_config_errors import train_py_here
+
     root, checkpoint = saved
     bad = tampered(checkpoint, tmp_path / "step_00000001", with_field("step", -5))
-    out = subprocess.run([sys.executable, "train.py", *BASE, f"checkpoint.resume={bad}", "logger=none",
-                          f"data.cache_dir={root / 'cache'}", f"hydra.run.dir={tmp_path / 'again'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = train_py_here([*BASE, f"checkpoint.resume={bad}", "logger=none", f"data.cache_dir={root / 'cache'}",
+                         f"hydra.run.dir={tmp_path / 'again'}"], monkeypatch, capsys)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "meta.json: step=-5" in lines[0] and "Traceback" not in out.stderr, lines
