@@ -2,17 +2,16 @@
 config.json with values no model builds from, a run directory name over NAME_MAX, a chat template that fails in
 scripts/generate.py, and a model that cannot fit this host's memory (the cost model's per-rank estimate, before
 launch). Most cases run the pre-launch check in-process (`training.cli.preflight`, what `python train.py` calls);
-two go through `python train.py` itself."""
+two go through train.py's entry point (`training.cli.main`) in this process: they end before Hydra runs."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_config_errors import train_py_here
 from training.cli import compose_validated, preflight
 from training.config import register_schema
 from training.memory_fit import GIB, memory_problem, per_rank_bytes
@@ -92,13 +91,11 @@ def test_config_json_that_is_no_object_is_one_line(tmp_path, capsys):
                                  "object of fields"])
 
 
-def run_train(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
-def test_zero_heads_through_train_py_exits_2_before_any_worker(tmp_path):
+def test_zero_heads_through_train_py_exits_2_before_any_worker(tmp_path, monkeypatch, capsys):
+    """train.py's pre-launch check, through its entry point in this process (it ends before Hydra runs)."""
     folder = config_folder(tmp_path / "hf", LLAMA, {"num_attention_heads": 0})
-    result = run_train(["model=llama-tiny", f"model.hf_config={folder}", f"hydra.run.dir={tmp_path}/run"])
+    result = train_py_here(["model=llama-tiny", f"model.hf_config={folder}", f"hydra.run.dir={tmp_path}/run"],
+                           monkeypatch, capsys)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"sluice: config error: model.hf_config={folder}: config.json's num_attention_heads=0 must be a positive "
@@ -106,9 +103,9 @@ def test_zero_heads_through_train_py_exits_2_before_any_worker(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_run_directory_name_over_name_max_is_one_line(tmp_path):
+def test_run_directory_name_over_name_max_is_one_line(tmp_path, monkeypatch, capsys):
     name = "r" * 300
-    result = run_train(["model=tiny", f"hydra.run.dir={tmp_path}/{name}/run"])
+    result = train_py_here(["model=tiny", f"hydra.run.dir={tmp_path}/{name}/run"], monkeypatch, capsys)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"sluice: config error: hydra.run.dir: the name {'r' * 20}... is 300 bytes, over the file system's limit of "
