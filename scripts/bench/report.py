@@ -405,14 +405,20 @@ def _sizes(r: dict, doc_path: Path, root: Path) -> list[str]:
             "|---" * (len(columns) + 1) + "|"]
     for cell in z["cells"]:
         row = z["ratios"].get(cell, {})
-        out.append(f"| {cell} | " + " | ".join(f"{row[c]['ratio']:.3f} ± {row[c]['spread']:.3f}" if c in row else "—"
-                                              for c in columns) + " |")
+        out.append(f"| {cell} | " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
     if z.get("worst"):
         w = z["worst"]
         out += ["", f"Worst cell: {columns[w['comparison']]} at {w['cell']}, {w['ratio']:.3f} ± {w['spread']:.3f}"
                 + ("; every cell within 1.00 + its spread." if z["within_spread"]
                    else "; **not every cell within 1.00 + its spread**.")]
     return out + [""]
+
+
+def _cell(row: dict | None) -> str:
+    """One square of the size sweep: ratio ± spread, and what `train.compile=auto` chose where it chose."""
+    if row is None:
+        return "—"
+    return f"{row['ratio']:.3f} ± {row['spread']:.3f}" + (f" ({row['choice']})" if row.get("choice") else "")
 
 
 def _transport_name(sleep: dict) -> str:

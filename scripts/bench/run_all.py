@@ -28,7 +28,7 @@ from report import write  # noqa: E402
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("schedules.py", "vs_torch.py", "vs_torch.py --size default --pp 2", "vs_torch.py --size default --pp 4",
               "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py", "tensor_parallel.py", "recompute.py",
-              "compiled.py", "sizes.py --quick")
+              "compiled.py", "sizes.py --quick --rounds 4")
 SMOKE_SKIPS = ("vs_torch.py --size default --pp 4",)  # the smoke checks scripts work: pp2 runs the same code
 
 

@@ -14,7 +14,6 @@ interquartile range. `--quick` measures `size_grid.QUICK` (the default `make ben
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compiled  # noqa: E402
 import data_parallel  # noqa: E402
-from common import ROOT, bench_parser, run_workers, update_results  # noqa: E402
+from common import ROOT, bench_parser, update_results  # noqa: E402
 from size_grid import QUICK, Cell, sweep_cells  # noqa: E402
 
 PNG = ROOT / "bench" / "sizes.png"
@@ -41,36 +40,12 @@ LAYOUTS = {"one-process": "compile", "pp2": "compile_pp2"}  # compiled.py's layo
 def compile_cells(cells: list[Cell], warmup: int, rounds: int) -> dict[str, dict]:
     """Compiled (`train.compile=auto`) against eager at each cell, one process and pp2 (`compiled.measure_cells`):
     by cell name, by column, the ratio compiled / eager, its spread, both medians and auto's choice."""
-    measure = getattr(compiled, "measure_cells", None) or _compile_each
     out: dict[str, dict] = {}
-    for row in measure(cells, layouts=tuple(LAYOUTS), warmup=warmup, rounds=rounds, mode="auto"):
+    for row in compiled.measure_cells(cells, layouts=tuple(LAYOUTS), warmup=warmup, rounds=rounds, mode="auto"):
         out.setdefault(row["cell"], {})[LAYOUTS[row["layout"]]] = {
             "ratio": row["ratio"], "spread": row["spread"], "sluice_s": row["compiled_s"], "torch_s": row["eager_s"],
-            "choice": row.get("choice"), "mode": row.get("mode")}
+            "choice": row.get("choice"), "round_ratios": row.get("round_ratios")}
     return out
-
-
-def _compile_each(cells: list[Cell], layouts: tuple[str, ...], warmup: int, rounds: int, mode: str) -> list[dict]:
-    """compiled.py's Trainer-based worker per cell and layout (`train.compile=true`), where its `measure_cells` is
-    not there to call."""
-    rows = []
-    with tempfile.TemporaryDirectory() as cache:
-        for cell in cells:
-            for layout in layouts:
-                pp = 2 if layout == "pp2" else 1
-                setup = compiled.Setup(f"{cell.name}-{layout}", cell_model(cell), pp, cell.seq, cell.micro_batch_size,
-                                       cell.microbatches, warmup, rounds)
-                times = run_workers(compiled.worker, pp, setup, cache, timeout=3600)[0]["times"]
-                rows.append({"cell": cell.name, "layout": layout, "mode": "true", "choice": None,
-                             **data_parallel.ratio_and_spread(times["compiled"].wall, times["eager"].wall),
-                             "compiled_s": times["compiled"].summary("c")["c_s"],
-                             "eager_s": times["eager"].summary("e")["e_s"]})
-    return rows
-
-
-def cell_model(cell: Cell) -> tuple[str, ...]:
-    """The MiniMind-3 shape (vocab 6400, 8 heads, 4 KV heads) at the cell's width and depth, as config overrides."""
-    return ("model=minimind3", f"model.hidden_size={cell.hidden}", f"model.num_hidden_layers={cell.layers}")
 
 
 def worst(ratios: dict[str, dict]) -> dict | None:
@@ -84,7 +59,8 @@ def worst(ratios: dict[str, dict]) -> dict | None:
 
 
 def draw_heat_map(section: dict, path: Path) -> Path:
-    """Rows = cells, columns = comparisons, colour = ratio (green below 1, red above), each square `ratio ± spread`."""
+    """Rows = cells, columns = comparisons, colour = ratio (green below 1, red above), each square `ratio ± spread`
+    (and what `train.compile=auto` chose)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,15 +77,17 @@ def draw_heat_map(section: dict, path: Path) -> Path:
                 values[i, j] = row["ratio"]
     finite = values[np.isfinite(values)]
     reach = max(0.1, float(np.abs(finite - 1).max())) if finite.size else 0.1
-    fig, ax = plt.subplots(figsize=(2.0 * len(columns) + 2.5, 0.45 * len(cells) + 1.6))
+    fig, ax = plt.subplots(figsize=(2.0 * len(columns) + 2.5, 0.6 * len(cells) + 1.6))
     cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="#dddddd")  # grey: a comparison not measured
     image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, aspect="auto",
                       norm=TwoSlopeNorm(vcenter=1.0, vmin=1 - reach, vmax=1 + reach))
     for i, cell in enumerate(cells):
         for j, column in enumerate(columns):
             row = section["ratios"].get(cell, {}).get(column)
-            text = "—" if row is None else f"{row['ratio']:.2f} ± {row['spread']:.2f}"
-            ax.text(j, i, text, ha="center", va="center", fontsize=8)
+            text = "—" if row is None else f"{row['ratio']:.2f} ± {row['spread']:.2f}" + (
+                f"\n(auto: {row['choice']})" if row.get("choice") else "")
+            dark = row is not None and abs(row["ratio"] - 1) > 0.6 * reach  # deep red or green under the text
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
     ax.set_xticks(range(len(columns)), [COMPARISONS[c] for c in columns], fontsize=7, rotation=12)
     ax.set_yticks(range(len(cells)), cells, fontsize=8)
     ax.set_title("Sluice / peer step time by model size (below 1: Sluice faster); hidden-layers-seq-micro-batch",
