@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 
 import pytest
@@ -81,21 +82,40 @@ def resume_line(line: str, signal: str, step: int, run_dir: Path) -> None:
     assert (saved / "COMPLETE").is_file()
 
 
+# dp2 with one micro-batch per replica: the baseline's global batch (two micro-batches accumulated), so the one-process
+# run is the reference (fp32: equal to rounding; the one-process SIGTERM test is bit for bit).
+DP2 = ["parallel.dp=2", "schedule.n_microbatches=1", "parallel.timeout_s=60"]
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, data_cache) -> Path:
+def first_runs(tmp_path_factory, data_cache) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The module's first train.py runs, side by side (independent runs: only their start-ups overlap): the
+    uninterrupted baseline, SIGTERM at step 3 of a fresh resume=auto run, SIGINT at step 2 with checkpointing off,
+    and SIGTERM to rank 1 alone of two self-launched dp2 ranks at step 2."""
+    base = tmp_path_factory.mktemp("interrupts")
+    plans = {"baseline": [],
+             "sigterm": ["debug.fault='sigterm@rank=0,step=3'", "checkpoint.resume=auto"],
+             "sigint": ["debug.fault='sigint@rank=0,step=2'", "checkpoint.save_final=false"],
+             "one-of-two": [*DP2, "debug.fault='sigterm@rank=1,step=2'"]}  # rank 1 only: they agree
+    with ThreadPool(len(plans)) as pool:
+        results = pool.map(lambda name: train(plans[name], data_cache, base / name / "run"), plans)
+    return {name: (result, base / name / "run") for name, result in zip(plans, results)}
+
+
+@pytest.fixture(scope="module")
+def baseline(first_runs) -> Path:
     """An uninterrupted one-process run of STEPS steps."""
-    run_dir = tmp_path_factory.mktemp("baseline") / "run"
-    result = train([], data_cache, run_dir)
+    result, run_dir = first_runs["baseline"]
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
 
 
-def test_sigterm_saves_the_step_and_resume_auto_equals_an_uninterrupted_run(tmp_path, data_cache, baseline):
+def test_sigterm_saves_the_step_and_resume_auto_equals_an_uninterrupted_run(tmp_path, data_cache, baseline,
+                                                                            first_runs):
     """Also the user's path of a run started with checkpoint.resume=auto (once tests/test_checkpoint.py's
     test_train_py_saves_then_resumes_auto): a fresh directory starts fresh, the same command continues it."""
-    run_dir = tmp_path / "run"
+    result, run_dir = first_runs["sigterm"]
     saved = run_dir / "checkpoints" / "step_00000003"
-    result = train(["debug.fault='sigterm@rank=0,step=3'", "checkpoint.resume=auto"], data_cache, run_dir)
     assert result.returncode == 143, result.stderr[-3000:]
     lines = sluice_lines(result.stderr)
     assert lines[0].startswith("sluice: SIGTERM: stopping after step 3"), lines
@@ -112,10 +132,9 @@ def test_sigterm_saves_the_step_and_resume_auto_equals_an_uninterrupted_run(tmp_
     assert_resumed_equals(run_dir, baseline, tmp_path)
 
 
-def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is_then_refused(tmp_path, data_cache,
+def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is_then_refused(first_runs, data_cache,
                                                                                                capsys):
-    run_dir = tmp_path / "run"
-    result = train(["debug.fault='sigint@rank=0,step=2'", "checkpoint.save_final=false"], data_cache, run_dir)
+    result, run_dir = first_runs["sigint"]
     assert result.returncode == 130, result.stderr[-3000:]
     assert sluice_lines(result.stderr)[-1] == (
         "sluice: interrupted by SIGINT at step 2: nothing was saved (checkpoint.every=0 and checkpoint.save_final="
@@ -134,19 +153,16 @@ def test_sigint_with_checkpointing_off_says_nothing_was_saved_and_resume_auto_is
 
 
 def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_step_and_resumes_equal(
-        tmp_path, data_cache, baseline):
-    # dp2 with one micro-batch per replica: the baseline's global batch (two micro-batches accumulated), so the
-    # one-process run is the reference (fp32: equal to rounding; the one-process test above is bit for bit).
-    layout = ["parallel.dp=2", "schedule.n_microbatches=1", "parallel.timeout_s=60"]
-    run_dir = tmp_path / "run"
-    result = train([*layout, "debug.fault='sigterm@rank=1,step=2'"], data_cache, run_dir)  # rank 1 only: they agree
+        tmp_path, data_cache, baseline, first_runs):
+    """The dp2 run of `first_runs` (the baseline's global batch: see DP2)."""
+    result, run_dir = first_runs["one-of-two"]
     assert result.returncode == 143, result.stderr[-3000:]
     lines = sluice_lines(result.stderr)
     assert len(lines) == 1, lines  # rank 0 got no signal itself: no notice; the root adds nothing
     resume_line(lines[0], "SIGTERM", 2, run_dir)
     # The resume in the session's pooled workers (train.py's resume=auto: the one-process test above): both ranks
     # load the step both saved. The overrides are train.py's (its lr, its final save) on top of the helpers' base.
-    resumed = [*TINY, f"train.steps={STEPS}", *layout, "checkpoint.resume=auto", "optim.lr=5e-4",
+    resumed = [*TINY, f"train.steps={STEPS}", *DP2, "checkpoint.resume=auto", "optim.lr=5e-4",
                "checkpoint.save_final=true"]
     run_workers(layouts_worker, 2, [(resumed, str(run_dir))], str(data_cache), timeout=300)
     ours, theirs = losses(run_dir), losses(baseline)
