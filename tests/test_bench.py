@@ -46,7 +46,8 @@ def in_this_process(monkeypatch):
 
     def run_benchmark(script: str, argv: list[str]) -> None:
         module = importlib.import_module(script.removesuffix(".py"))
-        monkeypatch.setattr(module, "run_workers", pooled)
+        if hasattr(module, "run_workers"):  # sizes.py spawns through data_parallel's and compiled's, patched before it
+            monkeypatch.setattr(module, "run_workers", pooled)
         module.main(argv)
 
     monkeypatch.setattr(run_all, "run_benchmark", run_benchmark)
