@@ -411,6 +411,13 @@ def _sizes(r: dict, doc_path: Path, root: Path) -> list[str]:
     for cell in z["cells"]:
         row = z["ratios"].get(cell, {})
         out.append(f"| {cell} | " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
+    cpu = {c: [row[c]["sluice_cpu_s"] / row[c]["torch_cpu_s"] for row in z["ratios"].values()
+               if "sluice_cpu_s" in row.get(c, {})] for c in columns}
+    rounds = [x for row in z["ratios"].values() for v in row.values() for x in v.get("round_ratios") or ()]
+    if any(cpu.values()) and rounds:
+        out += ["", f"Per-round ratios ranged {min(rounds):.2f} to {max(rounds):.2f}. CPU time (both ranks' "
+                "process time, medians; what a step costs whatever else the machine runs) Sluice / peer: "
+                + "; ".join(f"{columns[c]} {min(v):.3f} to {max(v):.3f}" for c, v in cpu.items() if v) + "."]
     if z.get("worst"):
         w = z["worst"]
         out += ["", f"Worst cell: {columns[w['comparison']]} at {w['cell']}, {w['ratio']:.3f} ± {w['spread']:.3f}"
