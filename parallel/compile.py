@@ -21,18 +21,14 @@ from torch import nn
 
 from parallel.decoder import Decoder
 
-MODES = ("off", "on", "auto")
-
 
 def compile_mode(setting: bool | str | None, device: torch.device) -> str:
     """`train.compile` as a mode: `true` -> on, `false` -> off, `auto` -> auto; `null` (the default) is auto on CUDA,
     where compiled layers usually win, and off on a CPU, where a run would pay minutes of compiling for little."""
     if setting is None:
         return "auto" if device.type == "cuda" else "off"
-    if setting is True or setting == "on":
-        return "on"
-    if setting is False or setting == "off":
-        return "off"
+    if isinstance(setting, bool):
+        return "on" if setting else "off"
     if setting == "auto":
         return "auto"
     raise ValueError(f"train.compile={setting} is not supported; use true, false or auto")

@@ -48,7 +48,8 @@ class Setup:
         return [*self.model, f"train.seq_len={self.seq}", f"train.micro_batch_size={self.micro_batch_size}",
                 f"schedule.n_microbatches={self.microbatches}", f"parallel.pp={self.pp}", "schedule=1f1b",
                 "train.dtype=fp32", "parallel.backend=gloo", f"train.compile={value}", "logger=none",
-                "data.num_docs=400", "checkpoint.save_final=false", "optim.warmup_steps=0", f"data.cache_dir={cache_dir}"]
+                "data.num_docs=400", "checkpoint.save_final=false", "optim.warmup_steps=0",
+                f"data.cache_dir={cache_dir}"]
 
     @property
     def tokens(self) -> int:
