@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TrainerStep, alternate, bench_parser, init_gloo, run_workers, timed, update_results  # noqa: E402
+from common import (TrainerStep, Times, alternate, bench_parser, init_gloo, run_workers, timed,  # noqa: E402
+                    update_results)
 
 import torch  # noqa: E402
 
@@ -136,10 +137,24 @@ def cells_worker(rank: int, world: int, setups: list[Setup], mode: str, cache_di
                 choice = trial.after_step(wall)
                 while choice is None:
                     choice = trial.after_step(timed(steps["compiled"])[0])
-            times = alternate(steps, setup.warmup, setup.rounds)
+            times = alternate_abba(steps, setup.warmup, setup.rounds)
         out.append({"times": times, "choice": None if choice is None else ("compiled" if choice.compiled else "eager"),
                     "trial": None if choice is None else {"compiled_s": choice.compiled_s, "eager_s": choice.eager_s}})
     return out
+
+
+def alternate_abba(steps: dict[str, TrainerStep], warmup: int, rounds: int) -> dict[str, Times]:
+    """`alternate`, but every other round runs the variants in reverse order (A B, B A, ...): with both sides eager
+    (auto chose eager), a fixed A B order measured the second slot 1.06-1.13x the first at pp2, a bias of the slot."""
+    names = list(steps)
+    alternate(steps, warmup, 0)
+    times = {name: Times() for name in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name, got in alternate({name: steps[name] for name in order}, 0, 1).items():
+            times[name].wall += got.wall
+            times[name].cpu += got.cpu
+    return times
 
 
 def ratio_and_spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
@@ -155,7 +170,8 @@ def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2")
     """Compiled against eager at each `size_grid.Cell` and layout ("one-process": both cores; "pp2": a 1F1B pipeline,
     one core per rank), with train.compile=`mode` ("auto" or "true") on the compiled side. One spawn per layout runs
     every cell (an eager and a compiled Trainer per cell, same seed and data); after the compiling step (and auto's
-    trial) the two alternate one step each per round (A B A B) for `warmup` + `rounds` rounds.
+    trial) the two alternate one step each per round, in reverse order every other round (A B B A), for `warmup`
+    + `rounds` rounds.
 
     One dict per cell and layout: "cell" (its name), "hidden", "layers", "seq", "micro_batch_size", "layout", "mode",
     "ratio" (the median over rounds of compiled_s / eager_s of that round: below 1 = compiled faster), "spread" (the
