@@ -76,7 +76,8 @@ def test_a_conversation_with_a_system_message_and_dpo_pairs_get_no_system_prompt
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ([], "packed"), (["train.task=sft"], "chat"), (["train.task=dpo"], "chat"), (["data=jsonl"], "padded"),
+    ([], "packed"), (["train.task=sft"], "chat"), (["train.task=dpo"], "chat"), (["train.task=distill"], "chat"),
+    (["data=jsonl"], "padded"),
     (["data=jsonl", "train.task=sft"], "chat"), (["train.task=sft", "data.format=chat_packed"], "chat_packed")])
 def test_data_format_follows_the_task_unless_set(overrides, expected):
     assert run_data_spec(compose_config(overrides)).format == expected

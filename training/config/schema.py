@@ -204,8 +204,9 @@ class DataSchema:
     format: Optional[str] = key(
         None, "`packed` (documents concatenated and cut to `seq_len`), `padded` (one document per sample, "
         "MiniMind style) or `chat` (MiniMind's `conversations` rows, loss on assistant tokens only; `chat_packed` "
-        "packs them); `null` follows `train.task`: `chat` for `sft` and `dpo`, else `padded` for `data=jsonl` and "
-        "`packed` for the embedded corpus", optional(one_of("packed", "padded", "chat", "chat_packed")))
+        "packs them); `null` follows `train.task`: `chat` for `sft`, `dpo` and `distill`, else `padded` for "
+        "`data=jsonl` and `packed` for the embedded corpus",
+        optional(one_of("packed", "padded", "chat", "chat_packed")))
     num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
     seed: int = key(0, "seed of the synthetic corpus", at_least(0))
     shuffle: bool = key(True, "reshuffle the training samples every epoch (seeded by `train.seed`); `false` keeps "

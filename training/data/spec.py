@@ -104,9 +104,10 @@ def optional_field(node: Any, key: str) -> Any:
 
 
 def default_format(name: str, train_task: str) -> str:
-    """`data.format` when the config leaves it null: conversations (`chat`) for sft and dpo; for pretraining one
-    padded document per sample from files (MiniMind's PretrainDataset), packed documents from the embedded corpus."""
-    if train_task in ("sft", "dpo"):
+    """`data.format` when the config leaves it null: conversations (`chat`) for sft, dpo and distill (MiniMind distills
+    on its SFT data); for pretraining one padded document per sample from files (MiniMind's PretrainDataset), packed
+    documents from the embedded corpus."""
+    if train_task in ("sft", "dpo", "distill"):
         return "chat"
     return "padded" if name == "jsonl" else "packed"
 
