@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from report_speedups import compiled_section, sizes_section
+
 MIB = 2**20
 METHOD = """\
 How it is measured. Every time is a median over steps; variants run alternately, one step each per round
@@ -55,8 +57,8 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min"
                   + (f" ({took})." if took else "."), ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _full_size(r) + _memory(r) + _overhead(r)
-    lines += _transport(r) + _experts(r) + _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + _compiled(r)
-    lines += _sizes(r, doc_path, root)
+    lines += _transport(r) + _experts(r) + _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + compiled_section(r)
+    lines += sizes_section(r, doc_path, root, _machine(r))
     lines += ["## Method", "", METHOD]
     doc_path.parent.mkdir(parents=True, exist_ok=True)
     doc_path.write_text("\n".join(lines))
@@ -357,80 +359,6 @@ def _recompute(r: dict) -> list[str]:
     return out + ["", f"Full recomputation / `torch.utils.checkpoint`: step {c['full_over_checkpoint']:.3f}, "
                   f"memory {c['memory_full_over_checkpoint']:.3f}; first losses "
                   f"{'equal to 1e-5' if c['losses_equal'] else '**not equal**'}.", ""]
-
-
-def _compiled(r: dict) -> list[str]:
-    c = r.get("compiled")
-    if not c:
-        return []
-    out = ["## Compiled layers: `train.compile=true` against eager", "",
-           "The same Trainer, model, data and AdamW; each decoder layer compiled by `torch.compile` (inductor) after "
-           "the TP, EP and recompute passes. Both variants in the same processes, one step each per round after a "
-           "warm-up that includes the compiling step (`scripts/bench/compiled.py`); one process on both cores, the "
-           "1F1B pipeline (pp2) on one core each. fp32.", "",
-           "| setup | tokens per step | eager step (s) | compiled step (s) | tokens/s compiled / eager | compile (s) "
-           "| matmul + attention share of eager |", "|---|---|---|---|---|---|---|"]
-    for row in c["rows"]:
-        s = row["setup"]
-        out.append(f"| {row['name']} | {s['seq'] * s['micro_batch_size'] * s['microbatches']} | {row['eager_s']:.3f} "
-                   f"| {row['compiled_s']:.3f} | {row['speedup']:.3f} | {row['compile_s']:.1f} "
-                   f"| {row['matmul_share']:.1%} |")
-    out += ["", "Compiling fuses the elementwise work around the matrix multiplies; the multiplies and the attention "
-            "kernel (BLAS and torch's own, profiled in the same run) stay as they are, and AdamW is not compiled. "
-            "Where they take most of an fp32 CPU step, as at the default size, the gain is bounded by the rest of "
-            "the step: at most 1 / (their share) even if the rest took no time.", "",
-            "`train.compile=auto` (the default on CUDA, `false` on a CPU) compiles, times steps 2-5 compiled and "
-            "eager in turns (C E E C), keeps the faster on every rank (one all-reduce) and logs it; the size sweep "
-            "measures it. At issue 39's losing cell dynamo neither recompiled nor broke a graph and inductor shares "
-            "torch's OpenMP threads; on one thread compiled took 0.90x eager's CPU time, on two a loaded 2-core "
-            "machine swung it 0.5-1.9x a round."]
-    return out + ["", "First losses equal to 1e-5 relative in every setup." if all(row["losses_close"] for row in
-                                                                                   c["rows"]) else
-                  "**First losses differ** beyond 1e-5 relative.", ""]
-
-
-def _sizes(r: dict, doc_path: Path, root: Path) -> list[str]:
-    """The size sweep: the heat map, the machine and command it was measured with, the table and the worst cell."""
-    z = r.get("sizes")
-    if not z:
-        return []
-    columns = z["comparisons"]
-    out = ["## Model sizes: Sluice / peer across a grid of sizes", "",
-           f"Measured with `{z['command']}` on {_machine(r)} (`scripts/bench/sizes.py`, cells in "
-           "`scripts/bench/size_grid.py`: MiniMind-3's shape, vocab 6400, one axis at a time around hidden 256, 4 "
-           "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
-           f"cell's two variants alternate in the same processes, one step each per round ({z['rounds']} rounds "
-           f"after {z['warmup']} warm-up); the ratio is the median of the per-round ratios Sluice / peer (below 1: "
-           "Sluice faster), ± half their interquartile range. Compile: the Trainer with `train.compile=auto` against "
-           "eager, one process (both cores) and pp2 (one core each); DP: as in the data-parallel section, at each "
-           f"size. The sweep took {z['wall_s'] / 60:.1f} min.", ""]
-    if z.get("png"):
-        out += [f"![size sweep]({os.path.relpath(root / z['png'], doc_path.parent)})", ""]
-    out += ["| cell (hidden-layers-seq-micro-batch) | " + " | ".join(columns.values()) + " |",
-            "|---" * (len(columns) + 1) + "|"]
-    for cell in z["cells"]:
-        row = z["ratios"].get(cell, {})
-        out.append(f"| {cell} | " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
-    cpu = {c: [row[c]["sluice_cpu_s"] / row[c]["torch_cpu_s"] for row in z["ratios"].values()
-               if "sluice_cpu_s" in row.get(c, {})] for c in columns}
-    rounds = [x for row in z["ratios"].values() for v in row.values() for x in v.get("round_ratios") or ()]
-    if any(cpu.values()) and rounds:
-        out += ["", f"Per-round ratios ranged {min(rounds):.2f} to {max(rounds):.2f}. CPU time (both ranks' "
-                "process time, medians; what a step costs whatever else the machine runs) Sluice / peer: "
-                + "; ".join(f"{columns[c]} {min(v):.3f} to {max(v):.3f}" for c, v in cpu.items() if v) + "."]
-    if z.get("worst"):
-        w = z["worst"]
-        out += ["", f"Worst cell: {columns[w['comparison']]} at {w['cell']}, {w['ratio']:.3f} ± {w['spread']:.3f}"
-                + ("; every cell within 1.00 + its spread." if z["within_spread"]
-                   else "; **not every cell within 1.00 + its spread**.")]
-    return out + [""]
-
-
-def _cell(row: dict | None) -> str:
-    """One square of the size sweep: ratio ± spread, and what `train.compile=auto` chose where it chose."""
-    if row is None:
-        return "—"
-    return f"{row['ratio']:.3f} ± {row['spread']:.3f}" + (f" ({row['choice']})" if row.get("choice") else "")
 
 
 def _transport_name(sleep: dict) -> str:
