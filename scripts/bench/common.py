@@ -362,3 +362,11 @@ def update_results(section: str, value: Any, path: Path = RESULTS) -> None:
     data["machine"] = machine()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def ratio_and_spread(ours: list[float], theirs: list[float]) -> dict:
+    """The median of the per-round ratios ours / theirs (each round ran one step of each back to back), their
+    spread (half the interquartile range; 0 with one round) and the ratios themselves."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"ratio": statistics.median(ratios), "spread": (q3 - q1) / 2, "round_ratios": ratios}

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (TrainerStep, Times, alternate, bench_parser, init_gloo, run_workers, timed,  # noqa: E402
-                    update_results)
+                    ratio_and_spread, update_results)
 
 import torch  # noqa: E402
 
@@ -157,14 +157,6 @@ def alternate_abba(steps: dict[str, TrainerStep], warmup: int, rounds: int) -> d
     return times
 
 
-def ratio_and_spread(ours: list[float], theirs: list[float]) -> tuple[float, float]:
-    """The median of the per-round ratios (each round ran one step of each back to back) and half their
-    interquartile range (0 with one round)."""
-    ratios = [a / b for a, b in zip(ours, theirs)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return statistics.median(ratios), (q3 - q1) / 2
-
-
 def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2"), warmup: int = 1, rounds: int = 5,
                   mode: str = "auto", timeout: float = 7200) -> list[dict]:
     """Compiled against eager at each `size_grid.Cell` and layout ("one-process": both cores; "pp2": a 1F1B pipeline,
@@ -185,12 +177,11 @@ def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2")
             measured = run_workers(cells_worker, LAYOUT_PP[layout], setups, mode, cache, timeout=timeout)[0]
             for cell, got in zip(cells, measured):
                 compiled, eager = got["times"]["compiled"].wall, got["times"]["eager"].wall
-                ratio, spread = ratio_and_spread(compiled, eager)
                 rows.append({"cell": cell.name, "hidden": cell.hidden, "layers": cell.layers, "seq": cell.seq,
                              "micro_batch_size": cell.micro_batch_size, "layout": layout, "mode": mode,
-                             "ratio": ratio, "spread": spread, "eager_s": statistics.median(eager),
+                             **ratio_and_spread(compiled, eager), "eager_s": statistics.median(eager),
                              "compiled_s": statistics.median(compiled), "choice": got["choice"],
-                             "trial": got["trial"], "round_ratios": [a / b for a, b in zip(compiled, eager)]})
+                             "trial": got["trial"]})
     return rows
 
 

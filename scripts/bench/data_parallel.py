@@ -19,7 +19,6 @@ Sluice / peer and their spread (half the interquartile range of those ratios).
 from __future__ import annotations
 
 import gc
-import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (LoopStep, bench_parser, first_then_alternate, freed_to_the_system, init_gloo,  # noqa: E402
-                    paired, peak_growth_mib, run_workers, update_results)
+                    paired, peak_growth_mib, ratio_and_spread, run_workers, update_results)
 from overhead import GRAD_CLIP, STEPS  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
@@ -139,14 +138,6 @@ def cells_worker(rank: int, world: int, setups: list[Setup]) -> list[dict]:
         del steps
         gc.collect()  # the next cell's models do not share the heap with this one's
     return out
-
-
-def ratio_and_spread(sluice_runs: list[float], peer_runs: list[float]) -> dict:
-    """The median of the per-round ratios Sluice / peer (each round ran one step of each back to back) and their
-    spread: half the interquartile range (0 with one round)."""
-    ratios = [a / b for a, b in zip(sluice_runs, peer_runs)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios * 3)
-    return {"ratio": statistics.median(ratios), "spread": (q3 - q1) / 2, "round_ratios": ratios}
 
 
 def measure_cells(cells: list, warmup: int, rounds: int, timeout: float = 3600) -> dict[str, dict]:
