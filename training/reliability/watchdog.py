@@ -175,7 +175,10 @@ def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
     interrupt = watch.interrupt
     if interrupt is None and watch.step > 0 and not _peers_failed(watch, started):
         watch.interrupt = Interrupt(signo)
-        _say(watch, f"{signal.Signals(signo).name}: stopping after step {watch.step}; send it again to stop at once")
+        # The ranks agree on the stop in a step's vote: a signal that lands after this step's vote stops the next.
+        step = watch.step
+        _say(watch, f"{signal.Signals(signo).name}: stopping after step {step}, or step {step + 1} if step {step} is "
+                    "already ending; send it again to stop at once")
         return
     if interrupt is not None and signo == interrupt.signo and (
             not interrupt.own or time.monotonic() - interrupt.at < REPEAT_S):
