@@ -106,7 +106,7 @@ def test_over_long_line_is_refused_not_loaded(tmp_path, tokenizer_dir):
 
 
 MEMORY_PROBE = """
-import json, resource, sys
+import json, sys
 from tests.data_helpers import data_section, make_cfg
 from training.data import build_data
 path, tokenizer, cache, limit, size = sys.argv[1:6]
@@ -116,12 +116,14 @@ with open(path, "w") as f:
     for i in range(40):
         f.write(json.dumps({"text": "a short row number %d." % i}) + "\\n")
 del words
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_kb():  # VmHWM, not ru_maxrss: the latter survives exec and counts the forking pytest worker's memory
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+before = peak_kb()
 cfg = make_cfg(data_section(name="jsonl", path=path, tokenizer=tokenizer, format="packed", cache_dir=cache,
                             max_line_bytes=int(limit), skip_bad_lines=True), seq_len=64)
 stream, _ = build_data(cfg, 0, 1, verbose=False)
 next(stream)
-print(json.dumps({"before_kb": before, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+print(json.dumps({"before_kb": before, "peak_kb": peak_kb(),
                   "samples": len(stream.samples), "skipped": stream.skipped_lines}))
 """
 

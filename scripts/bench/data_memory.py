@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = """
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, {repo!r})
 from tests.data_helpers import data_section, make_cfg
 from training.data import build_data
@@ -27,14 +27,14 @@ cfg = make_cfg(data_section(name="jsonl", path=path, tokenizer=tokenizer, format
                seq_len=256, micro_batch_size=8, n_microbatches=4)
 def rss_mb():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return {{k: int(status[k].split()[0]) // 1024 for k in ("VmRSS", "RssAnon", "RssFile")}}
+    return {{k: int(status[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}}
 baseline = rss_mb()  # python + torch + transformers imported, no data yet
 start = time.time()
 stream, _ = build_data(cfg, 0, 2, verbose=False)
 for _ in range(steps):
     next(stream)
 print(json.dumps({{"seconds": round(time.time() - start, 1), "samples": len(stream.samples),
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                  "peak_rss_mb": rss_mb()["VmHWM"],  # not ru_maxrss: it survives exec (the launcher's memory)
                   "baseline_mb": baseline, "end_mb": rss_mb()}}))
 """
 
