@@ -199,13 +199,17 @@ def paired(row: dict) -> dict:
 
 
 def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, Times]:
-    """Warm every variant up, then run one step of each per round (A B A B ...); step times by variant."""
+    """Warm every variant up, then run one step of each per round, the order reversed every other round (A B, B A,
+    ...: a step's slot in the round biases it, e.g. the second slot measured 1.06-1.13x the first with two equal
+    eager variants at pp2, and a fixed order would charge that to one side); step times by variant."""
     for _ in range(warmup):
         for step in variants.values():
             timed(step)
     times = {name: Times() for name in variants}
-    for _ in range(rounds):
-        for name, step in variants.items():
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            step = variants[name]
             wall, cpu, _ = timed(step)
             times[name].wall.append(wall)
             times[name].cpu.append(cpu)

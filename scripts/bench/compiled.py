@@ -3,7 +3,7 @@ pipeline, at MiniMind-3's default size (768 hidden, 8 layers, vocab 6400) and at
 the compile time (the first compiled step less an eager one). Writes the "compiled" section of results.json.
 
 Each process builds both trainers (same seed: the same weights) and runs them in turns, one step each per round
-(A B A B) after a warm-up that includes the compiling first step. One process uses both cores, pp2 one each.
+(A B, then B A) after a warm-up that includes the compiling first step. One process uses both cores, pp2 one each.
 
     python scripts/bench/compiled.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (TrainerStep, Times, alternate, bench_parser, init_gloo, run_workers, timed,  # noqa: E402
+from common import (TrainerStep, alternate, bench_parser, init_gloo, run_workers, timed,  # noqa: E402
                     ratio_and_spread, update_results)
 
 import torch  # noqa: E402
@@ -137,24 +137,10 @@ def cells_worker(rank: int, world: int, setups: list[Setup], mode: str, cache_di
                 choice = trial.after_step(wall)
                 while choice is None:
                     choice = trial.after_step(timed(steps["compiled"])[0])
-            times = alternate_abba(steps, setup.warmup, setup.rounds)
+            times = alternate(steps, setup.warmup, setup.rounds)
         out.append({"times": times, "choice": None if choice is None else ("compiled" if choice.compiled else "eager"),
                     "trial": None if choice is None else {"compiled_s": choice.compiled_s, "eager_s": choice.eager_s}})
     return out
-
-
-def alternate_abba(steps: dict[str, TrainerStep], warmup: int, rounds: int) -> dict[str, Times]:
-    """`alternate`, but every other round runs the variants in reverse order (A B, B A, ...): with both sides eager
-    (auto chose eager), a fixed A B order measured the second slot 1.06-1.13x the first at pp2, a bias of the slot."""
-    names = list(steps)
-    alternate(steps, warmup, 0)
-    times = {name: Times() for name in names}
-    for r in range(rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name, got in alternate({name: steps[name] for name in order}, 0, 1).items():
-            times[name].wall += got.wall
-            times[name].cpu += got.cpu
-    return times
 
 
 def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2"), warmup: int = 1, rounds: int = 5,

@@ -4,7 +4,7 @@ post-accumulate hooks, overlapping the backward) and the loop a PyTorch user wri
 AdamW settings; and both again with the AdamW state sharded over the replicas: Sluice's `parallel.zero=1` against
 DDP with `ZeroRedundancyOptimizer`. Writes the "data_parallel" section of results.json.
 
-Step time: both variants live in the same two processes and take turns, one step each per round (A B A B) after a
+Step time: both variants live in the same two processes and take turns, one step each per round (A B, then B A) after a
 warm-up. Memory: each variant alone in two fresh processes, the peak resident set (VmHWM) of its fullest rank over
 its steps, less what the process held before the model was built (interpreter, torch, data), with freed memory
 returned to the system at once (`common.freed_to_the_system`).
@@ -124,7 +124,7 @@ def timing_worker(rank: int, world: int, setup: Setup) -> dict:
 
 
 def cells_worker(rank: int, world: int, setups: list[Setup]) -> list[dict]:
-    """Per setup (cell): the four variants built, alternated A B (one step each per round), then freed."""
+    """Per setup (cell): the four variants built, alternated (one step each per round, the order reversed every other round), then freed."""
     init_gloo()
     optim_cfg = OmegaConf.structured(OptimSchema)
     grid = ParallelGrid.build(dp=DP, tp=1, pp=1, backend="gloo", timeout_s=600)

@@ -3,7 +3,7 @@ Trainer at parallel.ep=4 (each rank holds a quarter of every layer's experts, to
 ep=1 (every rank holds every expert); step time, and per-rank bytes of parameters + gradients + AdamW state.
 Writes the "experts" section of results.json.
 
-Both variants live in the same 4 workers and take turns, one step each per round (A B A B) after a warm-up. Memory
+Both variants live in the same 4 workers and take turns, one step each per round (A B, then B A) after a warm-up. Memory
 is counted, not sampled: every parameter, every gradient after backward and every optimizer state tensor, by
 storage size, so the figure is exact whatever the allocator does.
 

@@ -4,7 +4,7 @@ Two ranks play ping-pong with one boundary tensor (1 x 128 x 64 fp32, as in the 
 Sluice's transports. Each rank sleeps before it sends, as a stage computes before its send, so every hop pays
 what a pipeline hop pays: a sender just woken and a receiver that was asleep. A hop is (rank 0's round trip from
 its send to its receive - rank 1's measured sleep) / 2. The two transports take turns, one round trip each
-(A B A B). Writes the "transport" section of results.json.
+(A B, then B A). Writes the "transport" section of results.json.
 
     python scripts/bench/hop_latency.py [--smoke] [--rounds N] [--results PATH]
 """
@@ -41,7 +41,8 @@ def worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
     tensor = torch.ones(BOUNDARY.shape)
     spans: dict[str, list[float]] = {name: [] for name in transports}
     for i in range(rounds + 2):  # two warm-up rounds
-        for name, transport in transports.items():
+        for name in list(transports) if i % 2 == 0 else list(transports)[::-1]:  # A B, then B A: no slot bias
+            transport = transports[name]
             torch.distributed.barrier()
             if rank == 0:
                 time.sleep(COMPUTE_S)

@@ -2,7 +2,7 @@
 rate, grad-norm clipping and AdamW) against a minimal hand-written PyTorch loop on the same model,
 micro-batches and optimizer settings; the ratio of medians. Writes the "overhead" section of results.json.
 
-Each variant runs in a process of its own and they take turns, one step each per round (A B A B) after a
+Each variant runs in a process of its own and they take turns, one step each per round (A B, then B A) after a
 warm-up, so only one computes at a time and the machine's drift hits both alike. Separate processes because
 in one, the two models' allocations interleave in one heap: which variant then pays more page faults for its
 fresh activations is luck of the layout, and it moved the ratio by several percent between runs.
@@ -105,7 +105,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict:
     first_loss = step(micro)  # same weights, same data: the same first loss in both
     times = Times()
     for k in range(setup.warmup + setup.rounds):
-        for turn in range(world):
+        for turn in range(world) if k % 2 == 0 else reversed(range(world)):  # A B, then B A: no slot bias
             dist.barrier()
             if rank == turn:
                 wall, cpu = time.perf_counter(), time.process_time()

@@ -4,7 +4,7 @@ recomputed in its backward) and the loop a PyTorch user writes with every layer'
 no recomputation beside them; one process, the same MiniMind, micro-batches, clipping and AdamW settings. Writes
 the "recompute" section of results.json.
 
-Step time: every variant in the same process, one step each per round (A B C D) after a warm-up. Memory: each
+Step time: every variant in the same process, one step each per round (A B C D, then D C B A) after a warm-up. Memory: each
 variant alone in a fresh process, its peak resident set over three steps above what it held before the model was
 built, with freed memory returned to the system at once (`common.freed_to_the_system`): activations kept for
 backward are most of what differs.

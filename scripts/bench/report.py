@@ -11,9 +11,9 @@ from report_speedups import compiled_section, sizes_section
 MIB = 2**20
 METHOD = """\
 How it is measured. Every time is a median over steps; variants run alternately, one step each per round
-(A B A B ...), after warm-up steps that are not counted, so a noisy neighbour hits all of them alike. A step's
-time is the slowest rank's, from a barrier to the end of its step. The processes are 4 gloo workers with one
-thread each on this machine's cores. CPU time (all ranks together) is given beside wall time: it is what a step
+(A B, then B A: a step's slot in the round biases it, so each side takes both slots), after warm-up steps that
+are not counted, so a noisy neighbour hits all of them alike. A step's time is the slowest rank's, from a
+barrier to the end of its step. The processes are 4 gloo workers with one thread each on this machine's cores. CPU time (all ranks together) is given beside wall time: it is what a step
 costs whatever else the machine runs, so it separates framework work from a busy neighbour.
 
 - **Sleep benchmark** (`scripts/bench/schedules.py`): every stage is one layer whose forward, input-gradient

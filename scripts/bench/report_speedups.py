@@ -3,6 +3,7 @@ comparison with a peer at each cell of `size_grid`). Apart from report.py to kee
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,6 +39,15 @@ def compiled_section(r: dict) -> list[str]:
                   "**First losses differ** beyond 1e-5 relative.", ""]
 
 
+def _sweep_runs(runs: dict) -> str:
+    """How each side of the sweep was run: one clause if both sides came from one run, else one per side."""
+    said = lambda r: (f"with `{r['command']}` ({r['rounds']} rounds after {r['warmup']} warm-up, "
+                      f"{r['wall_s'] / 60:.1f} min)")
+    if len({json.dumps(r, sort_keys=True) for r in runs.values()}) == 1:
+        return said(next(iter(runs.values())))
+    return " and ".join(f"{said(r)} for the {side} columns" for side, r in runs.items())
+
+
 def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str]:
     """The size sweep: the heat map, the machine and command it was measured with, the table and the worst cell."""
     z = r.get("sizes")
@@ -45,14 +55,13 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
         return []
     columns = z["comparisons"]
     out = ["## Model sizes: Sluice / peer across a grid of sizes", "",
-           f"Measured with `{z['command']}` on {machine} (`scripts/bench/sizes.py`, cells in "
+           f"Measured {_sweep_runs(z['runs'])} on {machine} (`scripts/bench/sizes.py`, cells in "
            "`scripts/bench/size_grid.py`: MiniMind-3's shape, vocab 6400, one axis at a time around hidden 256, 4 "
            "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
-           f"cell's two variants alternate in the same processes, one step each per round ({z['rounds']} rounds "
-           f"after {z['warmup']} warm-up); the ratio is the median of the per-round ratios Sluice / peer (below 1: "
-           "Sluice faster), ± half their interquartile range. Compile: the Trainer with `train.compile=auto` against "
-           "eager, one process (both cores) and pp2 (one core each); DP: as in the data-parallel section, at each "
-           f"size. The sweep took {z['wall_s'] / 60:.1f} min.", ""]
+           "cell's two variants alternate in the same processes, one step each per round, the order reversed every "
+           "other round; the ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster), ± "
+           "half their interquartile range. Compile: the Trainer with `train.compile=auto` against eager, one process "
+           "(both cores) and pp2 (one core each); DP: as in the data-parallel section, at each size.", ""]
     if z.get("png"):
         out += [f"![size sweep]({os.path.relpath(root / z['png'], doc_path.parent)})", ""]
     out += ["| cell (hidden-layers-seq-micro-batch) | " + " | ".join(columns.values()) + " |",

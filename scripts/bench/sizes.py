@@ -2,10 +2,11 @@
 layers (`train.compile=auto`) against eager in one process and in a pp2 pipeline, dp2 against DDP, zero1 against DDP
 with ZeroRedundancyOptimizer. Writes the "sizes" section of results.json and a heat map PNG of the ratios.
 
-Each cell's two variants run in the same processes, one step each per round (A B A B) after a warm-up; a cell's
+Each cell's two variants run in the same processes, one step each per round (A B, then B A) after a warm-up; a cell's
 ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster) and its spread half their
 interquartile range. `--quick` measures `size_grid.QUICK` (the default `make bench`), no option every cell
-(`make bench ARGS=--sizes`).
+(`make bench ARGS=--sizes`); `--only compile|dp` measures one side and keeps the other's columns from the last
+sweep of the same cells (the record says how each side was run).
 
     python scripts/bench/sizes.py [--quick] [--smoke] [--only compile|dp] [--rounds N] [--warmup N]
                                   [--results PATH] [--png PATH]
@@ -13,6 +14,7 @@ interquartile range. `--quick` measures `size_grid.QUICK` (the default `make ben
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ COMPARISONS = {  # column -> what the ratio divides (Sluice's side / its peer)
     "dp": "dp2 / DDP",
     "zero1": "zero1 / DDP + ZeroRedundancyOptimizer",
 }
+SIDES = {"compile": ("compile", "compile_pp2"), "dp": ("dp", "zero1")}  # `--only` -> the columns it measures
 SMOKE = Cell(64, 2, 16, 1, 2)  # one tiny cell, one round: checks the script works
 
 
@@ -100,6 +103,21 @@ def draw_heat_map(section: dict, path: Path) -> Path:
     return path
 
 
+def kept_from_last(results: Path, cells: list[str], only: str, ratios: dict, runs: dict) -> tuple[dict, dict]:
+    """`ratios` and `runs` of the side just measured, with the other side's columns and run record taken from the
+    last sweep in `results` where it measured the same cells (else that side is left out)."""
+    last = json.loads(results.read_text()).get("sizes") if results.exists() else None
+    if not last or last.get("cells") != cells:
+        return ratios, runs
+    for side, columns in SIDES.items():
+        if side == only or side not in last.get("runs", {}):
+            continue
+        runs[side] = last["runs"][side]
+        for cell in cells:
+            ratios[cell].update({c: row for c, row in last["ratios"].get(cell, {}).items() if c in columns})
+    return ratios, runs
+
+
 def command_of(argv: list[str]) -> str:
     """How the sweep was run, as the page shows it: the script and its options, not where it wrote."""
     shown, skip = [], False
@@ -130,12 +148,15 @@ def main(argv: list[str]) -> dict:
     if args.only != "compile":
         for name, columns in data_parallel.measure_cells(cells, warmup, rounds).items():
             ratios[name].update(columns)
+    run = {"command": command_of(argv), "rounds": rounds, "warmup": warmup, "wall_s": time.perf_counter() - start}
+    runs = {side: run for side in SIDES if args.only in (None, side)}
+    if args.only:  # the other side's columns stay as last measured, with how they were
+        ratios, runs = kept_from_last(args.results, [c.name for c in cells], args.only, ratios, runs)
     png = draw_heat_map({"cells": [c.name for c in cells], "ratios": ratios}, args.png)
     section = {"cells": [c.name for c in cells], "comparisons": COMPARISONS, "ratios": ratios,
                "worst": worst(ratios), "within_spread": all(row["ratio"] <= 1.0 + row["spread"]
                                                             for columns in ratios.values() for row in columns.values()),
-               "command": command_of(argv),
-               "rounds": rounds, "warmup": warmup, "wall_s": time.perf_counter() - start,
+               "runs": runs,
                "png": str(png.resolve().relative_to(ROOT)) if png.resolve().is_relative_to(ROOT) else str(png)}
     update_results("sizes", section, args.results)
     for name, columns in ratios.items():

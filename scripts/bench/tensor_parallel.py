@@ -13,7 +13,7 @@ replicated tensors on both sides. `torch.nn.utils.clip_grad_norm_` refuses a lis
 so torch's side takes each kind's norm apart (`get_total_norm`, the DTensor one made whole with `full_tensor()` as
 torchtitan's clipping does) and clips both with their total.
 
-Step time: both variants in the same two processes, one step each per round (A B A B) after a warm-up; the first
+Step time: both variants in the same two processes, one step each per round (A B, then B A) after a warm-up; the first
 loss and the loss after all timed steps must agree (the same weights, data and updates). Memory: each variant alone
 in two fresh processes, the peak resident set (VmHWM) of its fullest rank over three steps above what the process
 held before the model was built, glibc returning freed memory at once (`common.freed_to_the_system`); the build's

@@ -3,7 +3,7 @@
 The same MiniMind (8 layers, hidden 256, seq 128), the same partition, placement, micro-batches and token-sum
 loss; pp=4 gloo processes on the CPU, both frameworks passing boundary tensors over gloo (Sluice's
 `parallel.transport=p2p`; its default on one CPU host, shared memory, is timed beside them as "sluice_shm");
-variants alternate one step at a time (A B A B) after a warm-up. Each
+variants alternate one step at a time (A B, then B A) after a warm-up. Each
 step is forward + backward + the tied-embedding gradient sum (no optimizer: it is the same for both). Also
 each stage's peak activation memory (tensors saved for backward plus boundary outputs still held).
 Writes the "real" and "memory" sections of results.json.
