@@ -20,26 +20,27 @@ from training.reliability.watchdog import Limits, _device_stuck, report_hang
 RECV = Message(Action(Kind.RECV_F, 3, 1), peer=0)
 
 
-# --- AdamW: fused on CUDA, foreach elsewhere ---------------------------------------------------------------------
+# --- AdamW: fused on CUDA, the one-parameter loop elsewhere -------------------------------------------------------------
 
 
-def test_adamw_is_foreach_on_cpu_fused_on_cuda_and_a_resumed_step_moves_to_the_parameter():
-    from training.optim import build_optimizer, kernel, place_steps
+def test_adamw_is_the_loop_on_cpu_fused_on_cuda_and_a_resumed_step_moves_to_the_parameter():
+    from training.optim import build_optimizer, kernel, prepare_fused_step
 
     cfg = OmegaConf.create({"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8})
     optimizer = build_optimizer(torch.nn.Linear(4, 4).parameters(), cfg)
-    assert [(g["foreach"], g["fused"]) for g in optimizer.param_groups] == [(True, None), (True, None)]
-    assert kernel([torch.nn.Parameter(torch.zeros(2, device="meta"))]) == {"foreach": True}
+    assert [(g["foreach"], g["fused"]) for g in optimizer.param_groups] == [(False, None), (False, None)]
+    assert kernel([torch.nn.Parameter(torch.zeros(2, device="meta"))]) == {"foreach": False}
     # A resumed `step` is a host float scalar (checkpoint/distributed.py); the fused kernel reads it on the device.
     param = torch.nn.Parameter(torch.zeros(2, device="meta"))
     fused = torch.optim.AdamW([param], foreach=True)
     fused.state[param] = {"step": torch.tensor(3.0, dtype=torch.float64), "exp_avg": torch.zeros(2, device="meta")}
-    place_steps(fused)
+    prepare_fused_step(fused)
     assert (fused.state[param]["step"].device.type, fused.state[param]["step"].dtype) == ("meta", torch.float32)
 
 
-def test_foreach_adamw_equals_the_one_parameter_loop_bit_for_bit():
-    """Resume and golden tests stay bit for bit: foreach updates every element as foreach=False did."""
+def test_the_loop_adamw_equals_foreach_bit_for_bit():
+    """Checkpoints written before the CPU kernel changed resume bit for bit: the one-parameter loop (CPU's kernel now)
+    updates every element as foreach (CPU's kernel before) did."""
     torch.manual_seed(0)
     shapes = [(16, 8), (8,), (3, 16), (5,)]
     start = [torch.randn(s) for s in shapes]
@@ -56,6 +57,31 @@ def test_foreach_adamw_equals_the_one_parameter_loop_bit_for_bit():
         return params
 
     assert all(torch.equal(a, b) for a, b in zip(trained(foreach=True), trained(foreach=False)))
+
+
+def test_the_fused_step_sees_a_transposed_gradient_as_the_loop_does():
+    """The fused kernel (CUDA's AdamW; tested here on torch's fused CPU kernel, the same hook) against the
+    one-parameter loop, four steps, one gradient a transposed view (as a recomputed or tied weight's can be). torch's
+    fused CPU kernel reads it in memory order: without `prepare_fused_step` making it contiguous that parameter ends
+    4e-3 off; with it, a rounding."""
+    from training.optim import prepare_fused_step
+
+    torch.manual_seed(0)
+    start = torch.randn(30, 16)
+
+    def trained(**kind) -> torch.Tensor:
+        param = torch.nn.Parameter(start.clone())
+        optimizer = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kind)
+        if kind.get("fused"):
+            optimizer.register_step_pre_hook(prepare_fused_step)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            param.grad = torch.randn(16, 30, generator=gen).t()  # a transposed view: not contiguous
+            optimizer.step()
+        return param.detach()
+
+    fused, loop = trained(fused=True), trained(foreach=False)
+    assert (fused - loop).norm() <= 1e-6 * loop.norm(), (fused - loop).abs().max()
 
 
 # --- NCCL waits in stream order; the watchdog times them -----------------------------------------------------------
