@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -366,6 +367,20 @@ def update_results(section: str, value: Any, path: Path = RESULTS) -> None:
     data["machine"] = machine()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval of the median of `values`: order statistics k and n + 1 - k, k the largest with
+    P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2 (at least 1), and the coverage that interval has."""
+    ordered, n = sorted(values), len(values)
+
+    def below(k: int) -> float:  # P(Binomial(n, 1/2) < k): the chance the median lies below order statistic k
+        return sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and below(k + 1) <= (1 - confidence) / 2:
+        k += 1
+    return ordered[k - 1], ordered[n - k], 1 - 2 * below(k)
 
 
 def ratio_and_spread(ours: list[float], theirs: list[float]) -> dict:

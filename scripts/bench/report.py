@@ -10,11 +10,13 @@ from report_speedups import compiled_section, sizes_section
 
 MIB = 2**20
 METHOD = """\
-How it is measured. Every time is a median over steps; variants run alternately, one step each per round
-(A B, then B A: a step's slot in the round biases it, so each side takes both slots), after warm-up steps that
-are not counted, so a noisy neighbour hits all of them alike. A step's time is the slowest rank's, from a
-barrier to the end of its step. The processes are 4 gloo workers with one thread each on this machine's cores. CPU time (all ranks together) is given beside wall time: it is what a step
-costs whatever else the machine runs, so it separates framework work from a busy neighbour.
+How it is measured. Every time is a median over steps; variants run alternately, one step each per round, after
+warm-up steps that are not counted, so a noisy neighbour hits all of them alike: A B A B, and since 7a41764 A B
+then B A (a step's slot in the round biases it, so each side takes both slots; the compile measurements and the
+size sweep's DP columns were taken so). A step's time is the slowest rank's, from a barrier to the end of its
+step. The processes are 4 gloo workers with one thread each on this machine's cores. CPU time (all ranks
+together) is given beside wall time: it is what a step costs whatever else the machine runs, so it separates
+framework work from a busy neighbour.
 
 - **Sleep benchmark** (`scripts/bench/schedules.py`): every stage is one layer whose forward, input-gradient
   and weight-gradient passes sleep a fixed time (no CPU): f is one rank's share of the model (b = 2f, i = w = f;

@@ -81,7 +81,24 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
         out += ["", f"Worst cell: {columns[w['comparison']]} at {w['cell']}, {w['ratio']:.3f} ± {w['spread']:.3f}"
                 + ("; every cell within 1.00 + its spread." if z["within_spread"]
                    else "; **not every cell within 1.00 + its spread**.")]
-    return out + [""]
+    return out + _beyond(z) + [""]
+
+
+def _beyond(z: dict) -> list[str]:
+    """The cells above 1 + their spread, and where the median's distribution-free ~95% interval lies above 1 (a
+    Sluice side slower than its peer beyond the rounds' noise, not only beyond half their IQR)."""
+    from common import median_interval
+
+    rows = [(cell, column, row) for cell in z["cells"] for column, row in z["ratios"].get(cell, {}).items()]
+    above = [f"{column} at {cell} ({row['ratio']:.3f} ± {row['spread']:.3f})" for cell, column, row in rows
+             if row["ratio"] > 1 + row["spread"]]
+    intervals = {(cell, column): median_interval(row["round_ratios"]) for cell, column, row in rows
+                 if len(row.get("round_ratios") or ()) > 1}
+    slower = [f"{column} at {cell} [{lo:.3f}, {hi:.3f}]" for (cell, column), (lo, hi, _) in intervals.items() if lo > 1]
+    coverage = sorted({f"{c:.0%}" for _, _, c in intervals.values()})
+    return ["", "Above 1 + spread: " + ("; ".join(above) or "none") + f". The median's distribution-free interval "
+            f"(order statistics of the per-round ratios, coverage {' / '.join(coverage)}) lies wholly above 1 in "
+            f"{len(slower)} of {len(intervals)} cells" + (": " + "; ".join(slower) if slower else "") + "."]
 
 
 def _cell(row: dict | None) -> str:
