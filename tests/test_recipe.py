@@ -3,13 +3,16 @@
 previous export, the final model answers a chat prompt, and a student distilled from the SFT export ends nearer the
 teacher's distribution than a CE-only student at the same steps.
 
-The train.py lines run as the reader runs them (a subprocess each, the LoRA one launching its two pipeline workers);
-export_hf.py and generate.py run in this process through their `main(argv)` with the page's arguments, which saves a
-Python start-up each.
+The one-process train.py lines run through train.py's entry point in this process (`training.cli.main`: the
+pre-launch check, then Hydra, which writes the run's `.hydra/config.yaml` and train.log, then the launch), which saves
+a Python start-up of seconds each; the LoRA line runs as the reader runs it, a `python train.py` subprocess launching
+its two pipeline workers. export_hf.py and generate.py run in this process through their `main(argv)` with the
+page's arguments.
 """
 
 import importlib.util
 import json
+import logging
 import math
 import shlex
 import subprocess
@@ -68,6 +71,25 @@ def override(words: list[str], key: str) -> str | None:
     return next((w.split("=", 1)[1] for w in words if w.startswith(f"{key}=")), None)
 
 
+def train_py_in_this_process(argv: list[str], monkeypatch, capsys) -> None:
+    """`python train.py argv[1:]` through its entry point here; its exit code, if any, must be 0. Hydra configures the
+    root logger for the run (train.log, the console): that is put back after it, so later tests log as before."""
+    from training.cli import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        main()
+    except SystemExit as leave:
+        assert leave.code in (0, None), f"{' '.join(argv)}: exit {leave.code}\n{capsys.readouterr().err[-3000:]}"
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -96,7 +118,8 @@ def test_the_page_chains_pretrain_sft_lora_dpo_export_generate_distill():
     assert alike[0] == alike[1]  # the same student, data and seed
 
 
-def test_the_recipe_runs_and_its_final_model_answers_a_chat_prompt(tmp_path, data_cache, capsys):
+def test_the_recipe_runs_and_its_final_model_answers_a_chat_prompt(tmp_path, data_cache, capsys,
+                                                                    monkeypatch):
     root = tmp_path / "recipe"
     export, generate = script("export_hf"), script("generate")
     answer = None
@@ -105,9 +128,12 @@ def test_the_recipe_runs_and_its_final_model_answers_a_chat_prompt(tmp_path, dat
         if words[1] == "train.py":
             name = Path(override(words, "hydra.run.dir")).name
             argv = with_overrides(words[1:], {**SMALL, "train.steps": STEPS[name], "data.cache_dir": str(data_cache)})
-            result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                                    stdin=subprocess.DEVNULL)
-            assert result.returncode == 0, f"{' '.join(words)}\n{result.stderr[-3000:]}"
+            if "parallel.pp=2" in argv:  # the reader's self-launch of two workers, from a process of its own
+                result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                                        timeout=240, stdin=subprocess.DEVNULL)
+                assert result.returncode == 0, f"{' '.join(words)}\n{result.stderr[-3000:]}"
+            else:
+                train_py_in_this_process(argv, monkeypatch, capsys)
             assert [r["step"] for r in metrics(root / name)] == list(range(1, int(STEPS[name]) + 1)), name
         elif words[1].endswith("export_hf.py"):
             assert export.main(words[2:]) == 0, words
