@@ -104,6 +104,10 @@ def launch(cmd: list[str], args: list[str], run_dir: Path, cache: Path) -> subpr
                             start_new_session=True, env={**os.environ, "TMPDIR": str(TEMP)})
     proc.lines = []
     proc.reader = timed_lines(proc.stderr, proc.lines)
+    proc.ended_at = math.inf  # when the launcher exited, as it happened (not when a test got round to waiting)
+    proc.waiter = threading.Thread(target=lambda: (proc.wait(), setattr(proc, "ended_at", time.monotonic())),
+                                   daemon=True)
+    proc.waiter.start()
     return proc
 
 
@@ -148,6 +152,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, float]:
         if proc.poll() is None or pids_where(4, proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     took = time.monotonic() - began
+    proc.waiter.join(timeout=10)  # it sets proc.ended_at
     return stderr_of(proc), took
 
 
@@ -192,18 +197,26 @@ def faulted_runs(tmp_path_factory, data_cache) -> dict[str, Faulted]:
                    data_cache)
     runs["crash"] = Faulted(crash, 1)
     try:
+        # Each run is faulted as soon as it logged step 2, not once all have: a started run's workers would otherwise
+        # train at full speed (CPU taken from the others' start-ups) until the slowest one got there.
+        waiting = {name: run for name, run in runs.items() if name != "crash"}
+
+        def fault_the_started() -> bool:
+            for name, run in list(waiting.items()):
+                if logged_steps(base / name / "run") >= 2:
+                    assert run.proc.poll() is None, stderr_of(run.proc)[-3000:]
+                    os.kill(rank_pid(run.proc.pid, run.target), signal.SIGKILL if name.startswith("killed")
+                            else signal.SIGSTOP)
+                    run.faulted_at = time.monotonic()
+                    del waiting[name]
+                else:
+                    assert run.proc.poll() is None, f"{name} ended before step 2: {stderr_of(run.proc)[-3000:]}"
+            return not waiting
+
+        wait_until(fault_the_started, 240, "step 2 of every faulted run")
         for name, run in runs.items():
-            if name != "crash":
-                started(run.proc, base / name / "run")
-        for name, run in runs.items():
-            if name != "crash":
-                os.kill(rank_pid(run.proc.pid, run.target), signal.SIGKILL if name.startswith("killed")
-                        else signal.SIGSTOP)
-                run.faulted_at = time.monotonic()
-        for name in sorted(runs, key=lambda name: not name.startswith("killed")):  # the killed one first: timed
-            run, began = runs[name], time.monotonic()
-            run.stderr, took = finish(run.proc, 300 if name == "crash" else TIMEOUT_S + 60)
-            run.took = began + took - run.faulted_at
+            run.stderr, _ = finish(run.proc, 300 if name == "crash" else TIMEOUT_S + 60)
+            run.took = run.proc.ended_at - run.faulted_at  # timed by the waiter thread: the order here is free
     finally:
         for run in runs.values():
             if run.proc.poll() is None or pids_where(4, run.proc.pid):
