@@ -168,13 +168,24 @@ def test_workers_exit_when_their_launcher_is_killed_under_both_launchers(tmp_pat
     launchers = {"torchrun": [*torchrun, "train.py"], "self-launch": [sys.executable, "train.py"]}
     procs = {name: launch_long_run([*cmd, "parallel.pp=2"], tmp_path / name, data_cache, subprocess.DEVNULL)
              for name, cmd in launchers.items()}
-    try:
+    workers: dict[str, list[int]] = {}
+
+    def kill_the_started() -> bool:
+        """Each launcher is killed as soon as its run logged a step, not once both have: its workers would otherwise
+        train at full speed, taking CPU from the other run's start-up."""
         for name, proc in procs.items():
-            wait_for_step_1(proc, tmp_path / name)
-        workers = {name: pids_where(3, proc.pid) for name, proc in procs.items()}
-        assert all(len(pids) >= 2 for pids in workers.values()), workers
-        for proc in procs.values():
-            proc.kill()  # SIGKILL: the launcher cannot stop anybody
+            if name in workers:
+                continue
+            assert proc.poll() is None, f"{name} ended before step 1: {proc.returncode}"
+            metrics = tmp_path / name / "metrics.jsonl"
+            if metrics.exists() and metrics.stat().st_size > 0:
+                workers[name] = pids_where(3, proc.pid)
+                assert len(workers[name]) >= 2, workers  # the two workers are the launcher's children
+                proc.kill()  # SIGKILL: the launcher cannot stop anybody
+        return len(workers) == len(procs)
+
+    try:
+        wait_until(kill_the_started, 240, "step 1 of both runs")
         for name, proc in procs.items():
             proc.communicate(timeout=30)
             wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and pid in pids_where(4, proc.pid)
