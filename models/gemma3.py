@@ -7,13 +7,17 @@ an embedding that scales its output by sqrt(hidden) (a subclass of nn.Embedding,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
 from models.transformers_decoder import TransformersDecoderAdapter
 from parallel.decoder import ContractError
 from parallel.tensor import VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
 UNSUPPORTED = {"final_logit_softcapping": None, "use_bidirectional_attention": False}  # key -> the value Sluice runs
 
@@ -54,6 +58,9 @@ class Gemma3Adapter(TransformersDecoderAdapter):
                 sub.embed_scale.fill_(sub.scalar_embed_scale)
 
     def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
+        # Imported here: the registry imports this module in every process, and modeling_gemma3 costs 0.1-0.7 s.
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
         if isinstance(dense, Gemma3TextScaledWordEmbedding) and isinstance(parallel, VocabParallelEmbedding):
             return ScaledVocabParallelEmbedding(parallel, dense)
         return None

@@ -178,8 +178,10 @@ def run_outputs(run_dir: Path, checkpoint_dir: str | None) -> dict[str, str]:
 def quiet_progress_bars(rank: int) -> None:
     """Only global rank 0 draws bars: silence the libraries' own (datasets' "tokenizing") on every other rank."""
     if rank != 0:
-        import datasets
         import transformers
 
-        datasets.disable_progress_bars()
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].disable_progress_bars()
+        else:  # datasets reads this when first imported: a run that never tokenizes skips its 0.5 s import
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         transformers.utils.logging.disable_progress_bar()

@@ -13,6 +13,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, from any working directory
 
 if __name__ == "__main__":
+    import gc
+
     from training.launch import worker_main
 
+    gc.freeze()  # as train.py: the imports' objects live as long as the process, so the collector skips them
     worker_main(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
