@@ -5,6 +5,7 @@ catalogue runs through the same pre-launch check in-process in tests/test_config
 `python train.py` pays seconds of imports on two cores. For the same reason a bad run directory, a bad sweep job
 and --help go through train.py's entry point (training.cli.main) in this process: they end before Hydra runs."""
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -39,12 +40,24 @@ def test_bad_config_exits_2_with_one_line(args, expected, tmp_path):
 
 
 def train_py_here(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
-    """`python train.py args` through its entry point in this process, for commands that end before Hydra runs."""
+    """`python train.py args` through its entry point in this process: its exit code (0 when it returns) and output.
+    A run Hydra starts configures the root logger (train.log, the console): that is put back after, so later tests
+    log as before."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     monkeypatch.setattr(sys, "argv", ["train.py", *args])
-    with pytest.raises(SystemExit) as leave:
+    code = 0
+    try:
         main()
+    except SystemExit as leave:
+        code = leave.code or 0
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
     out = capsys.readouterr()
-    return subprocess.CompletedProcess(sys.argv, leave.value.code, out.out, out.err)
+    return subprocess.CompletedProcess(sys.argv, code, out.out, out.err)
 
 
 def launch_here(args: list[str], capsys) -> subprocess.CompletedProcess:

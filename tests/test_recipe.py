@@ -12,7 +12,6 @@ page's arguments.
 
 import importlib.util
 import json
-import logging
 import math
 import shlex
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.test_config_errors import train_py_here
 
 PAGE = ROOT / "docs" / "recipe.md"
 RUN_ROOT = "runs/recipe"
@@ -71,25 +71,6 @@ def override(words: list[str], key: str) -> str | None:
     return next((w.split("=", 1)[1] for w in words if w.startswith(f"{key}=")), None)
 
 
-def train_py_in_this_process(argv: list[str], monkeypatch, capsys) -> None:
-    """`python train.py argv[1:]` through its entry point here; its exit code, if any, must be 0. Hydra configures the
-    root logger for the run (train.log, the console): that is put back after it, so later tests log as before."""
-    from training.cli import main
-
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    monkeypatch.setattr(sys, "argv", argv)
-    try:
-        main()
-    except SystemExit as leave:
-        assert leave.code in (0, None), f"{' '.join(argv)}: exit {leave.code}\n{capsys.readouterr().err[-3000:]}"
-    finally:
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:], root.level = handlers, level
-
-
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -133,7 +114,8 @@ def test_the_recipe_runs_and_its_final_model_answers_a_chat_prompt(tmp_path, dat
                                         timeout=240, stdin=subprocess.DEVNULL)
                 assert result.returncode == 0, f"{' '.join(words)}\n{result.stderr[-3000:]}"
             else:
-                train_py_in_this_process(argv, monkeypatch, capsys)
+                result = train_py_here(argv[1:], monkeypatch, capsys)
+                assert result.returncode == 0, f"{' '.join(words)}\n{result.stderr[-3000:]}"
             assert [r["step"] for r in metrics(root / name)] == list(range(1, int(STEPS[name]) + 1)), name
         elif words[1].endswith("export_hf.py"):
             assert export.main(words[2:]) == 0, words
