@@ -3,6 +3,8 @@ the watchdog that times them, heartbeats dated by the store's clock, local worke
 groups split once per kind, the flight recorder's place, a checkpoint save that is not a hang, and CPU-pinned tests."""
 
 import os
+import signal
+import subprocess
 import time
 from datetime import timedelta
 
@@ -209,6 +211,57 @@ def test_a_checkpoint_save_longer_than_the_timeout_is_not_a_hang():
     watch.state.since -= 3600  # an hour of writing
     assert str(watch.state.what) == "after step 3: saving a checkpoint if one is due"
     assert not Limits(timeout_s=30, startup_timeout_s=60).exceeded(watch)
+
+
+def test_a_logged_steps_gather_is_a_timed_wait_and_local_work_ends_once_a_peer_stopped(tmp_path):
+    """Two silent hangs a SIGSTOP found (tests/test_launch_faults.py, 1 run in 6): rank 1 stopped between the step's
+    vote and the log record's peak-memory gather left rank 0 in 'optimizer step over dp' (under pp2 no peers: local
+    work, never timed) for good. The gather is now a wait for every rank; and local work that outlasts
+    parallel.timeout_s while a peer's beats stopped (a save's collectives wait for it too) is reported."""
+    from parallel.grid import ParallelGrid
+    from training.reliability.guard import StepGuard
+    from training.reliability.heartbeat import Beater
+    from training.reliability.watchdog import _peer_halted
+
+    cfg = OmegaConf.create({"train": {"on_nonfinite": "stop", "max_skipped_steps": 1}, "debug": {"fault": None}})
+    watch = Watch(0, groups={"dp": [0], "world": [0, 1]})
+    watch.run_dir = tmp_path
+    guard = StepGuard(cfg, ParallelGrid.single("cpu"), watch)
+    assert guard.should_step(3, 2.5, 1.0) and watch.state.waits_for == []  # pp2: no DP peer
+    guard.logging(3)
+    assert watch.state.waits_for == [1] and str(watch.state.what) == "step 3: logging's peak-memory gather over world"
+
+    store, clock = dist.HashStore(), Clock()
+    beater = Beater({}, 0, 2)
+    beater.link, peer = Heartbeats(store, 0, 2, clock=clock), Heartbeats(store, 1, 2, clock=clock)
+    watch.beater = beater
+    stopped = subprocess.Popen(["sleep", "60"])  # the peer's process: stopped, then ended by the report
+    os.kill(stopped.pid, signal.SIGSTOP)
+    beat = lambda: Beat(1, 3, "step 4: optimizer step over dp", [0], 1.0, pid=stopped.pid)  # noqa: E731
+    limits = Limits(timeout_s=30, startup_timeout_s=60)
+    guard.checkpointing(3)
+    watch.state.since -= 31  # local work past parallel.timeout_s, the peer beating on (a slow save)
+    for _ in range(3):
+        peer.publish(beat())
+        beater.link.publish(Beat(0, 3, "after step 3: saving a checkpoint if one is due", [], 31.0))
+        clock.now += 1.0
+    assert not _peer_halted(watch, limits)
+    for _ in range(6):  # now its beats stopped: a save's collective would wait for it forever
+        beater.link.publish(Beat(0, 3, "after step 3: saving a checkpoint if one is due", [], 31.0))
+        clock.now += 1.0
+    assert not _peer_halted(watch, limits)  # asked again too soon: at most once per STALE_S
+    beater.next_look = 0.0
+    assert _peer_halted(watch, limits)
+    watch.state.since += 30  # within parallel.timeout_s: a stopped peer is not this rank's to report yet
+    beater.next_look = 0.0
+    assert not _peer_halted(watch, limits)
+    watch.state.since -= 30
+    report_hang(watch, limits, announce=False)
+    record = (tmp_path / "failures" / "rank0.json").read_text()
+    assert "rank 1 stalled at step 3 in step 4: optimizer step over dp, last heard 7s ago; rank(s) 0 waiting on it " \
+           "(rank 0: no progress for 31s (parallel.timeout_s=30) in: after step 3: saving a checkpoint if one is due" \
+           in record, record
+    assert stopped.wait(timeout=10) == -signal.SIGKILL  # a stopped process ignores SIGTERM: the report ends it
 
 
 # --- local workers against visible GPUs, before launch -------------------------------------------------------------

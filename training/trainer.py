@@ -195,6 +195,7 @@ class Trainer:
                         record.update(self.evaluate())
                     if step == 0 and self.data.skipped_lines:
                         record["skipped_lines"] = self.data.skipped_lines
+                    guard.logging(step + 1)
                     record.update(peak_memory_record(world_group(self.grid), self.grid.device))  # collective
                     if self.expert_load is not None:  # collective
                         record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank))

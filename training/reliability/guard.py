@@ -73,6 +73,11 @@ class StepGuard:
         """Validation after `step`: forward-only pipeline waits and loss sums over the whole grid."""
         self.watch.collective(f"step {step}: validation", "world")
 
+    def logging(self, step: int) -> None:
+        """A logged step's record: its peak-memory gather (and expert load) wait for every rank. Said, so that a peer
+        stopped between the step's vote and this gather is timed like any wait, not taken for local work."""
+        self.watch.collective(f"step {step}: logging's peak-memory gather", "world")
+
     def end(self, step: int) -> None:
         """The step is done: local work (logging, data) until the next one."""
         self.watch.done(f"step {step}")

@@ -204,7 +204,7 @@ class Beater:
     def __init__(self, env: dict, rank: int, world_size: int):
         self.env, self.rank, self.world_size = env, rank, world_size
         self.link: Heartbeats | None = None
-        self.attempts, self.next_try, self.next_beat = 0, 0.0, 0.0
+        self.attempts, self.next_try, self.next_beat, self.next_look = 0, 0.0, 0.0, 0.0
         self.lock = threading.Lock()  # the watchdog's periodic beats and the main thread's Watch.publish
         self.prompt = True  # the main thread publishes too, until the store fails it once (it must not wait on it)
 
@@ -233,6 +233,16 @@ class Beater:
             except Exception:  # noqa: BLE001  the store went away
                 return False
             return True
+
+    def halted_peer(self, rank: int, waited_s: float) -> bool:
+        """Whether a peer's process died or its beats stopped, asked at most once per STALE_S (every rank's beat is
+        read): for a rank in local work that has gone on for long, which a collective inside it may be waiting on."""
+        now = time.monotonic()
+        if now < self.next_look:
+            return False
+        self.next_look = now + STALE_S
+        blamed = self.blame(rank, waited_s)
+        return blamed is not None and blamed[0].kind in ("died", "stopped")
 
     def blame(self, rank: int, waited_s: float = 0.0, dead_only: bool = False) -> tuple[Culprit, str] | None:
         """The culprit and its blame line as this rank sees the beats now, or None."""
