@@ -228,6 +228,8 @@ def test_a_logged_steps_gather_is_a_timed_wait_and_local_work_ends_once_a_peer_s
     watch.run_dir = tmp_path
     guard = StepGuard(cfg, ParallelGrid.single("cpu"), watch)
     assert guard.should_step(3, 2.5, 1.0) and watch.state.waits_for == []  # pp2: no DP peer
+    guard.comparing_compiled(3)  # train.compile=auto's timing all-reduce, right after the vote: the same
+    assert watch.state.waits_for == [1]
     guard.logging(3)
     assert watch.state.waits_for == [1] and str(watch.state.what) == "step 3: logging's peak-memory gather over world"
 

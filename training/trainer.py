@@ -168,7 +168,10 @@ class Trainer:
                 step_time = time.perf_counter() - start
                 if step == first and self.compile_mode != "off" and self.grid.rank == 0:  # compiled at the first call
                     log.info("train.compile: the first step took %.1f s, compiling each decoder layer", step_time)
-                choice = self.compile_trial.after_step(step_time) if self.compile_trial is not None else None
+                choice = None
+                if self.compile_trial is not None and self.compile_trial.choice is None:
+                    guard.comparing_compiled(step + 1)
+                    choice = self.compile_trial.after_step(step_time)
                 if choice is not None and self.grid.rank == 0:  # every rank made it (one all-reduce of the times)
                     log.info(choice.line())
                 losses.append(result.loss)

@@ -73,6 +73,10 @@ class StepGuard:
         """Validation after `step`: forward-only pipeline waits and loss sums over the whole grid."""
         self.watch.collective(f"step {step}: validation", "world")
 
+    def comparing_compiled(self, step: int) -> None:
+        """train.compile=auto's trial: its last step's all-reduce of the timings waits for every rank."""
+        self.watch.collective(f"step {step}: train.compile=auto's timing all-reduce", "world")
+
     def logging(self, step: int) -> None:
         """A logged step's record: its peak-memory gather (and expert load) wait for every rank. Said, so that a peer
         stopped between the step's vote and this gather is timed like any wait, not taken for local work."""
