@@ -214,14 +214,14 @@ def test_a_checkpoint_save_longer_than_the_timeout_is_not_a_hang():
 
 
 def test_a_logged_steps_gather_is_a_timed_wait_and_local_work_ends_once_a_peer_stopped(tmp_path):
-    """Two silent hangs a SIGSTOP found (tests/test_launch_faults.py, 1 run in 6): rank 1 stopped between the step's
-    vote and the log record's peak-memory gather left rank 0 in 'optimizer step over dp' (under pp2 no peers: local
-    work, never timed) for good. The gather is now a wait for every rank; and local work that outlasts
-    parallel.timeout_s while a peer's beats stopped (a save's collectives wait for it too) is reported."""
+    """A silent hang a SIGSTOP found (CI's tests/test_launch_faults.py; 1 of 4 such runs here): rank 1 stopped
+    between the step's vote and the log record's peak-memory gather left rank 0 in 'optimizer step over dp' (under
+    pp2 no peers: local work, never timed) for good. The gather is now a wait for every rank; and local work that
+    outlasts parallel.timeout_s while a peer's beats stopped (a save's collectives wait for it too) is reported."""
     from parallel.grid import ParallelGrid
     from training.reliability.guard import StepGuard
     from training.reliability.heartbeat import Beater
-    from training.reliability.watchdog import _peer_halted
+    from training.reliability.watchdog import _peer_stopped
 
     cfg = OmegaConf.create({"train": {"on_nonfinite": "stop", "max_skipped_steps": 1}, "debug": {"fault": None}})
     watch = Watch(0, groups={"dp": [0], "world": [0, 1]})
@@ -247,16 +247,16 @@ def test_a_logged_steps_gather_is_a_timed_wait_and_local_work_ends_once_a_peer_s
         peer.publish(beat())
         beater.link.publish(Beat(0, 3, "after step 3: saving a checkpoint if one is due", [], 31.0))
         clock.now += 1.0
-    assert not _peer_halted(watch, limits)
+    assert not _peer_stopped(watch, limits)
     for _ in range(6):  # now its beats stopped: a save's collective would wait for it forever
         beater.link.publish(Beat(0, 3, "after step 3: saving a checkpoint if one is due", [], 31.0))
         clock.now += 1.0
-    assert not _peer_halted(watch, limits)  # asked again too soon: at most once per STALE_S
+    assert not _peer_stopped(watch, limits)  # asked again too soon: at most once per STALE_S
     beater.next_look = 0.0
-    assert _peer_halted(watch, limits)
+    assert _peer_stopped(watch, limits)
     watch.state.since += 30  # within parallel.timeout_s: a stopped peer is not this rank's to report yet
     beater.next_look = 0.0
-    assert not _peer_halted(watch, limits)
+    assert not _peer_stopped(watch, limits)
     watch.state.since -= 30
     report_hang(watch, limits, announce=False)
     record = (tmp_path / "failures" / "rank0.json").read_text()
@@ -264,6 +264,8 @@ def test_a_logged_steps_gather_is_a_timed_wait_and_local_work_ends_once_a_peer_s
            "(rank 0: no progress for 31s (parallel.timeout_s=30) in: after step 3: saving a checkpoint if one is due" \
            in record, record
     assert stopped.wait(timeout=10) == -signal.SIGKILL  # a stopped process ignores SIGTERM: the report ends it
+    beater.next_look = 0.0
+    assert not _peer_stopped(watch, limits)  # now dead: its launcher's to report (a report here races its SIGTERM)
 
 
 # --- local workers against visible GPUs, before launch -------------------------------------------------------------

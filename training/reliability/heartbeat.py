@@ -234,15 +234,16 @@ class Beater:
                 return False
             return True
 
-    def halted_peer(self, rank: int, waited_s: float) -> bool:
-        """Whether a peer's process died or its beats stopped, asked at most once per STALE_S (every rank's beat is
-        read): for a rank in local work that has gone on for long, which a collective inside it may be waiting on."""
+    def stopped_peer(self, rank: int, waited_s: float) -> bool:
+        """Whether a peer's beats stopped (a frozen process), asked at most once per STALE_S (every rank's beat is
+        read): for a rank in local work that has gone on for long, which a collective inside it may be waiting on. Not
+        a peer that died: its launcher sees that and stops the group (a report here would only race its SIGTERM)."""
         now = time.monotonic()
         if now < self.next_look:
             return False
         self.next_look = now + STALE_S
         blamed = self.blame(rank, waited_s)
-        return blamed is not None and blamed[0].kind in ("died", "stopped")
+        return blamed is not None and blamed[0].kind == "stopped"
 
     def blame(self, rank: int, waited_s: float = 0.0, dead_only: bool = False) -> tuple[Culprit, str] | None:
         """The culprit and its blame line as this rank sees the beats now, or None."""

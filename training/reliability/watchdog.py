@@ -7,7 +7,7 @@ a C call that never returns, and it must not print a traceback per rank):
 - this rank has waited for peers (P2P, a collective) longer than parallel.timeout_s, or during start-up (peers
   still importing and joining) longer than parallel.startup_timeout_s: write the hang dump and a one-line
   failure, exit 1 (local work is not timed: its peers time out waiting for it, unless the heartbeats say a peer
-  stopped or died meanwhile: a collective inside that work waits for it); under NCCL a P2P wait only orders
+  froze meanwhile: a collective inside that work waits for it); under NCCL a P2P wait only orders
   the device's stream, so the thread also polls `is_completed()` of the transfers waited for (`Watch.device_wait`);
 - SIGTERM / SIGINT arrived: their Python handlers do nothing, and the C-level handler writes the signal
   number to a wakeup socket this thread selects on, so it acts even while the main thread sits in a C call
@@ -149,7 +149,7 @@ def _loop(watch: Watch, limits: Limits, parent: int | None, announce: bool, sock
             os._exit(1)  # the launcher is gone: nobody will collect this rank's result
         if watch.beater is not None:
             watch.beater.tick(watch)
-        if limits.exceeded(watch) or _device_stuck(watch, limits) or _peer_halted(watch, limits):
+        if limits.exceeded(watch) or _device_stuck(watch, limits) or _peer_stopped(watch, limits):
             report_hang(watch, limits, announce)
             sys.stderr.flush()
             os._exit(1)
@@ -170,11 +170,12 @@ def _device_stuck(watch: Watch, limits: Limits) -> bool:
     return True
 
 
-def _peer_halted(watch: Watch, limits: Limits) -> bool:
-    """Local work (not timed: a slow save is no hang) past parallel.timeout_s while a peer stopped (its beats did) or
-    died: a collective inside that work (a checkpoint save's) would wait for it forever, so it is reported as a wait."""
+def _peer_stopped(watch: Watch, limits: Limits) -> bool:
+    """Local work (not timed: a slow save is no hang) past parallel.timeout_s while a peer stopped (its beats did): a
+    collective inside that work (a checkpoint save's) would wait for it forever, and no launcher sees a frozen
+    process, so it is reported as a wait."""
     return (watch.beater is not None and not watch.state.waits_for and not watch.state.startup
-            and watch.blocked_s() > limits.timeout_s and watch.beater.halted_peer(watch.rank, watch.blocked_s()))
+            and watch.blocked_s() > limits.timeout_s and watch.beater.stopped_peer(watch.rank, watch.blocked_s()))
 
 
 def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
