@@ -52,8 +52,9 @@ def kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
     temporaries cost more than the loop; foreach left a dp2 step 1.8% behind DDP's default AdamW) and updates every
     element bit for bit as foreach did. (torch's fused CPU kernel is 3.6x faster still and exact in every layout, but
     it rounds about 2% of elements one ulp apart from the loop; in tests/test_families.py's bf16 Qwen3 pp2 case one
-    such embedding element, already one ulp off in pp2 from its tied gradient's order of summation, flips a bf16
-    activation and moves step 2 by 3e-3: 2e-4 apart at the end where the loop, by rounding luck, stays at 5e-8.
+    such embedding element (its tied gradient already differs by an ulp in pp2: another order of summation) moves
+    step 2's backward by 3e-3, about one bf16 rounding step: 2e-4 apart at the end where the loop, by rounding luck,
+    stays at 5e-8.
     Fused failed 1 of 11 seeds there, the loop 0; kept off while a test's tolerance rests on that luck.)"""
     if params and all(p.device.type == "cuda" for p in params):
         return {"fused": True}
