@@ -1,6 +1,9 @@
-"""Real faults from outside: a worker stopped (SIGSTOP) or killed (SIGKILL) under self-launch and torchrun is named
-first, promptly; train.max_restarts survives a kill bit for bit, and gives up on a fault that keeps coming back."""
+"""Real faults: a worker stopped (SIGSTOP) or killed (SIGKILL) under self-launch and torchrun is named first, promptly;
+train.max_restarts and torchrun's --max-restarts survive a kill bit for bit (whichever restarted rank arrives first),
+train.max_restarts gives up on a fault that keeps coming back, and under torchrun every report lands in the run
+directory (never the working directory), naming a stalled rank by the phase it is in."""
 
+import contextlib
 import json
 import math
 import os
@@ -11,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -23,11 +26,21 @@ from tests.spawn import run_workers
 from tests.test_reliability import TINY, pids_where, sluice_lines, wait_until
 
 TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--monitor-interval", "0.1",
-            "--log-dir", "{tmp}/torchrun"]  # torchrun's own logs (without it: torchelastic_* in the temp folder)
+            "--log-dir", "{tmp}/torchrun", "--nproc-per-node", "2"]  # its logs (else torchelastic_* in the temp folder)
+TRAIN = str(ROOT / "train.py")  # absolute: the torchrun runs start in an empty working directory
 LAUNCHERS = {  # launcher -> (command, layout, the rank to fault: its peer waits on it in P2P, or in a collective)
-    "self-launch": ([sys.executable, "train.py"], ["parallel.pp=2"], 1),
-    "torchrun": ([*TORCHRUN, "--nproc-per-node", "2", "train.py"], ["parallel.dp=2"], 1),
+    "self-launch": ([sys.executable, TRAIN], ["parallel.pp=2"], 1),
+    "torchrun": ([*TORCHRUN, TRAIN], ["parallel.dp=2"], 1),
 }
+# torchrun --max-restarts 1 through tests/late_rank_train.py: the killed rank 1 dies once rank 0 waits on it, and
+# joins the restarted group after rank 0 entered the rendezvous (the order that read the dead rank's address from
+# torchrun's store and failed, or hung, before each start had a store of its own). Its agent looks at the workers
+# every 5 s, so rank 0, woken by its collective, names the death before the agent reaps the dead rank and stops rank 0
+# (with rank 1 killed while rank 0 still computed and the agent at 0.1 s, the agent won in 1 of 3 runs here: no
+# `sluice:` line at all). Rank 0 then ends by itself: the group still ends at once.
+LATE_RANK = [*TORCHRUN[:3], "5", *TORCHRUN[4:], "--max-restarts", "1", str(ROOT / "tests" / "late_rank_train.py"),
+             TRAIN]
+RESUMED = ["parallel.dp=2", "train.steps=5", "checkpoint.every=1", "checkpoint.resume=auto", "optim.lr=1e-3"]
 TIMEOUT_S = 15
 
 
@@ -84,7 +97,7 @@ def leaves_nothing_behind():
     shutil.rmtree(TEMP)  # empty but for torch's cache folder
 
 
-def rank_pid(launcher_pid: int, rank: int) -> int:
+def find_rank_pid(launcher_pid: int, rank: int) -> int | None:
     """The pid of the worker of global `rank` among the launcher's children (each names itself sluice-rank<R>)."""
     for pid in pids_where(3, launcher_pid):
         try:
@@ -92,22 +105,48 @@ def rank_pid(launcher_pid: int, rank: int) -> int:
                 return pid
         except OSError:
             continue
-    raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
+    return None
 
 
-def launch(cmd: list[str], args: list[str], run_dir: Path, cache: Path) -> subprocess.Popen:
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    if (pid := find_rank_pid(launcher_pid, rank)) is None:
+        raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
+    return pid
+
+
+def workers_of(launchers: set[int]) -> dict[tuple[int, int], int]:
+    """(launcher pid, rank) -> pid of each worker (named sluice-rank<R>) among the launchers' children: one pass over
+    /proc for all of them (a pass costs milliseconds, polled five times a second)."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if comm.startswith("sluice-rank") and int(fields[1]) in launchers:
+            found[int(fields[1]), int(comm.removeprefix("sluice-rank"))] = int(entry.name)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` is there and neither stopped nor dead (a zombie its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "TtZX"
+
+
+def launch(cmd: list[str], args: list[str], run_dir: Path, cache: Path, cwd: Path = ROOT) -> subprocess.Popen:
     """A run in its own session; a thread keeps its stderr lines with their arrival times in `proc.lines` (a full
     pipe would block the run)."""
     cmd = [part.replace("{tmp}", str(run_dir.parent)) for part in cmd]
     proc = subprocess.Popen([*cmd, *TINY, *args, f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "TMPDIR": str(TEMP)})
     proc.lines = []
     proc.reader = timed_lines(proc.stderr, proc.lines)
-    proc.ended_at = math.inf  # when the launcher exited, as it happened (not when a test got round to waiting)
-    proc.waiter = threading.Thread(target=lambda: (proc.wait(), setattr(proc, "ended_at", time.monotonic())),
-                                   daemon=True)
-    proc.waiter.start()
     return proc
 
 
@@ -149,11 +188,17 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, float]:
     try:
         proc.wait(timeout=timeout)
     finally:
-        if proc.poll() is None or pids_where(4, proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
     took = time.monotonic() - began
-    proc.waiter.join(timeout=10)  # it sets proc.ended_at
     return stderr_of(proc), took
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of a run: its launcher's session, and torchrun's workers (each in a session of its own)."""
+    if proc.poll() is None or pids_where(4, proc.pid):
+        for pid in [*pids_where(3, proc.pid), -proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # -pid: the launcher's process group
 
 
 def first_sluice_line(stderr: str) -> str:
@@ -173,60 +218,101 @@ CRASH = "debug.fault='crash@rank=1,step=5'"
 
 @dataclass
 class Faulted:
-    """A run this module faulted: its process, its stderr once it ended, and when it was faulted and ended."""
+    """A run of `faulted_runs`: its process and directories, its stderr once it ended, and when it was faulted and
+    ended. `self_faulted`: debug.fault faults it (at the start of step 3), and the test watches ranks 0 and 1."""
 
     proc: subprocess.Popen
     target: int
+    run_dir: Path
+    cwd: Path
+    self_faulted: bool = False
     stderr: str = ""
     faulted_at: float = math.inf
-    took: float = math.inf  # from the fault to the end of the run
+    group_ended_at: float = math.inf  # when the workers' group the fault hit was seen gone (its rank 0 ended)
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid of the first start's workers, once seen
+    seen_running: float = -math.inf  # the last poll that saw the target rank running, before its fault
 
 
 @pytest.fixture(scope="module")
 def faulted_runs(tmp_path_factory, data_cache) -> dict[str, Faulted]:
-    """Four runs side by side, so that the suite waits once for their timeouts and start-ups: a worker stopped
-    (SIGSTOP) under each launcher, a worker killed (SIGKILL) under torchrun, and a self-launched crash that comes
-    back after its restart. Each is its own run in its own directory; only the waiting overlaps."""
+    """Five runs side by side, so that the suite waits once for their timeouts and start-ups: a worker stopped
+    (SIGSTOP) under each launcher, a worker killed (SIGKILL) under torchrun --max-restarts 1, rank 0 stalled in
+    start-up under torchrun, and a self-launched crash that comes back after its restart. Each is its own run in its
+    own directory; only the waiting overlaps. The torchrun runs start in an empty working directory (rank 1 runs
+    Hydra there: no report may land in it). Their rank 1 stops or kills itself (debug.fault) as step 3 begins (the
+    killed one once rank 0 waits on it), so that one run serves both the timing of the named rank and the tests of
+    the phase named, the reports' place and the bit-for-bit resume (each torchrun dp2 run costs some 20 CPU s of
+    start-up). Only the self-launched run is stopped from here, at whatever point it is in once it logged step 2."""
     base = tmp_path_factory.mktemp("faulted")
     long_run = ["train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"]
-    plans = {f"stopped under {name}": (cmd, layout, target) for name, (cmd, layout, target) in LAUNCHERS.items()}
-    plans["killed under torchrun"] = LAUNCHERS["torchrun"]
-    runs = {name: Faulted(launch(cmd, [*layout, *long_run], base / name / "run", data_cache), target)
-            for name, (cmd, layout, target) in plans.items()}
-    crash = launch([sys.executable, "train.py"], ["parallel.dp=2", *RESTARTS, CRASH], base / "crash" / "run",
-                   data_cache)
-    runs["crash"] = Faulted(crash, 1)
+    self_launch, layout, _ = LAUNCHERS["self-launch"]
+    plans = {  # name -> command, arguments, whether it starts in the repository root (else an empty directory)
+        "stopped under self-launch": (self_launch, [*layout, *long_run], True),
+        "stopped under torchrun": (LAUNCHERS["torchrun"][0], [*LAUNCHERS["torchrun"][1], *long_run,
+                                                              "debug.fault='stop@rank=1,step=3'"], False),
+        "killed under torchrun": (LATE_RANK, [*RESUMED, "debug.fault='kill@rank=1,step=3'"], False),
+        "start-up": (LAUNCHERS["torchrun"][0], ["parallel.dp=2", "parallel.startup_timeout_s=10",
+                                                "debug.fault='stall@rank=0,step=0'"], False),
+        "crash": (self_launch, ["parallel.dp=2", *RESTARTS, CRASH], True),
+    }
+    runs = {}
+    for name, (cmd, args, in_root) in plans.items():
+        cwd, run_dir = ROOT if in_root else base / name / "cwd", base / name / "run"
+        cwd.mkdir(parents=True, exist_ok=True)
+        runs[name] = Faulted(launch(cmd, args, run_dir, data_cache, cwd), 1, run_dir, cwd,
+                             self_faulted=name.endswith("under torchrun"))
     try:
-        # Each run is faulted as soon as it logged step 2, not once all have: a started run's workers would otherwise
-        # train at full speed (CPU taken from the others' start-ups) until the slowest one got there.
-        waiting = {name: run for name, run in runs.items() if name != "crash"}
+        # The self-launched run is stopped as soon as it logged step 2, not once all have: a started run's workers
+        # would otherwise train at full speed (CPU taken from the others' start-ups) until the slowest one got there.
+        # A self-faulted run's fault time is the last poll that saw its rank 1 running (stopped: state T; killed: gone
+        # or a zombie): the fault came after it, so each time measured from it is an upper bound of the real one (by
+        # at most a poll, 0.2 s). A killed run's group (its first start) ended when its rank 0 did.
+        waiting = {name: run for name, run in runs.items() if name.startswith(("stopped", "killed"))}
 
         def fault_the_started() -> bool:
+            now = time.monotonic()  # before any look below: a state seen running was so at this moment or later
+            unnamed = {run.proc.pid: run for run in waiting.values() if run.self_faulted and len(run.pids) < 2}
+            for (launcher, rank), pid in (workers_of(set(unnamed)) if unnamed else {}).items():
+                unnamed[launcher].pids.setdefault(rank, pid)
             for name, run in list(waiting.items()):
-                if logged_steps(base / name / "run") >= 2:
-                    assert run.proc.poll() is None, stderr_of(run.proc)[-3000:]
-                    os.kill(rank_pid(run.proc.pid, run.target), signal.SIGKILL if name.startswith("killed")
-                            else signal.SIGSTOP)
-                    run.faulted_at = time.monotonic()
+                if not run.self_faulted:
+                    if logged_steps(run.run_dir) >= 2:
+                        assert run.proc.poll() is None, stderr_of(run.proc)[-3000:]
+                        os.kill(rank_pid(run.proc.pid, run.target), signal.SIGSTOP)
+                        run.faulted_at = time.monotonic()
+                        del waiting[name]
+                    else:
+                        assert run.proc.poll() is None, f"{name} ended before step 2: {stderr_of(run.proc)[-3000:]}"
+                    continue
+                if run.faulted_at == math.inf and len(run.pids) == 2:
+                    if running(run.pids[run.target]):
+                        run.seen_running = now
+                    else:
+                        assert run.seen_running > -math.inf, f"{name}: its rank 1 was never seen running"
+                        run.faulted_at = run.seen_running
+                elif run.faulted_at == math.inf:
+                    assert run.proc.poll() is None, f"{name} ended before step 3: {stderr_of(run.proc)[-3000:]}"
+                if run.faulted_at < math.inf and name.startswith("stopped"):
                     del waiting[name]
-                else:
-                    assert run.proc.poll() is None, f"{name} ended before step 2: {stderr_of(run.proc)[-3000:]}"
+                elif run.faulted_at < math.inf and not running(run.pids[0]):
+                    run.group_ended_at = time.monotonic()  # after the look: an upper bound too
+                    del waiting[name]
             return not waiting
 
-        wait_until(fault_the_started, 240, "step 2 of every faulted run")
+        wait_until(fault_the_started, 240, "the fault of every faulted run")
         for name, run in runs.items():
-            run.stderr, _ = finish(run.proc, 300 if name == "crash" else TIMEOUT_S + 60)
-            run.took = run.proc.ended_at - run.faulted_at  # timed by the waiter thread: the order here is free
+            run.stderr, _ = finish(run.proc, 300 if name in ("crash", "killed under torchrun", "start-up")
+                                   else TIMEOUT_S + 60)
     finally:
         for run in runs.values():
-            if run.proc.poll() is None or pids_where(4, run.proc.pid):
-                os.killpg(run.proc.pid, signal.SIGKILL)
+            end_group(run.proc)
     return runs
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_stopped_worker_is_named_first_within_timeout_plus_15s(faulted_runs, launcher):
-    """Each launcher's run of `faulted_runs`: the stopped rank is named first, within parallel.timeout_s + 15 s."""
+    """Each launcher's stopped run of `faulted_runs`: the stopped rank is named first, within parallel.timeout_s +
+    15 s (self-launch: stopped from here once step 2 was logged; torchrun: it stopped itself as step 3 began)."""
     run = faulted_runs[f"stopped under {launcher}"]
     at, line = first_named(run.proc)
     assert line.startswith(f"sluice: rank {run.target} stalled "), run.stderr[-3000:]
@@ -236,16 +322,54 @@ def test_a_stopped_worker_is_named_first_within_timeout_plus_15s(faulted_runs, l
     assert took <= TIMEOUT_S + 15, f"{launcher}: named after {took:.1f}s: {line}"
 
 
-def test_a_killed_worker_ends_the_run_before_any_timeout_under_torchrun(faulted_runs):
-    """The death itself ends the run: well before parallel.timeout_s could (about 0.5 s on an idle machine; the
-    bound is the timeout, so a loaded machine's slower teardown is no failure, a missed death still is)."""
+def test_a_rank_frozen_at_step_3_is_named_in_step_3(faulted_runs):
+    """The stopped run under torchrun: its heartbeat said so as the step began, not a second later: the last
+    periodic beat described start-up or an earlier step (steps of the tiny model take a fraction of a second). The
+    run failed, and its reports are in the run directory, none in the working directory."""
+    run = faulted_runs["stopped under torchrun"]
+    assert run.proc.returncode != 0
+    line = first_sluice_line(run.stderr)
+    assert line.startswith("sluice: rank 1 stalled at step 3 in step 3: starting, last heard "), line
+    assert list(run.cwd.iterdir()) == [] and (run.run_dir / "failures" / "rank0.json").exists()
+
+
+def test_a_killed_worker_is_named_first_and_ends_its_group_before_any_timeout_under_torchrun(faulted_runs):
+    """The killed run under torchrun (--max-restarts 1): the death itself is named first and ends the workers of that
+    start, well before a timeout could (0.1-0.4 s here, loaded; the bound is the other runs' timeout, far below this
+    run's parallel.timeout_s of 300 s: a loaded machine's slower teardown is no failure, a missed death still is)."""
     run = faulted_runs["killed under torchrun"]
-    line = first_sluice_line(run.stderr)  # the agent may stop the survivors before they speak: its report names it
-    named = line.startswith(f"sluice: rank {run.target} died") if line else \
-        f"local_rank: {run.target}" in run.stderr and "Signal 9 (SIGKILL)" in run.stderr
-    assert named, run.stderr[-3000:]
-    print(f"torchrun: rank {run.target} killed, the run ended {run.took:.1f}s later: {line or 'torchrun named it'}")
-    assert run.took < TIMEOUT_S, f"the run ended {run.took:.1f}s after the kill: it waited out parallel.timeout_s"
+    at, line = first_named(run.proc)
+    assert line.startswith(f"sluice: rank {run.target} died (SIGKILL"), run.stderr[-3000:]
+    named, ended = at - run.faulted_at, run.group_ended_at - run.faulted_at
+    print(f"torchrun: rank {run.target} killed, named after {named:.1f}s, its group ended after {ended:.1f}s: {line}")
+    assert named < TIMEOUT_S and ended < TIMEOUT_S, f"named after {named:.1f}s, the group ended after {ended:.1f}s"
+
+
+def test_a_rank_killed_under_torchrun_max_restarts_resumes_bit_for_bit(faulted_runs, data_cache, tmp_path):
+    """The killed run under torchrun: rank 1 is killed at step 3 (once rank 0 waits on it); in the restarted group it
+    joins last, after rank 0 entered the rendezvous (tests/late_rank_train.py). Every report is in the run
+    directory."""
+    run = faulted_runs["killed under torchrun"]
+    assert run.proc.returncode == 0, run.stderr[-3000:]
+    assert "sluice: rank 1 died (SIGKILL" in run.stderr and "connectFullMesh" not in run.stderr
+    assert list(run.cwd.iterdir()) == []
+    log = (run.run_dir / "train.log").read_text()
+    assert "resumed from" in log, log[-2000:]
+    runs = [([*TINY, *RESUMED[:-2], RESUMED[-1]], str(tmp_path / "straight"))]  # the same run, uninterrupted
+    straight = run_workers(layouts_worker, 2, runs, str(data_cache), timeout=300)[0][0]
+    assert [loss for _, loss in sorted(losses_by_step(run.run_dir).items())] == straight["losses"]
+
+
+def test_a_start_up_failure_under_torchrun_reports_into_the_run_directory_only(faulted_runs):
+    run = faulted_runs["start-up"]
+    assert run.proc.returncode != 0
+    assert list(run.cwd.iterdir()) == []  # rank 1 ran Hydra here: before, its failures/ and hang/ landed here
+    record = json.loads((run.run_dir / "failures" / "rank1.json").read_text())
+    assert record["message"].startswith("rank 0 stalled in a debug.fault stall (start-up"), record
+    assert "parallel.startup_timeout_s=10" in record["message"] and f"hang dump in {run.run_dir / 'hang'}" in \
+        record["message"]
+    assert json.loads((run.run_dir / "hang" / "rank1.json").read_text())["reason"] == "timeout"
+    assert first_sluice_line(run.stderr) == f"sluice: {record['message']}"
 
 
 PP2 = LAUNCHERS["self-launch"][1]  # the restart is the launcher's, whatever the layout: two workers, not four
