@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.shared import once_per_session
 from tests.spawn import rendezvous_store
 
 # No warm-up and a real learning rate: the runs compared below must move (the default warm-up keeps lr ~1e-5).
@@ -62,9 +63,13 @@ def slurm_stand_ins(tmp_path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, data_cache) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`launch_all`, once per session: pytest-xdist's work stealing may hand this module's tests to both workers."""
+    return once_per_session(tmp_path_factory, "launched", lambda root: launch_all(root, data_cache))
+
+
+def launch_all(base: Path, data_cache: Path) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """The module's three train.py launches side by side (independent runs: their start-ups overlap): a sweep
     through Hydra's basic launcher, the sbatch script under Slurm stand-ins, and an emulated pipeline."""
-    base = tmp_path_factory.mktemp("launched")
     store = rendezvous_store(300)  # held here: torchrun's rendezvous joins it as a client, no port is re-bound
     (base / "slurm").mkdir()
     slurm = {**slurm_stand_ins(base / "slurm"), "RDZV_PORT": str(store.port)}

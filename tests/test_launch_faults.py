@@ -22,6 +22,7 @@ import torch
 
 from tests.conftest import ROOT
 from tests.equivalence import dense_params, layouts_worker
+from tests.shared import once_per_session
 from tests.spawn import run_workers
 from tests.test_reliability import TINY, pids_where, sluice_lines, wait_until
 
@@ -217,11 +218,19 @@ CRASH = "debug.fault='crash@rank=1,step=5'"
 
 
 @dataclass
+class Ended:
+    """A run's launcher once it ended, as the tests read it: picklable, so one worker's runs serve the other's."""
+
+    returncode: int
+    lines: list[tuple[float, str]]  # its stderr lines with their arrival times (time.monotonic: one clock per host)
+
+
+@dataclass
 class Faulted:
     """A run of `faulted_runs`: its process and directories, its stderr once it ended, and when it was faulted and
     ended. `self_faulted`: debug.fault faults it (at the start of step 3), and the test watches ranks 0 and 1."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Ended
     target: int
     run_dir: Path
     cwd: Path
@@ -235,6 +244,11 @@ class Faulted:
 
 @pytest.fixture(scope="module")
 def faulted_runs(tmp_path_factory, data_cache) -> dict[str, Faulted]:
+    """`fault_runs`, once per session: pytest-xdist's work stealing may hand this module's tests to both workers."""
+    return once_per_session(tmp_path_factory, "faulted-runs", lambda root: fault_runs(root, data_cache))
+
+
+def fault_runs(base: Path, data_cache: Path) -> dict[str, Faulted]:
     """Five runs side by side, so that the suite waits once for their timeouts and start-ups: a worker stopped
     (SIGSTOP) under each launcher, a worker killed (SIGKILL) under torchrun --max-restarts 1, rank 0 stalled in
     start-up under torchrun, and a self-launched crash that comes back after its restart. Each is its own run in its
@@ -243,7 +257,6 @@ def faulted_runs(tmp_path_factory, data_cache) -> dict[str, Faulted]:
     killed one once rank 0 waits on it), so that one run serves both the timing of the named rank and the tests of
     the phase named, the reports' place and the bit-for-bit resume (each torchrun dp2 run costs some 20 CPU s of
     start-up). Only the self-launched run is stopped from here, at whatever point it is in once it logged step 2."""
-    base = tmp_path_factory.mktemp("faulted")
     long_run = ["train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"]
     self_launch, layout, _ = LAUNCHERS["self-launch"]
     plans = {  # name -> command, arguments, whether it starts in the repository root (else an empty directory)
@@ -306,6 +319,8 @@ def faulted_runs(tmp_path_factory, data_cache) -> dict[str, Faulted]:
     finally:
         for run in runs.values():
             end_group(run.proc)
+    for run in runs.values():
+        run.proc = Ended(run.proc.returncode, run.proc.lines)
     return runs
 
 

@@ -15,6 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
+from tests.shared import once_per_session
 from training.config import CONF_DIR, register_schema
 from training.layout_search.costs import MeasuredCosts
 from training.layout_search.predict import Candidate, Prediction
@@ -215,9 +216,13 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 @pytest.fixture(scope="module")
 def plan_auto_runs(tmp_path_factory, costs_cache) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
+    """`run_plan_auto`, once per session: pytest-xdist's work stealing may hand this module's tests to both workers."""
+    return once_per_session(tmp_path_factory, "plan-auto", lambda root: run_plan_auto(root, costs_cache))
+
+
+def run_plan_auto(base: Path, costs_cache: Path) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
     """Two plan=auto runs side by side (their start-ups overlap): two self-launched workers (parallel.dp=2 makes the
     world), and two torchrun ranks."""
-    base = tmp_path_factory.mktemp("plan-auto")
     runs = {"self-launch": ([sys.executable], ["parallel.dp=2"]),
             "torchrun": ([TORCHRUN, "--standalone", "--nproc-per-node", "2"], [])}
     if not os.path.exists(TORCHRUN):  # its test is skipped

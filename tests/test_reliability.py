@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.shared import once_per_session
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=2",
         "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1", "optim.warmup_steps=1"]
@@ -74,11 +75,15 @@ def stall_args(name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def failed_runs(tmp_path_factory, data_cache) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """`fail_runs`, once per session: pytest-xdist's work stealing may hand this module's tests to both workers."""
+    return once_per_session(tmp_path_factory, "failed-runs", lambda root: fail_runs(root, data_cache))
+
+
+def fail_runs(base: Path, data_cache: Path) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Three self-launched pp2 runs that fail on purpose: a NaN on rank 1 at step 2 and rank 1 stalled in the
     pipeline side by side (the suite waits once for their start-ups and timeouts), then rank 1 stalled in start-up
     alone: its report names rank 1 only if rank 1 reaches its stall within rank 0's start-up bound, which a machine
     busy with two other runs' imports did not give it once (rank 0 then rightly reports its own wait)."""
-    base = tmp_path_factory.mktemp("failed-runs")
     plans = {"nan": ["train.steps=4", "parallel.pp=2", "debug.fault='nan@rank=1,step=2'"],
              **{name: stall_args(name) for name in STALLS}}
     together = [name for name in plans if name != "start-up"]
