@@ -165,8 +165,10 @@ def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_st
     result, run_dir = first_runs["one-of-two"]
     assert result.returncode == 143, result.stderr[-3000:]
     lines = sluice_lines(result.stderr)
-    assert len(lines) == 1, lines  # rank 0 got no signal itself: no notice; the root adds nothing
-    resume_line(lines[0], "SIGTERM", 2, run_dir)
+    # Rank 0 got no signal itself: its notice comes from step 2's vote, exact (the root adds nothing).
+    assert len(lines) == 2 and lines[0] == "sluice: SIGTERM: stopping after step 2; send it again to stop at once", \
+        lines
+    resume_line(lines[1], "SIGTERM", 2, run_dir)
     # The resume in the session's pooled workers (train.py's resume=auto: the one-process test above): both ranks
     # load the step both saved. The overrides are train.py's (its lr, its final save) on top of the helpers' base.
     resumed = [*TINY, f"train.steps={STEPS}", *DP2, "checkpoint.resume=auto", "optim.lr=5e-4",
@@ -260,3 +262,34 @@ def test_the_watchdog_ends_the_process_in_start_up_after_a_peer_failed_on_a_seco
     assert result.returncode == 143, result.stderr[-3000:]
     assert sluice_lines(result.stderr) == lines
     assert ("still running" in result.stdout) == (case == "twice")  # the duplicate within REPEAT_S was ignored
+
+
+def test_rank_0_announces_a_stop_once_whether_the_vote_or_its_own_signal_comes_first(capsys):
+    """Ctrl-C reaches every process; on a loaded machine rank 0's watchdog may take its copy after a peer's copy
+    came back in the step's vote (the two-worker Ctrl-C test once printed no notice at all). One notice either way."""
+    import signal
+    import time
+
+    from omegaconf import OmegaConf
+
+    from training.reliability.guard import StepGuard
+    from training.reliability.hang import Watch
+    from training.reliability.watchdog import _on_signal
+
+    def guard_at_step_3() -> StepGuard:
+        cfg = OmegaConf.create({"train": {"on_nonfinite": "stop", "max_skipped_steps": 1}, "debug": {"fault": None}})
+        guard = StepGuard(cfg, ParallelGrid.single("cpu"), Watch(0, groups={"world": [0]}))
+        guard.begin(3)
+        return guard
+
+    vote_first = guard_at_step_3()
+    vote_first.faults.signalled = signal.SIGINT  # the vote carries a peer's SIGINT (one process: its flag)
+    assert vote_first.should_step(3, 2.5, 1.0) and vote_first.stop_signal == signal.SIGINT
+    _on_signal(vote_first.watch, signal.SIGINT, time.time(), alone=False)  # rank 0's own copy, late: the same stop
+    assert vote_first.watch.interrupt.own
+    own_first = guard_at_step_3()
+    _on_signal(own_first.watch, signal.SIGINT, time.time(), alone=False)
+    assert own_first.should_step(3, 2.5, 1.0) and own_first.stop_signal == signal.SIGINT
+    assert capsys.readouterr().err.splitlines() == [
+        "sluice: SIGINT: stopping after step 3; send it again to stop at once",
+        "sluice: SIGINT: stopping after step 3, or step 4 if step 3 is already ending; send it again to stop at once"]

@@ -151,13 +151,18 @@ def test_ctrl_c_saves_a_two_worker_run_and_exits_130_with_the_resume_command(tmp
         _, stderr = proc.communicate(timeout=30)
         assert proc.returncode == 130, stderr[-3000:]  # once -6: an elastic daemon thread aborted the exit
         lines = sluice_lines(stderr)  # the launcher passed it on: the workers finished the step and saved it
-        notice = re.fullmatch(r"sluice: SIGINT: stopping after step (\d+), or step (\d+) if step \1 is already "
-                              r"ending; send it again to stop at once", lines[0])
+        # Rank 0's notice: from its own copy of the signal (the step is N or N + 1: the stop rides a step's vote, and a
+        # signal after step N's vote stops after N + 1), or from a vote that told it first (exact; its own copy came
+        # late on a loaded machine). One notice either way.
+        notice = re.fullmatch(r"sluice: SIGINT: stopping after step (\d+)(?:, or step (\d+) if step \1 is already "
+                              r"ending)?; send it again to stop at once", lines[0])
         assert notice and len(lines) == 3 and lines[2] == "sluice: interrupted; every worker was stopped", lines
-        # The stop rides a step's vote: a signal after step N's vote stops after N + 1 (seen on a loaded machine).
         step = int(re.search(r"at step (\d+):", lines[1]).group(1))
         first = int(notice.group(1))
-        assert int(notice.group(2)) == first + 1 and step in (first, first + 1), lines
+        if notice.group(2) is None:
+            assert step == first, lines
+        else:
+            assert int(notice.group(2)) == first + 1 and step in (first, first + 1), lines
         assert lines[1].startswith(f"sluice: interrupted by SIGINT at step {step}: saved checkpoint step {step} to ")
         assert (tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file()
         wait_until(lambda: not pids_where(4, proc.pid), 30, "no process of the run's group left")

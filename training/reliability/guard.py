@@ -12,7 +12,7 @@ from parallel.grid import ParallelGrid
 from training.reliability.hang import Watch
 from training.reliability.faults import FaultInjector
 from training.reliability.nonfinite import SkipPolicy, step_vote
-from training.reliability.watchdog import Interrupt
+from training.reliability.watchdog import Interrupt, announce_agreed_stop, claim_stop
 
 
 class StepGuard:
@@ -52,8 +52,8 @@ class StepGuard:
         self.watch.collective(f"step {step}: non-finite check", "world")
         signo = max(self.watch.interrupt.signo if self.watch.interrupt else 0, self.faults.signalled)
         what, self.stop_signal, self.grad_norm = step_vote(loss, grad_norm, signo, self.world, self.grid.device)
-        if self.stop_signal and self.watch.interrupt is None:  # a peer got it: this rank's copy may still come
-            self.watch.interrupt = Interrupt(self.stop_signal, own=False)
+        if self.stop_signal and claim_stop(self.watch, Interrupt(self.stop_signal, own=False)):
+            announce_agreed_stop(self.watch, self.stop_signal, step)  # a peer got it: this rank's copy may still come
         verdict = self.policy.should_step(step, what, loss, self.grad_norm)
         self.watch.collective(f"step {step}: optimizer step", "dp")  # ZeRO-1 broadcasts its shards
         return verdict

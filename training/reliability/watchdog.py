@@ -183,12 +183,13 @@ def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
     (`alone`: a one-process run, which says so; a launcher reports for its workers)."""
     interrupt = watch.interrupt
     if interrupt is None and watch.step > 0 and not _peers_failed(watch, started):
-        watch.interrupt = Interrupt(signo)
-        # The ranks agree on the stop in a step's vote: a signal that lands after this step's vote stops the next.
         step = watch.step
-        _say(watch, f"{signal.Signals(signo).name}: stopping after step {step}, or step {step + 1} if step {step} is "
-                    "already ending; send it again to stop at once")
-        return
+        if claim_stop(watch, Interrupt(signo)):
+            # The ranks agree on the stop in a step's vote: a signal that lands after this step's vote stops the next.
+            _say(watch, f"{signal.Signals(signo).name}: stopping after step {step}, or step {step + 1} if step {step} "
+                        "is already ending; send it again to stop at once")
+            return
+        interrupt = watch.interrupt  # a vote told this rank first: its own copy is the same request, below
     if interrupt is not None and signo == interrupt.signo and (
             not interrupt.own or time.monotonic() - interrupt.at < REPEAT_S):
         interrupt.own = True  # the request the ranks agreed on reaching this rank too, or delivered twice (Slurm
@@ -199,6 +200,22 @@ def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
         _say(watch, f"interrupted by {signal.Signals(signo).name} "
                     + (f"again in step {watch.step}: stopped at once, nothing saved" if interrupt else "in start-up"))
     os._exit(exit_code(signo))
+
+
+def claim_stop(watch: Watch, interrupt: Interrupt) -> bool:
+    """Record `interrupt` as this rank's stop unless one is recorded already (the watchdog's own signal and the
+    main thread's vote may both learn of it at once); True when this call recorded it, and so announces it."""
+    with watch.report_lock:
+        if watch.interrupt is not None:
+            return False
+        watch.interrupt = interrupt
+        return True
+
+
+def announce_agreed_stop(watch: Watch, signo: int, step: int) -> None:
+    """Rank 0's notice of a stop it learned in `step`'s vote: only another rank got the signal, or rank 0's own copy
+    comes later (a loaded machine may schedule its watchdog late). Exact: the stop comes after this step."""
+    _say(watch, f"{signal.Signals(signo).name}: stopping after step {step}; send it again to stop at once")
 
 
 def _peers_failed(watch: Watch, started: float) -> bool:
