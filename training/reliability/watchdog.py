@@ -54,12 +54,14 @@ def exit_code(signo: int) -> int:
 @dataclass
 class Interrupt:
     """A stop asked by SIGINT/SIGTERM: the loop saves after the step in flight (`saving` once it began); `own`:
-    this rank received the signal (not only learned of it in the ranks' vote)."""
+    this rank received the signal (not only learned of it in the ranks' vote); `repeats`: copies of the same request
+    taken as one (delivered twice, or this rank's own copy after the vote's)."""
 
     signo: int
     at: float = field(default_factory=time.monotonic)
     saving: bool = False
     own: bool = True
+    repeats: int = 0
 
     @property
     def name(self) -> str:
@@ -193,7 +195,8 @@ def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
     if interrupt is not None and signo == interrupt.signo and (
             not interrupt.own or time.monotonic() - interrupt.at < REPEAT_S):
         interrupt.own = True  # the request the ranks agreed on reaching this rank too, or delivered twice (Slurm
-        return  # signals every process of a job step, and torchrun's agent forwards its own copy)
+        interrupt.repeats += 1  # signals every process of a job step, and torchrun's agent forwards its own copy)
+        return
     if signo == signal.SIGTERM and watch.blocked_s() > 1.0 and interrupt is None:
         watch.dump("terminated")  # stopped while blocked: part of another rank's hang report
     if alone:
