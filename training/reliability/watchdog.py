@@ -44,6 +44,7 @@ SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # The same signal again this soon is the same request delivered twice: Slurm signals every process of a job step
 # and torchrun's agent forwards its own copy to the workers a moment later.
 REPEAT_S = 2.0
+MTIME_SLACK_S = 0.1
 
 
 def exit_code(signo: int) -> int:
@@ -132,16 +133,19 @@ def start_watchdog(watch: Watch, limits: Limits, announce: bool, follow_launcher
     *sockets, previous = route_signals()
     stopping = threading.Event()
     parent = os.getppid() if follow_launcher else None
-    thread = threading.Thread(target=_loop, args=(watch, limits, parent, announce, sockets, stopping),
+    # Failure records older than this are an earlier run's. Taken here, not in the thread (which may start late:
+    # a peer's record written meanwhile would look old), and a little early: a file's time comes from the kernel's
+    # coarse clock, up to a tick behind time.time().
+    started = time.time() - MTIME_SLACK_S
+    thread = threading.Thread(target=_loop, args=(watch, limits, parent, announce, sockets, stopping, started),
                               name="sluice-watchdog", daemon=True)
     thread.start()
     return Watchdog(thread, stopping, previous)
 
 
 def _loop(watch: Watch, limits: Limits, parent: int | None, announce: bool, sockets: list,
-          stopping: threading.Event) -> None:
+          stopping: threading.Event, started: float) -> None:
     reader = sockets[0]  # the pair stays referenced here: closing the writer would silence the signals
-    started = time.time()  # failure records older than this process are an earlier run's
     while not stopping.is_set():
         if select.select([reader], [], [], POLL_S)[0]:
             for signo in reader.recv(64):
