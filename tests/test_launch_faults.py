@@ -98,23 +98,6 @@ def leaves_nothing_behind():
     shutil.rmtree(TEMP)  # empty but for torch's cache folder
 
 
-def find_rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of the worker of global `rank` among the launcher's children (each names itself sluice-rank<R>)."""
-    for pid in pids_where(3, launcher_pid):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() == f"sluice-rank{rank}":
-                return pid
-        except OSError:
-            continue
-    return None
-
-
-def rank_pid(launcher_pid: int, rank: int) -> int:
-    if (pid := find_rank_pid(launcher_pid, rank)) is None:
-        raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
-    return pid
-
-
 def workers_of(launchers: set[int]) -> dict[tuple[int, int], int]:
     """(launcher pid, rank) -> pid of each worker (named sluice-rank<R>) among the launchers' children: one pass over
     /proc for all of them (a pass costs milliseconds, polled five times a second)."""
@@ -128,6 +111,13 @@ def workers_of(launchers: set[int]) -> dict[tuple[int, int], int]:
         if comm.startswith("sluice-rank") and int(fields[1]) in launchers:
             found[int(fields[1]), int(comm.removeprefix("sluice-rank"))] = int(entry.name)
     return found
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the worker of global `rank` among the launcher's children."""
+    if (pid := workers_of({launcher_pid}).get((launcher_pid, rank))) is None:
+        raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
+    return pid
 
 
 def running(pid: int) -> bool:

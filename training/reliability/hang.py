@@ -47,6 +47,7 @@ class Watch:
         self.last_done: object = None  # like State.what: formatted only when dumped
         self.posted: list[tuple[int, Pending]] = []  # (sender/receiver rank, transfer) not known complete
         self.report_lock = threading.Lock()  # the main thread and the watchdog may both see the same timeout
+        self.stop_lock = threading.Lock()  # the watchdog's signal and the step's vote may both set the interrupt
         self.reported = False
         self.interrupt = None  # the watchdog's Interrupt on SIGINT/SIGTERM: the loop saves after this step and stops
 

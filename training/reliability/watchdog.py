@@ -212,7 +212,7 @@ def _on_signal(watch: Watch, signo: int, started: float, alone: bool) -> None:
 def claim_stop(watch: Watch, interrupt: Interrupt) -> bool:
     """Record `interrupt` as this rank's stop unless one is recorded already (the watchdog's own signal and the
     main thread's vote may both learn of it at once); True when this call recorded it, and so announces it."""
-    with watch.report_lock:
+    with watch.stop_lock:
         if watch.interrupt is not None:
             return False
         watch.interrupt = interrupt
