@@ -6,6 +6,7 @@ equal losses for Sluice and torch.distributed.pipelining, and activation bytes t
 
 import importlib
 import json
+import statistics
 import sys
 from unittest import mock
 
@@ -54,10 +55,26 @@ def in_this_process(monkeypatch):
     return run_all
 
 
-def compile_rows_uncompiled(cells, layouts, warmup, rounds, mode):
+def compile_rows_uncompiled(cells, layouts, warmup, rounds, mode, cache=None):
     """compiled.measure_cells's rows without compiling (compiled.py's own smoke compiles): the sweep's glue is tested."""
     return [{"cell": cell.name, "layout": layout, "mode": mode, "choice": "eager", "ratio": 1.0, "spread": 0.0,
              "eager_s": 1.0, "compiled_s": 1.0} for cell in cells for layout in layouts]
+
+
+def test_the_size_sweeps_launches_pool_their_rounds():
+    """`sizes.py --launches K`: one median and spread over every launch's rounds, each launch's own ratio beside it,
+    step-time medians over the launches', every run kept, and auto's choice as most launches made it."""
+    sizes = importlib.import_module("sizes")
+    launch = lambda ratios, choice, sluice: {"h1": {"compile": {
+        "ratio": statistics.median(ratios), "spread": 0.0, "round_ratios": ratios, "choice": choice,
+        "sluice_s": sluice, "sluice_min_s": sluice - 0.1, "sluice_runs_s": [sluice] * len(ratios)}}}
+    row = sizes.pooled([launch([1.0, 1.1, 1.2], "eager", 2.0), launch([0.8, 0.9], "compiled", 1.0),
+                        launch([0.95], "eager", 3.0)])["h1"]["compile"]
+    assert row["round_ratios"] == [1.0, 1.1, 1.2, 0.8, 0.9, 0.95] and row["ratio"] == pytest.approx(0.975)
+    q1, _, q3 = statistics.quantiles(row["round_ratios"], n=4, method="inclusive")
+    assert row["spread"] == pytest.approx((q3 - q1) / 2) and row["launch_ratios"] == pytest.approx([1.1, 0.85, 0.95])
+    assert row["sluice_s"] == 2.0 and row["sluice_min_s"] == pytest.approx(0.9) and len(row["sluice_runs_s"]) == 6
+    assert row["choice"] == "eager" and row["choices"] == ["eager", "compiled", "eager"]
 
 
 @pytest.mark.timeout(900)

@@ -386,6 +386,11 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
 def ratio_and_spread(ours: list[float], theirs: list[float]) -> dict:
     """The median of the per-round ratios ours / theirs (each round ran one step of each back to back), their
     spread (half the interquartile range; 0 with one round) and the ratios themselves."""
-    ratios = [a / b for a, b in zip(ours, theirs)]
+    return median_and_spread([a / b for a, b in zip(ours, theirs)])
+
+
+def median_and_spread(ratios: list[float]) -> dict:
+    """Per-round ratios summed up: their median, their spread (half the interquartile range; 0 with one round) and
+    the ratios themselves."""
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {"ratio": statistics.median(ratios), "spread": (q3 - q1) / 2, "round_ratios": ratios}

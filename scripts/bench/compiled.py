@@ -144,7 +144,7 @@ def cells_worker(rank: int, world: int, setups: list[Setup], mode: str, cache_di
 
 
 def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2"), warmup: int = 1, rounds: int = 5,
-                  mode: str = "auto", timeout: float = 7200) -> list[dict]:
+                  mode: str = "auto", timeout: float = 7200, cache: str | None = None) -> list[dict]:
     """Compiled against eager at each `size_grid.Cell` and layout ("one-process": both cores; "pp2": a 1F1B pipeline,
     one core per rank), with train.compile=`mode` ("auto" or "true") on the compiled side. One spawn per layout runs
     every cell (an eager and a compiled Trainer per cell, same seed and data); after the compiling step (and auto's
@@ -155,9 +155,11 @@ def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2")
     "ratio" (the median over rounds of compiled_s / eager_s of that round: below 1 = compiled faster), "spread" (the
     measured noise of the ratio: half the interquartile range of the per-round ratios), "eager_s" and "compiled_s"
     (median wall seconds per step, slowest rank), "choice" (auto's: "compiled" or "eager"; None under "true") and
-    "trial" (the summed step times auto chose from; None under "true")."""
+    "trial" (the summed step times auto chose from; None under "true"). `cache`: the tokenized data's folder (a
+    shared one spares a later call the tokenizing; by default a fresh one, removed after)."""
     rows = []
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as fresh:
+        cache = cache or fresh
         for layout in layouts:
             setups = [cell_setup(cell, layout, warmup, rounds) for cell in cells]
             measured = run_workers(cells_worker, LAYOUT_PP[layout], setups, mode, cache, timeout=timeout)[0]

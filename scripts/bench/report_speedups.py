@@ -41,11 +41,26 @@ def compiled_section(r: dict) -> list[str]:
 
 def _sweep_runs(runs: dict) -> str:
     """How each side of the sweep was run: one clause if both sides came from one run, else one per side."""
-    said = lambda r: (f"with `{r['command']}` ({r['rounds']} rounds after {r['warmup']} warm-up, "
+    said = lambda r: (f"with `{r['command']}` ({_launches(r)}{r['rounds']} rounds after {r['warmup']} warm-up, "
                       f"{r['wall_s'] / 60:.1f} min)")
     if len({json.dumps(r, sort_keys=True) for r in runs.values()}) == 1:
         return said(next(iter(runs.values())))
     return " and ".join(f"{said(r)} for the {side} columns" for side, r in runs.items())
+
+
+def _launches(run: dict) -> str:
+    """"K launches of " where a side was measured in several launches, pooled."""
+    return f"{run['launches']} launches of " if run.get("launches", 1) > 1 else ""
+
+
+def _pooling(runs: dict) -> str:
+    """Why the rounds of several launches were pooled, where they were."""
+    if all(run.get("launches", 1) == 1 for run in runs.values()):
+        return ""
+    return ("; where a side ran several launches (fresh processes, freshly built models) their rounds are pooled: a "
+            "variant built in a process keeps a speed of its own for the process's life, so one launch's median moves "
+            "from launch to launch more than its rounds' spread says, and more rounds in one launch cannot average "
+            "that out")
 
 
 def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str]:
@@ -60,8 +75,9 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
            "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
            "cell's two variants alternate in the same processes, one step each per round, the order reversed every "
            "other round; the ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster), ± "
-           "half their interquartile range. Compile: the Trainer with `train.compile=auto` against eager, one process "
-           "(both cores) and pp2 (one core each); DP: as in the data-parallel section, at each size.", ""]
+           "half their interquartile range" + _pooling(z["runs"]) + ". Compile: the Trainer with "
+           "`train.compile=auto` against eager, one process (both cores) and pp2 (one core each); DP: as in the "
+           "data-parallel section, at each size.", ""]
     if z.get("png"):
         out += [f"![size sweep]({os.path.relpath(root / z['png'], doc_path.parent)})", ""]
     out += ["| cell (hidden-layers-seq-micro-batch) | " + " | ".join(columns.values()) + " |",
@@ -105,4 +121,7 @@ def _cell(row: dict | None) -> str:
     """One square of the size sweep: ratio ± spread, and what `train.compile=auto` chose where it chose."""
     if row is None:
         return "—"
-    return f"{row['ratio']:.3f} ± {row['spread']:.3f}" + (f" ({row['choice']})" if row.get("choice") else "")
+    chose = row.get("choice")
+    if chose and row.get("choices"):
+        chose += f" {row['choices'].count(chose)}/{len(row['choices'])}"
+    return f"{row['ratio']:.3f} ± {row['spread']:.3f}" + (f" ({chose})" if chose else "")

@@ -4,26 +4,32 @@ with ZeroRedundancyOptimizer. Writes the "sizes" section of results.json and a h
 
 Each cell's two variants run in the same processes, one step each per round (A B, then B A) after a warm-up; a cell's
 ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster) and its spread half their
-interquartile range. `--quick` measures `size_grid.QUICK` (the default `make bench`), no option every cell
+interquartile range. `--launches K` measures each side K times over, each launch in fresh processes with freshly built
+models, and pools their rounds: a variant built in a process keeps a speed of its own for the process's life (memory
+placement), so one launch's median moves from launch to launch more than its rounds' spread says (dp2 / DDP at
+h256-l8: 1.06, 0.98, 1.03, 1.04 and 0.99 in five launches), and more rounds in one launch cannot average that out. `--quick` measures `size_grid.QUICK` (the default `make bench`), no option every cell
 (`make bench ARGS=--sizes`); `--only compile|dp` measures one side and keeps the other's columns from the last
 sweep of the same cells (the record says how each side was run).
 
-    python scripts/bench/sizes.py [--quick] [--smoke] [--only compile|dp] [--rounds N] [--warmup N]
-                                  [--results PATH] [--png PATH]
+    python scripts/bench/sizes.py [--quick] [--smoke] [--only compile|dp] [--launches K] [--rounds N]
+                                  [--warmup N] [--results PATH] [--png PATH]
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compiled  # noqa: E402
 import data_parallel  # noqa: E402
-from common import ROOT, bench_parser, update_results  # noqa: E402
+from common import ROOT, bench_parser, median_and_spread, update_results  # noqa: E402
 from size_grid import QUICK, Cell, sweep_cells  # noqa: E402
 
 PNG = ROOT / "bench" / "sizes.png"
@@ -40,15 +46,48 @@ SMOKE = Cell(64, 2, 16, 1, 2)  # one tiny cell, one round: checks the script wor
 LAYOUTS = {"one-process": "compile", "pp2": "compile_pp2"}  # compiled.py's layout -> this sweep's column
 
 
-def compile_cells(cells: list[Cell], warmup: int, rounds: int) -> dict[str, dict]:
+def compile_cells(cells: list[Cell], warmup: int, rounds: int, cache: str | None = None) -> dict[str, dict]:
     """Compiled (`train.compile=auto`) against eager at each cell, one process and pp2 (`compiled.measure_cells`):
     by cell name, by column, the ratio compiled / eager, its spread, both medians and auto's choice."""
     out: dict[str, dict] = {}
-    for row in compiled.measure_cells(cells, layouts=tuple(LAYOUTS), warmup=warmup, rounds=rounds, mode="auto"):
+    for row in compiled.measure_cells(cells, layouts=tuple(LAYOUTS), warmup=warmup, rounds=rounds, mode="auto",
+                                      cache=cache):
         out.setdefault(row["cell"], {})[LAYOUTS[row["layout"]]] = {
             "ratio": row["ratio"], "spread": row["spread"], "sluice_s": row["compiled_s"], "torch_s": row["eager_s"],
             "choice": row.get("choice"), "round_ratios": row.get("round_ratios")}
     return out
+
+
+def pooled(launches: list[dict[str, dict]]) -> dict[str, dict]:
+    """One side's cells measured in several launches, as one: by cell and column, the per-round ratios of every
+    launch pooled into one median and spread, each launch's own ratio beside them ("launch_ratios"), the step times'
+    medians over the launches' medians, every round's times, and auto's choice as most launches made it (all of them
+    in "choices" where they differ)."""
+    out: dict[str, dict] = {}
+    for cell, columns in launches[0].items():
+        out[cell] = {}
+        for column in columns:
+            rows = [launch[cell][column] for launch in launches]
+            row = {**rows[0], **median_and_spread([x for r in rows for x in r["round_ratios"]]),
+                   "launch_ratios": [r["ratio"] for r in rows]}
+            for key, value in rows[0].items():
+                if key.endswith("_runs_s"):
+                    row[key] = [x for r in rows for x in r[key]]
+                elif key.endswith("_min_s"):
+                    row[key] = min(r[key] for r in rows)
+                elif key.endswith("_s") and isinstance(value, float):
+                    row[key] = statistics.median(r[key] for r in rows)
+            choices = [r.get("choice") for r in rows]
+            row["choice"] = Counter(choices).most_common(1)[0][0]
+            if len(set(choices)) > 1:
+                row["choices"] = choices
+            out[cell][column] = row
+    return out
+
+
+def measured(measure, launches: int) -> dict[str, dict]:
+    """`measure()` (one side's cells, by cell and column) over `launches` launches, pooled."""
+    return pooled([measure() for _ in range(launches)]) if launches > 1 else measure()
 
 
 def worst(ratios: dict[str, dict]) -> dict | None:
@@ -136,19 +175,24 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--quick", action="store_true", help="the QUICK subset of cells (the default make bench)")
     parser.add_argument("--only", choices=("compile", "dp"), help="one side of the sweep only")
     parser.add_argument("--png", type=Path, default=PNG)
+    parser.add_argument("--launches", type=int, default=1,
+                        help="measure each side this many times in fresh processes and pool the rounds")
     args = parser.parse_args(argv)
     cells = [SMOKE] if args.smoke else QUICK if args.quick else sweep_cells()
     rounds = 1 if args.smoke else args.rounds
     warmup = 0 if args.smoke else args.warmup
     start = time.perf_counter()
     ratios: dict[str, dict] = {cell.name: {} for cell in cells}
-    if args.only != "dp":
-        for name, columns in compile_cells(cells, warmup, rounds).items():
-            ratios[name].update(columns)
+    with tempfile.TemporaryDirectory() as cache:  # the launches' tokenized data, made once
+        if args.only != "dp":
+            for name, columns in measured(lambda: compile_cells(cells, warmup, rounds, cache), args.launches).items():
+                ratios[name].update(columns)
     if args.only != "compile":
-        for name, columns in data_parallel.measure_cells(cells, warmup, rounds).items():
+        for name, columns in measured(lambda: data_parallel.measure_cells(cells, warmup, rounds),
+                                      args.launches).items():
             ratios[name].update(columns)
-    run = {"command": command_of(argv), "rounds": rounds, "warmup": warmup, "wall_s": time.perf_counter() - start}
+    run = {"command": command_of(argv), "launches": args.launches, "rounds": rounds, "warmup": warmup,
+           "wall_s": time.perf_counter() - start}
     runs = {side: run for side in SIDES if args.only in (None, side)}
     if args.only:  # the other side's columns stay as last measured, with how they were
         ratios, runs = kept_from_last(args.results, [c.name for c in cells], args.only, ratios, runs)
