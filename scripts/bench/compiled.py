@@ -146,8 +146,8 @@ def cells_worker(rank: int, world: int, setups: list[Setup], mode: str, cache_di
 def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2"), warmup: int = 1, rounds: int = 5,
                   mode: str = "auto", timeout: float = 7200, cache: str | None = None) -> list[dict]:
     """Compiled against eager at each `size_grid.Cell` and layout ("one-process": both cores; "pp2": a 1F1B pipeline,
-    one core per rank), with train.compile=`mode` ("auto" or "true") on the compiled side. One spawn per layout runs
-    every cell (an eager and a compiled Trainer per cell, same seed and data); after the compiling step (and auto's
+    one core per rank), with train.compile=`mode` ("auto" or "true") on the compiled side. One spawn per layout and cell
+    (an eager and a compiled Trainer, same seed and data); after the compiling step (and auto's
     trial) the two alternate one step each per round, in reverse order every other round (A B B A), for `warmup`
     + `rounds` rounds.
 
@@ -162,7 +162,11 @@ def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2")
         cache = cache or fresh
         for layout in layouts:
             setups = [cell_setup(cell, layout, warmup, rounds) for cell in cells]
-            measured = run_workers(cells_worker, LAYOUT_PP[layout], setups, mode, cache, timeout=timeout)[0]
+            # Each cell in fresh processes (as a user's run of one size is): variants built after other cells' in
+            # the same processes carry their heap's history (dp2 / DDP at h256-l8: 1.06-1.11x after eleven cells,
+            # 0.96-1.03x alone).
+            measured = [run_workers(cells_worker, LAYOUT_PP[layout], [setup], mode, cache, timeout=timeout)[0][0]
+                        for setup in setups]
             for cell, got in zip(cells, measured):
                 compiled, eager = got["times"]["compiled"].wall, got["times"]["eager"].wall
                 rows.append({"cell": cell.name, "hidden": cell.hidden, "layers": cell.layers, "seq": cell.seq,

@@ -73,8 +73,8 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
            f"Measured {_sweep_runs(z['runs'])} on {machine} (`scripts/bench/sizes.py`, cells in "
            "`scripts/bench/size_grid.py`: MiniMind-3's shape, vocab 6400, one axis at a time around hidden 256, 4 "
            "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
-           "cell's two variants alternate in the same processes, one step each per round, the order reversed every "
-           "other round; the ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster), ± "
+           "cell's two variants alternate in the same processes (fresh ones for each cell), one step each per round, "
+           "the order reversed every other round; the ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster), ± "
            "half their interquartile range" + _pooling(z["runs"]) + ". Compile: the Trainer with "
            "`train.compile=auto` against eager, one process (both cores) and pp2 (one core each); DP: as in the "
            "data-parallel section, at each size.", ""]

@@ -2,14 +2,15 @@
 layers (`train.compile=auto`) against eager in one process and in a pp2 pipeline, dp2 against DDP, zero1 against DDP
 with ZeroRedundancyOptimizer. Writes the "sizes" section of results.json and a heat map PNG of the ratios.
 
-Each cell's two variants run in the same processes, one step each per round (A B, then B A) after a warm-up; a cell's
-ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster) and its spread half their
-interquartile range. `--launches K` measures each side K times over, each launch in fresh processes with freshly built
-models, and pools their rounds: a variant built in a process keeps a speed of its own for the process's life (memory
-placement), so one launch's median moves from launch to launch more than its rounds' spread says (dp2 / DDP at
-h256-l8: 1.06, 0.98, 1.03, 1.04 and 0.99 in five launches), and more rounds in one launch cannot average that out. `--quick` measures `size_grid.QUICK` (the default `make bench`), no option every cell
-(`make bench ARGS=--sizes`); `--only compile|dp` measures one side and keeps the other's columns from the last
-sweep of the same cells (the record says how each side was run).
+Each cell's two variants run in the same processes (fresh ones for each cell), one step each per round (A B, then B A)
+after a warm-up; a cell's ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster) and its
+spread half their interquartile range. `--launches K` measures each side K times over, each launch in fresh processes
+with freshly built models, and pools their rounds: a variant built in a process keeps a speed of its own for the
+process's life (memory placement), so one launch's median moves from launch to launch more than its rounds' spread says
+(dp2 / DDP at h256-l8: 1.06, 0.98, 1.03, 1.04 and 0.99 in five launches), and more rounds in one launch cannot average
+that out. `--quick` measures `size_grid.QUICK` (the default `make bench`), no option every cell (`make bench
+ARGS=--sizes`); `--only compile|dp` measures one side and keeps the other's columns from the last sweep of the same
+cells (the record says how each side was run).
 
     python scripts/bench/sizes.py [--quick] [--smoke] [--only compile|dp] [--launches K] [--rounds N]
                                   [--warmup N] [--results PATH] [--png PATH]
