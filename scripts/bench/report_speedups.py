@@ -53,6 +53,15 @@ def _launches(run: dict) -> str:
     return f"{run['launches']} launches of " if run.get("launches", 1) > 1 else ""
 
 
+def _fresh(runs: dict) -> str:
+    """Which sides started fresh processes for each cell (older sweeps ran every cell in one spawn per layout)."""
+    fresh = [side for side, run in runs.items() if run.get("fresh_per_cell")]
+    if len(fresh) == len(runs):
+        return " (fresh ones for each cell)"
+    return (f" (fresh ones for each cell in the {' and '.join(fresh)} columns, one spawn for every cell in the "
+            "others')" if fresh else "")
+
+
 def _pooling(runs: dict) -> str:
     """Why the rounds of several launches were pooled, where they were."""
     if all(run.get("launches", 1) == 1 for run in runs.values()):
@@ -73,7 +82,7 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
            f"Measured {_sweep_runs(z['runs'])} on {machine} (`scripts/bench/sizes.py`, cells in "
            "`scripts/bench/size_grid.py`: MiniMind-3's shape, vocab 6400, one axis at a time around hidden 256, 4 "
            "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
-           "cell's two variants alternate in the same processes (fresh ones for each cell), one step each per round, "
+           "cell's two variants alternate in the same processes" + _fresh(z["runs"]) + ", one step each per round, "
            "the order reversed every other round; the ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster), ± "
            "half their interquartile range" + _pooling(z["runs"]) + ". Compile: the Trainer with "
            "`train.compile=auto` against eager, one process (both cores) and pp2 (one core each); DP: as in the "

@@ -192,7 +192,8 @@ def main(argv: list[str]) -> dict:
         for name, columns in measured(lambda: data_parallel.measure_cells(cells, warmup, rounds),
                                       args.launches).items():
             ratios[name].update(columns)
-    run = {"command": command_of(argv), "launches": args.launches, "rounds": rounds, "warmup": warmup,
+    run = {"command": command_of(argv), "launches": args.launches, "fresh_per_cell": True, "rounds": rounds,
+           "warmup": warmup,
            "wall_s": time.perf_counter() - start}
     runs = {side: run for side in SIDES if args.only in (None, side)}
     if args.only:  # the other side's columns stay as last measured, with how they were
