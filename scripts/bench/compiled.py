@@ -116,31 +116,28 @@ def cell_setup(cell, layout: str, warmup: int, rounds: int) -> Setup:
                  warmup, rounds)
 
 
-def cells_worker(rank: int, world: int, setups: list[Setup], mode: str, cache_dir: str) -> list[dict]:
-    """Each setup in turn: an eager Trainer and one with train.compile=`mode`; under `auto` the compiled trainer runs
-    its compiling step and its trial (`parallel.compile.TRIAL`) first and goes on in the mode it chose; then both
-    alternate (`alternate`). Per setup: the step times by variant and auto's choice."""
+def cell_worker(rank: int, world: int, setup: Setup, mode: str, cache_dir: str) -> dict:
+    """One setup: an eager Trainer and one with train.compile=`mode`; under `auto` the compiled trainer runs its
+    compiling step and its trial (`parallel.compile.TRIAL`) first and goes on in the mode it chose; then both
+    alternate (`alternate`). The step times by variant and auto's choice."""
     if world > 1:
         init_gloo()
     torch.set_num_threads(max(CORES // world, 1))
-    out = []
-    for setup in setups:
-        with tempfile.TemporaryDirectory() as run_root:
-            grid = ParallelGrid.build(1, 1, world, backend="gloo", timeout_s=1800)
-            steps = {name: TrainerStep(Trainer(compose_config(setup.overrides(value, cache_dir)), grid,
-                                               Path(run_root) / name))
-                     for name, value in (("eager", False), ("compiled", mode))}
-            timed(steps["eager"])
-            trial, choice = steps["compiled"].trainer.compile_trial, None
-            wall = timed(steps["compiled"])[0]  # compiles the layers
-            if trial is not None:
-                choice = trial.after_step(wall)
-                while choice is None:
-                    choice = trial.after_step(timed(steps["compiled"])[0])
-            times = alternate(steps, setup.warmup, setup.rounds)
-        out.append({"times": times, "choice": None if choice is None else ("compiled" if choice.compiled else "eager"),
-                    "trial": None if choice is None else {"compiled_s": choice.compiled_s, "eager_s": choice.eager_s}})
-    return out
+    with tempfile.TemporaryDirectory() as run_root:
+        grid = ParallelGrid.build(1, 1, world, backend="gloo", timeout_s=1800)
+        steps = {name: TrainerStep(Trainer(compose_config(setup.overrides(value, cache_dir)), grid,
+                                           Path(run_root) / name))
+                 for name, value in (("eager", False), ("compiled", mode))}
+        timed(steps["eager"])
+        trial, choice = steps["compiled"].trainer.compile_trial, None
+        wall = timed(steps["compiled"])[0]  # compiles the layers
+        if trial is not None:
+            choice = trial.after_step(wall)
+            while choice is None:
+                choice = trial.after_step(timed(steps["compiled"])[0])
+        times = alternate(steps, setup.warmup, setup.rounds)
+    return {"times": times, "choice": None if choice is None else ("compiled" if choice.compiled else "eager"),
+            "trial": None if choice is None else {"compiled_s": choice.compiled_s, "eager_s": choice.eager_s}}
 
 
 def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2"), warmup: int = 1, rounds: int = 5,
@@ -165,7 +162,7 @@ def measure_cells(cells: list, layouts: tuple[str, ...] = ("one-process", "pp2")
             # Each cell in fresh processes (as a user's run of one size is): variants built after other cells' in
             # the same processes carry their heap's history (dp2 / DDP at h256-l8: 1.06-1.11x after eleven cells,
             # 0.96-1.03x alone).
-            measured = [run_workers(cells_worker, LAYOUT_PP[layout], [setup], mode, cache, timeout=timeout)[0][0]
+            measured = [run_workers(cell_worker, LAYOUT_PP[layout], setup, mode, cache, timeout=timeout)[0]
                         for setup in setups]
             for cell, got in zip(cells, measured):
                 compiled, eager = got["times"]["compiled"].wall, got["times"]["eager"].wall

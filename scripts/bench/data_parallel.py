@@ -10,15 +10,14 @@ its steps, less what the process held before the model was built (interpreter, t
 returned to the system at once (`common.freed_to_the_system`).
 
 The size sweep (`scripts/bench/sizes.py`) calls `measure_cells`: both comparisons at each of a list of model sizes,
-each in its own pair of processes, the cell's variants alternated as above; per cell the median of the per-round ratios
-Sluice / peer and their spread (half the interquartile range of those ratios).
+each in its own pair of processes, the cell's variants alternated as above; per cell the median of the per-round
+ratios Sluice / peer and their spread (half the interquartile range of those ratios).
 
     python scripts/bench/data_parallel.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -123,21 +122,17 @@ def timing_worker(rank: int, world: int, setup: Setup) -> dict:
     return first_then_alternate(steps, micro, setup.warmup, setup.rounds)
 
 
-def cells_worker(rank: int, world: int, setups: list[Setup]) -> list[dict]:
-    """Per setup (cell): the four variants built, alternated (one step each per round, the order reversed every other round), then freed."""
+def cell_worker(rank: int, world: int, setup: Setup) -> dict:
+    """One setup (cell): the four variants built and alternated (one step each per round, the order reversed every
+    other round)."""
     init_gloo()
     optim_cfg = OmegaConf.structured(OptimSchema)
     grid = ParallelGrid.build(dp=DP, tp=1, pp=1, backend="gloo", timeout_s=600)
-    out = []
-    for setup in setups:
-        steps = {}
-        for name, zero in ZERO.items():
-            steps[f"{name}_sluice"] = SluiceDP(setup, optim_cfg, grid, zero)
-            steps[f"{name}_torch"] = DDPStep(setup, optim_cfg, zero)
-        out.append(first_then_alternate(steps, replica_batches(setup, rank), setup.warmup, setup.rounds))
-        del steps
-        gc.collect()  # the next cell's models do not share the heap with this one's
-    return out
+    steps = {}
+    for name, zero in ZERO.items():
+        steps[f"{name}_sluice"] = SluiceDP(setup, optim_cfg, grid, zero)
+        steps[f"{name}_torch"] = DDPStep(setup, optim_cfg, zero)
+    return first_then_alternate(steps, replica_batches(setup, rank), setup.warmup, setup.rounds)
 
 
 def measure_cells(cells: list, warmup: int, rounds: int, timeout: float = 3600) -> dict[str, dict]:
@@ -146,7 +141,7 @@ def measure_cells(cells: list, warmup: int, rounds: int, timeout: float = 3600) 
     two fresh processes, as a user's run of one size is: after the cells before it in the same processes, dp2 at
     h256-l8 measured 1.06-1.11x DDP in each of three launches, alone in its own 0.96-1.03x."""
     setups = [Setup(c.layers, c.hidden, c.seq, c.micro_batch_size, c.microbatches, warmup, rounds) for c in cells]
-    measured = [run_workers(cells_worker, DP, [setup], timeout=timeout)[0][0] for setup in setups]
+    measured = [run_workers(cell_worker, DP, setup, timeout=timeout)[0] for setup in setups]
     out = {}
     for cell, ours in zip(cells, measured):
         rows = {}

@@ -83,8 +83,9 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
            "`scripts/bench/size_grid.py`: MiniMind-3's shape, vocab 6400, one axis at a time around hidden 256, 4 "
            "layers, seq 128, micro-batch 2, 4 micro-batches, plus the 8-layer cell issue 39 found losing). Each "
            "cell's two variants alternate in the same processes" + _fresh(z["runs"]) + ", one step each per round, "
-           "the order reversed every other round; the ratio is the median of the per-round ratios Sluice / peer (below 1: Sluice faster), ± "
-           "half their interquartile range" + _pooling(z["runs"]) + ". Compile: the Trainer with "
+           "the order reversed every other round; the ratio is the median of the per-round ratios Sluice / peer "
+           "(below 1: Sluice faster), ± half their interquartile range" + _pooling(z["runs"]) + ". Compile: the "
+           "Trainer with "
            "`train.compile=auto` against eager, one process (both cores) and pp2 (one core each); DP: as in the "
            "data-parallel section, at each size.", ""]
     if z.get("png"):

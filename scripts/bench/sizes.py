@@ -193,8 +193,7 @@ def main(argv: list[str]) -> dict:
                                       args.launches).items():
             ratios[name].update(columns)
     run = {"command": command_of(argv), "launches": args.launches, "fresh_per_cell": True, "rounds": rounds,
-           "warmup": warmup,
-           "wall_s": time.perf_counter() - start}
+           "warmup": warmup, "wall_s": time.perf_counter() - start}
     runs = {side: run for side in SIDES if args.only in (None, side)}
     if args.only:  # the other side's columns stay as last measured, with how they were
         ratios, runs = kept_from_last(args.results, [c.name for c in cells], args.only, ratios, runs)
