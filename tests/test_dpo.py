@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.equivalence import (EMU, Layout, assert_equivalent, assert_params_match_plain_loop, baseline,
+from tests.equivalence import (EMU, Layout, Tolerances, assert_equivalent, assert_params_match_plain_loop, baseline,
                                compose_run_config, layouts_worker)
 from tests.shared import once_per_session, session_dir
 from tests.spawn import run_workers
@@ -36,6 +36,10 @@ LAYOUTS = [Layout(f"{name}-{kind}", [*model, *extra], layout, 2, dp)
            for name, layout, dp, extra in (("pp2-1f1b", ["parallel.pp=2", "schedule=1f1b"], 1, []),
                                            ("tp2-pp2-interleaved-emu", INTERLEAVED, 1, []),
                                            ("dp2-zbv-emu", ZBV, 2, VALIDATION))]
+# A parameter's difference between layouts is AdamW's update difference (each entry's at most lr), so it grows with
+# lr: this lr is 6x the default (3e-3 against 5e-4); the tolerance 3x the default 1e-4. (tp2 x pp2 MoE: layer 2's k_proj
+# ends 1.24e-4 off on an AMD EPYC and within 1e-4 on CI's CPU: the matmul kernels' summation order differs by CPU.)
+DPO_TOL = Tolerances(param=3e-4)
 REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 
 
@@ -174,7 +178,7 @@ def layout_results(workspace, case: Layout) -> list[dict]:
 def test_layout_equals_single_process(workspace, case):
     reference, _ = single_process(workspace, case.run, case.dp)
     results = layout_results(workspace, case)
-    assert_equivalent(results, reference)  # losses, aux losses, grad norms, val_loss, data, gradients, parameters
+    assert_equivalent(results, reference, DPO_TOL)  # losses, aux losses, grad norms, val_loss, data, grads, parameters
     if VALIDATION[0] in case.run:
         assert {m["step"] for m in results[0]["metrics"] if "val_loss" in m} == {2, 3}
 
