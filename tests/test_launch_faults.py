@@ -141,17 +141,6 @@ def launch(cmd: list[str], args: list[str], run_dir: Path, cache: Path, cwd: Pat
     return proc
 
 
-def started(proc: subprocess.Popen, run_dir: Path) -> subprocess.Popen:
-    """`proc` once rank 0 logged step 2 (every worker is past start-up)."""
-    wait_until(lambda: logged_steps(run_dir) >= 2 or proc.poll() is not None, 240, "step 2")
-    assert proc.poll() is None, stderr_of(proc)[-3000:]
-    return proc
-
-
-def start(cmd: list[str], args: list[str], run_dir: Path, cache: Path) -> subprocess.Popen:
-    return started(launch(cmd, args, run_dir, cache), run_dir)
-
-
 def timed_lines(stream, out: list[tuple[float, str]]) -> threading.Thread:
     """Read `stream` line by line in a thread, keeping when each line arrived."""
     def read() -> None:
@@ -246,7 +235,9 @@ def fault_runs(base: Path, data_cache: Path) -> dict[str, Faulted]:
     Hydra there: no report may land in it). Their rank 1 stops or kills itself (debug.fault) as step 3 begins (the
     killed one once rank 0 waits on it), so that one run serves both the timing of the named rank and the tests of
     the phase named, the reports' place and the bit-for-bit resume (each torchrun dp2 run costs some 20 CPU s of
-    start-up). Only the self-launched run is stopped from here, at whatever point it is in once it logged step 2."""
+    start-up). Only the self-launched run is stopped from here, at whatever point it is in once it logged step 2.
+    A sixth, a self-launched pp2 run with train.max_restarts=1 whose rank 1 is killed from here at step 3, starts
+    once the five are faulted: its start-up, restart and training overlap their timeouts and restarts."""
     long_run = ["train.steps=100000", f"parallel.timeout_s={TIMEOUT_S}"]
     self_launch, layout, _ = LAUNCHERS["self-launch"]
     plans = {  # name -> command, arguments, whether it starts in the repository root (else an empty directory)
@@ -303,9 +294,24 @@ def fault_runs(base: Path, data_cache: Path) -> dict[str, Faulted]:
             return not waiting
 
         wait_until(fault_the_started, 240, "the fault of every faulted run")
+        # Then a self-launched worker killed from here at step 3, restarted by train.max_restarts: started once the
+        # others are faulted (no start-up beside theirs, which their bounds time), it overlaps their waits instead.
+        self_killed = runs["killed under self-launch"] = Faulted(
+            launch(self_launch, [*layout, *RESTARTS], base / "killed under self-launch" / "run", data_cache), 1,
+            base / "killed under self-launch" / "run", ROOT)
+
+        def kill_at_step_3() -> bool:
+            if logged_steps(self_killed.run_dir) < 3:
+                assert self_killed.proc.poll() is None, f"ended before step 3: {stderr_of(self_killed.proc)[-3000:]}"
+                return False
+            os.kill(rank_pid(self_killed.proc.pid, self_killed.target), signal.SIGKILL)
+            self_killed.faulted_at = time.monotonic()
+            return True
+
+        wait_until(kill_at_step_3, 240, "step 3 of the self-launched run to kill")
         for name, run in runs.items():
             run.stderr, _ = finish(run.proc, 300 if name in ("crash", "killed under torchrun", "start-up")
-                                   else TIMEOUT_S + 60)
+                                   else 240 if name == "killed under self-launch" else TIMEOUT_S + 60)
     finally:
         for run in runs.values():
             end_group(run.proc)
@@ -391,14 +397,13 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_a_killed_worker_is_named_dead_at_once_and_the_restarted_run_is_bit_for_bit(tmp_path, data_cache):
-    proc = start([sys.executable, "train.py"], [*PP2, *RESTARTS], tmp_path / "killed", data_cache)
-    wait_until(lambda: logged_steps(tmp_path / "killed") >= 3 or proc.poll() is not None, 120, "step 3")
-    os.kill(rank_pid(proc.pid, 1), signal.SIGKILL)
-    killed_at = time.monotonic()
-    text, _ = finish(proc, 240)
-    assert proc.returncode == 0, text[-3000:]
-    said = [(at, part) for at, line in proc.lines for part in line.split("\r") if part.startswith("sluice: ")]
+def test_a_killed_worker_is_named_dead_at_once_and_the_restarted_run_is_bit_for_bit(faulted_runs, tmp_path,
+                                                                                      data_cache):
+    """The self-launched pp2 run of `faulted_runs` whose rank 1 was killed from here once step 3 was logged."""
+    run = faulted_runs["killed under self-launch"]
+    text, killed_at = run.stderr, run.faulted_at
+    assert run.proc.returncode == 0, text[-3000:]
+    said = [(at, part) for at, line in run.proc.lines for part in line.split("\r") if part.startswith("sluice: ")]
     at, line = next((at, line) for at, line in said if "restart 1 of 1" in line)
     # The launcher's word when it saw the death before a peer spoke, the heartbeats' (SIGKILL; last heard ...) when
     # the peer its reset socket woke was faster: the dead rank comes first, never a peer or its connection error.
@@ -409,10 +414,10 @@ def test_a_killed_worker_is_named_dead_at_once_and_the_restarted_run_is_bit_for_
     # The same layout uninterrupted, in the session's pooled processes (no interpreter start-up): bit for bit.
     runs = [([*TINY, *PP2, *RESTARTS], str(tmp_path / "straight"))]
     straight = [by_rank[0] for by_rank in run_workers(layouts_worker, 2, runs, str(data_cache), timeout=300)]
-    assert list(losses_by_step(tmp_path / "killed").values()) == straight[0]["losses"]
-    mine, theirs = final_weights(tmp_path / "killed"), dense_params(straight)
+    assert list(losses_by_step(run.run_dir).values()) == straight[0]["losses"]
+    mine, theirs = final_weights(run.run_dir), dense_params(straight)
     assert set(mine) - {"lm_head.weight"} == set(theirs) and all(torch.equal(mine[k], theirs[k]) for k in theirs)
-    log = (tmp_path / "killed" / "train.log").read_text()  # rank 0 logged both attempts into one directory
+    log = (run.run_dir / "train.log").read_text()  # rank 0 logged both attempts into one directory
     assert log.count("launching 2 local workers") == 1 and "restart: rank 1 died (SIGKILL" in log
     assert log.count("step 8 loss") == 1
 
