@@ -12,6 +12,7 @@ compiled again restores it): the same parameters and code, so the numbers stay t
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ def apply_compile(decoder: Decoder, mode: str) -> Decoder:
 
 @dataclass(frozen=True)
 class Choice:
-    """What `train.compile=auto` measured and chose: the step times (seconds, slowest rank) and the mode kept."""
+    """What `train.compile=auto` measured and chose: the median step times (seconds, slowest rank) and the mode kept."""
 
     compiled_s: float
     eager_s: float
@@ -55,19 +56,22 @@ class Choice:
         """The one log line that says it."""
         kept = "keeping the compiled layers" if self.compiled else "running eager from now on"
         return (f"train.compile=auto: compiled steps took {self.compiled_s:.3f} s, eager steps {self.eager_s:.3f} s "
-                f"(sum of {len(TRIAL) // 2} each): {kept}")
+                f"(median of {len(TRIAL) // 2} each): {kept}")
 
 
-# The trial's steps after the compiling first one, in order: compiled, eager, eager, compiled (A B B A: a drift of the
-# machine's speed over the four steps weighs on both sides alike). Step 1 compiles and is not timed.
-TRIAL = (True, False, False, True)
+# The steps after the compiling first one: one eager step, not timed (the eager layers' first call, cold: it timed
+# against warm compiled steps, a trial of 2 + 2 steps kept compiled layers 4-5% slower than eager at h768-l4 pp2 in
+# two launches of two), then compiled and eager in A B B A A B B A order (a drift of the machine's speed weighs on
+# both sides alike), each side's median the one compared.
+WARM_UP = (False,)
+TRIAL = (True, False, False, True, True, False, False, True)
 
 
 class CompileTrial:
     """`train.compile=auto` over this process's chunks: `after_step(seconds)` after every optimizer step turns the
-    layers eager or compiled for the next trial step, and after the last one agrees on the choice with every rank
-    (one all-reduce of the summed times, the maximum over ranks: the slowest rank sets a step's time) and returns
-    it; afterwards it does nothing. A run shorter than 1 + len(TRIAL) steps ends before choosing."""
+    layers eager or compiled for the next step, and after the trial's last one agrees on the choice with every rank
+    (one all-reduce of the step times, the maximum over ranks: the slowest rank sets a step's time) and returns it;
+    afterwards it does nothing. A run shorter than 1 + len(WARM_UP) + len(TRIAL) steps ends before choosing."""
 
     def __init__(self, chunks: list[Decoder], device: torch.device, group: dist.ProcessGroup | None):
         # nn.Module.compile keeps the compiled call in `_compiled_call_impl`; clearing it runs the layer eager.
@@ -76,7 +80,7 @@ class CompileTrial:
             if layer._compiled_call_impl is not None}
         self.device, self.group = device, group
         self.steps = 0
-        self.times = {True: 0.0, False: 0.0}
+        self.times: list[float] = []  # the trial's steps, in TRIAL's order
         self.choice: Choice | None = None
 
     def use(self, compiled: bool) -> None:
@@ -88,16 +92,18 @@ class CompileTrial:
         """Count the step that took `seconds`; the choice, once, after the trial's last step."""
         if self.choice is not None:
             return None
-        if self.steps > 0:  # the first step compiled
-            self.times[TRIAL[self.steps - 1]] += seconds
+        plan = (True, *WARM_UP, *TRIAL)  # step 1 compiles
+        if self.steps > len(WARM_UP):
+            self.times.append(seconds)
         self.steps += 1
-        if self.steps <= len(TRIAL):
-            self.use(TRIAL[self.steps - 1])
+        if self.steps < len(plan):
+            self.use(plan[self.steps])
             return None
-        spent = torch.tensor([self.times[True], self.times[False]], dtype=torch.float64, device=self.device)
+        spent = torch.tensor(self.times, dtype=torch.float64, device=self.device)
         if self.group is not None:
             dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=self.group)
-        compiled_s, eager_s = spent.tolist()
+        by_mode = {mode: [t for t, m in zip(spent.tolist(), TRIAL) if m == mode] for mode in (True, False)}
+        compiled_s, eager_s = statistics.median(by_mode[True]), statistics.median(by_mode[False])
         self.choice = Choice(compiled_s, eager_s, compiled_s < eager_s)
         self.use(self.choice.compiled)
         return self.choice

@@ -29,8 +29,9 @@ def compiled_section(r: dict) -> list[str]:
             "kernel (BLAS and torch's own, profiled in the same run) stay as they are, and AdamW is not compiled. "
             "Where they take most of an fp32 CPU step, as at the default size, the gain is bounded by the rest of "
             "the step: at most 1 / (their share) even if the rest took no time.", "",
-            "`train.compile=auto` (the default on CUDA, `false` on a CPU) compiles, times steps 2-5 compiled and "
-            "eager in turns (C E E C), keeps the faster on every rank (one all-reduce) and logs it; the size sweep "
+            "`train.compile=auto` (the default on CUDA, `false` on a CPU) compiles, runs step 2 eager (the eager "
+            "layers' cold first call, not timed), times steps 3-10 compiled and eager in turns (C E E C C E E C), "
+            "keeps the faster median on every rank (one all-reduce) and logs it; the size sweep "
             "measures it. At issue 39's losing cell dynamo neither recompiled nor broke a graph and inductor shares "
             "torch's OpenMP threads; on one thread compiled took 0.90x eager's CPU time, on two a loaded 2-core "
             "machine swung it 0.5-1.9x a round."]

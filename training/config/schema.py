@@ -159,8 +159,8 @@ class TrainSchema:
     compile: Optional[Union[bool, str]] = key(
         None, "`true`: compile each decoder layer with `torch.compile` (inductor) after the TP, EP and recompute "
         "passes; the first step also compiles (its time is logged); numbers equal eager within fp32 round-off. "
-        "`auto`: compile, time steps 2-5 compiled and eager in turns, keep the faster (logged); `null` = `auto` on "
-        "CUDA, `false` on CPU", optional(one_of(True, False, "auto")))
+        "`auto`: compile, run step 2 eager, time steps 3-10 compiled and eager in turns, keep the faster median "
+        "(logged); `null` = `auto` on CUDA, `false` on CPU", optional(one_of(True, False, "auto")))
     eval_every: int = key(0, "validation every N steps and at the end (`0` = never): `val_loss` and `val_ppl` in the "
                              "metrics", non_negative)
     eval_batches: int = key(10, "batches per validation pass", positive)
