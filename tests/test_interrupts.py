@@ -244,80 +244,6 @@ wait_for(lambda: False)
 """
 
 
-# Each watchdog case is a process of its own (the watchdog ends it), forked from one that imported the watchdog's
-# modules once: four cases, one interpreter start-up (torch's import, ~3 CPU s) instead of four. A case's process
-# is the server's child as a launched worker is its launcher's (follow_launcher), with its own stdout and stderr
-# files, ended by the watchdog's os._exit as before; the server kills one still running after 120 s.
-FORK_SERVER = """
-import io, json, os, signal, sys, time
-import training.reliability.hang, training.reliability.watchdog  # noqa: F401  (what every case imports)
-
-body = sys.argv[1]
-for request in sys.stdin:
-    case, run_dir, out, err = json.loads(request)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the case: a fresh process's streams (stdout block-buffered, stderr line-buffered), then its body
-        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
-        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False))
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True,
-                                      errors="backslashreplace")
-        sys.argv = ["-c", case, run_dir]
-        code = 0
-        try:
-            exec(compile(body, "<watchdog case>", "exec"), {"__name__": "__main__"})
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-            if not isinstance(exit.code, (int, type(None))):
-                print(exit.code, file=sys.stderr)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    deadline = time.monotonic() + 120
-    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            ended = os.waitpid(pid, 0)
-            break
-        time.sleep(0.01)  # polling the child's end, bounded above
-    print(json.dumps(os.waitstatus_to_exitcode(ended[1])), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def watchdog_cases():
-    """case, folder -> the CompletedProcess of WATCHDOG's case run in its own process (forked by FORK_SERVER)."""
-    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, WATCHDOG], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    replies = ThreadPool(1)
-
-    def run(case: str, folder: Path) -> subprocess.CompletedProcess:
-        out, err = folder / "case.out", folder / "case.err"
-        server.stdin.write(json.dumps([case, str(folder), str(out), str(err)]) + "\n")
-        server.stdin.flush()
-        line = replies.apply_async(server.stdout.readline).get(timeout=300)  # start-up, then the case's 120 s
-        assert line, f"the watchdog cases' server ended: {server.poll()}"
-        return subprocess.CompletedProcess(case, json.loads(line), out.read_text(), err.read_text())
-
-    try:
-        yield run
-    finally:
-        server.stdin.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        replies.terminate()
-
-
 NOTICE = "sluice: SIGTERM: stopping after step 3, or step 4 if step 3 is already ending; send it again to stop at once"
 
 
@@ -331,8 +257,9 @@ NOTICE = "sluice: SIGTERM: stopping after step 3, or step 4 if step 3 is already
                   "saved"]),
 ])
 def test_the_watchdog_ends_the_process_in_start_up_after_a_peer_failed_on_a_second_signal_or_past_the_timeout(
-        watchdog_cases, tmp_path, case, lines):
-    result = watchdog_cases(case, tmp_path)
+        tmp_path, case, lines):
+    result = subprocess.run([sys.executable, "-c", WATCHDOG, case, str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 143, result.stderr[-3000:]
     assert sluice_lines(result.stderr) == lines
     assert ("still running" in result.stdout) == (case == "twice")  # the duplicate within REPEAT_S was ignored
