@@ -159,6 +159,6 @@ def _trial_worker(rank: int, world_size: int, seconds: list[list[float]]) -> tup
 
 
 def test_auto_makes_every_rank_the_same_choice():
-    """Rank 0 alone would keep the compiled layers, rank 1 alone eager ones: the slowest rank's steps decide for both."""
+    """Rank 0 alone would keep the compiled layers, rank 1 alone eager ones: the slowest rank of each step decides."""
     seconds = [[9.0, 9.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0, 2.0, 1.0], [9.0, 9.0, 3.0, 2.0, 2.0, 3.0, 3.0, 2.0, 2.0, 3.0]]
     assert run_workers(_trial_worker, 2, seconds, timeout=120) == [(3.0, 2.0, False, False)] * 2
