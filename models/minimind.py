@@ -7,11 +7,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from minimind import MiniMindConfig
-from minimind.model import Attention, FeedForward
+from minimind.model import Attention, FeedForward, build_attention_mask
 from models.initialization import init_parameter
 from models.sizes import tp_sizes
+from parallel.decoder import DecodeContext
 from parallel.recompute import MODES, GatedActivation, SdpaCore
 
 
@@ -25,12 +27,23 @@ class MiniMindAdapter:
     def embed(self, base: nn.Module, embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return base.dropout(embedding(input_ids))
 
-    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        return {"cos": base.rope_cos[position_ids], "sin": base.rope_sin[position_ids]}
+    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     context: DecodeContext | None = None) -> dict:
+        inputs = {"cos": base.rope_cos[position_ids], "sin": base.rope_sin[position_ids]}
+        if context is not None:  # the mask MiniMindModel.forward makes over its cache's past
+            past = context.cache.get_seq_length(context.layers[0]) if context.layers else 0
+            inputs["mask"] = build_attention_mask(context.attention_mask, hidden.shape[1], past, hidden.device)
+            inputs["cache"] = context.cache
+        return inputs
 
     def run_layer(self, layer_id: int, layer: nn.Module, hidden: torch.Tensor,
                   inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if "cache" in inputs:
+            return layer(hidden, inputs["cos"], inputs["sin"], inputs["mask"], inputs["cache"])
         return layer(hidden, inputs["cos"], inputs["sin"])
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)  # MiniMind's attention calls `cache.update(k, v, layer_id)`
 
     def init_tensor(self, name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """MiniMind's own `_init_weights` on the parameter's module: normal(0, initializer_range), ones for norms."""

@@ -8,11 +8,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from models.initialization import init_module_buffers, init_parameter
 from models.sizes import tp_sizes
-from parallel.decoder import DecoderPlan
+from parallel.decoder import DecodeContext, DecoderPlan
 from parallel.recompute import GatedActivation, SdpaCore
 from parallel.tensor_pass import plan_pattern
 
@@ -44,15 +45,28 @@ class TransformersDecoderAdapter:
     def embed(self, base: nn.Module, embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return embedding(input_ids)
 
-    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """What the base model's forward hands each layer: (cos, sin) and the mask of each attention type."""
+    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     context: DecodeContext | None = None) -> dict:
+        """What the base model's forward hands each layer: (cos, sin), the mask of each attention type, the cache."""
         mask_args = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                          position_ids=position_ids)
-        masks = {"full_attention": create_causal_mask(**mask_args)}
+        sized = {}  # attention type -> the chunk's first layer of it: the cache layer a mask is sized against
+        if context is not None:
+            mask_args.update(attention_mask=context.attention_mask, cache=context.cache)
+            for layer_id in reversed(context.layers):
+                sized[self._mask_type(layer_id)] = layer_id
+        masks = {"full_attention": create_causal_mask(**mask_args, layer_idx=sized.get("full_attention"))}
         if getattr(self.config, "sliding_window", None) is not None:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
-        return {"position_embeddings": self.rotary_tables(base, hidden, position_ids), "masks": masks,
-                "position_ids": position_ids}
+            masks["sliding_attention"] = create_sliding_window_causal_mask(
+                **mask_args, layer_idx=sized.get("sliding_attention"))
+        inputs = {"position_embeddings": self.rotary_tables(base, hidden, position_ids), "masks": masks,
+                  "position_ids": position_ids}
+        if context is not None:
+            inputs["cache"] = context.cache
+        return inputs
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)  # what the base model's forward makes with use_cache
 
     def rotary_tables(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
         """(cos, sin) of the base model's rotary module (a family with one table per layer type keys them)."""
@@ -72,6 +86,8 @@ class TransformersDecoderAdapter:
                   inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
         kwargs = dict(attention_mask=inputs["masks"][self._mask_type(layer_id)], position_ids=inputs["position_ids"],
                       position_embeddings=self.layer_tables(inputs, layer_id))
+        if "cache" in inputs:
+            kwargs.update(cache=inputs["cache"], use_cache=True)
         if not (self.aux_coef and layer.training and torch.is_grad_enabled()):
             return layer(hidden, **kwargs), None
         logits: list[torch.Tensor] = []

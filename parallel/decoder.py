@@ -24,6 +24,17 @@ class ContractError(ValueError):
     """A model that does not declare what the parallel layer needs; the message names it and what is missing."""
 
 
+@dataclass(frozen=True)
+class DecodeContext:
+    """What a forward over a cache needs beside positions: the 2D padding mask over past and new tokens (None: no
+    padding), the family's cache object, and the chunk's global layer ids (a pipeline stage's cache fills only its
+    own layers, so the past is read from one of them)."""
+
+    attention_mask: torch.Tensor | None
+    cache: Any
+    layers: tuple[int, ...]
+
+
 class FamilyAdapter(Protocol):
     """What a declared plan cannot say about one model family (one small implementation per family)."""
 
@@ -31,9 +42,15 @@ class FamilyAdapter(Protocol):
         """Token ids -> the first layer's input. The plan names the embedding; a family may do more on the way
         (MiniMind's embedding dropout)."""
 
-    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+    def layer_inputs(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     context: DecodeContext | None = None) -> dict[str, Any]:
         """What every layer receives beside the hidden states (rotary tables, attention masks), made once per
-        chunk and micro-batch: the plan names the layer stack's inputs, not how they are made."""
+        chunk and micro-batch: the plan names the layer stack's inputs, not how they are made. With `context`
+        (generation) the mask covers its cache's past and padding, and the layers write to its cache."""
+
+    def new_cache(self) -> Any:
+        """An empty key/value cache of the family's own kind (one per stage and micro-batch of sequences): the
+        layers of a chunk write to it under their global layer ids."""
 
     def run_layer(self, layer_id: int, layer: nn.Module, hidden: torch.Tensor,
                   inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -224,17 +241,28 @@ class Decoder:
                 set_submodule(module, name, None)
         return Decoder(module, self.plan, self.adapter)
 
-    def __call__(self, input_ids: torch.Tensor | None = None,
-                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This chunk on token ids (first chunk) or hidden states -> (hidden states or logits, aux loss sum)."""
+    def __call__(self, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, cache: Any = None, attention_mask: torch.Tensor | None = None,
+                 logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """This chunk on token ids (first chunk) or hidden states -> (hidden states or logits, aux loss sum).
+
+        Generation passes `positions` [B, S], the family's `cache` (from `adapter.new_cache()`), the 2D padding
+        `attention_mask` over past and new tokens (None: no padding) and `logits_to_keep` (the head sees only the
+        last positions, as transformers' `generate` asks)."""
         plan, adapter = self.plan, self.adapter
         base = self.module.get_submodule(plan.base)
         if input_ids is not None:
             hidden = adapter.embed(base, self.module.get_submodule(plan.embedding), input_ids)
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        inputs = adapter.layer_inputs(base, hidden, positions)
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        blocks = self.blocks()
+        if cache is None and attention_mask is None:
+            inputs = adapter.layer_inputs(base, hidden, positions)
+        else:
+            context = DecodeContext(attention_mask, cache, tuple(i for i, _ in blocks))
+            inputs = adapter.layer_inputs(base, hidden, positions, context)
         aux = hidden.new_zeros((), dtype=torch.float32)
-        for layer_id, layer in self.blocks():
+        for layer_id, layer in blocks:
             hidden, layer_aux = adapter.run_layer(layer_id, layer, hidden, inputs)
             if layer_aux is not None:
                 aux = aux + layer_aux
@@ -243,4 +271,6 @@ class Decoder:
             return hidden, aux
         for name in plan.finals:
             hidden = self.module.get_submodule(name)(hidden)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
         return head(hidden), aux

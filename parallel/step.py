@@ -14,6 +14,7 @@ from torch import nn
 
 from parallel.chunked_ce import cross_entropy_rows
 from parallel.decoder import Decoder
+from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, eval_mode, rollout
 
 IGNORE_INDEX = -100  # labels with this value do not enter the loss (torch cross-entropy default)
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,6 +76,11 @@ class Engine(Protocol):
     def norm_parameters(self) -> list[nn.Parameter]: ...
 
     def chunks(self) -> list[Decoder]: ...
+
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
+        """Complete this DP replica's left-padded prompts [B, P] (called by every rank; every rank of the replica
+        returns the same Rollout); no gradients, the model in eval mode for the call."""
+        ...
 
 
 def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -150,6 +156,22 @@ class LocalEngine:
         finally:
             self.model.train()
         return sums
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
+        """Prefill, then one token per step over the family's key/value cache, every row in one batch."""
+        check_prompts(prompts, prompt_mask, sampling)
+        ids = prompts.to(self.device)
+        seqs = Sequences(prompt_mask.to(self.device).bool(), list(range(len(prompts))), self.decoder.adapter.new_cache())
+        with eval_mode([self.model]):
+            for step in range(sampling.max_new_tokens):
+                with autocast(self.device, self.dtype):
+                    logits, _ = self.decoder(input_ids=ids, **seqs.forward_args(ids.shape[1]), logits_to_keep=1)
+                seqs.advance(ids.shape[1])
+                ids = seqs.sample(logits[:, -1], sampling, step)
+                if seqs.done:
+                    break
+        return rollout(prompts, prompt_mask, *completions([seqs]), sampling)
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches (model in eval mode), a mean over the objective's count."""
