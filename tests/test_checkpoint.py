@@ -34,7 +34,9 @@ RUNS = [("tp2pp2", TP2_PP2, None), ("tp2pp2-resumed", TP2_PP2, "tp2pp2"), ("pp4v
         ("dp2tp2-from-tp2pp2", DP2_TP2, "tp2pp2"), ("dp2pp2", DP2_PP2, None), ("dp2pp2-resumed", DP2_PP2, "dp2pp2")]
 # Exact resume of what keeps more state than weights: ZeRO-1's sharded AdamW, MoE routers, bf16 autocast, the V
 # placement (a tied embedding that is one Parameter on rank 0), dropout (every rank's RNG; TP ranks must agree) and
-# an untied head. Each runs 4 steps on two processes, saves at 2 and is resumed from there in the same layout.
+# an untied head. Each runs 4 steps on two processes, saves at 2 and is resumed from there in the same layout. Bit for
+# bit in bf16 too: the resumed run runs the same kernels on the same numbers in the same order, so every bf16 cast
+# rounds as the straight run's did (no tolerance, hence none derived from bf16).
 EXACT_COMMON = ["model=tiny", "train.steps=4", "checkpoint.every=2"]
 EXACT = {"zero1": ["parallel.zero=1", "parallel.dp=2", "schedule.n_microbatches=2"],
          "moe": ["model=tiny-moe", "parallel.tp=2", "schedule.n_microbatches=4"],

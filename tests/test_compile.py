@@ -6,18 +6,17 @@ again (inductor's cold cache is the module's cost).
 
 Inductor generates its own fused kernels, so compiled numbers differ from eager ones by fp32 round-off only; the
 tolerances are the suite's (`tests.equivalence.FP32`: loss 1e-5, grad norm 1e-4, gradients 1e-5, parameters 1e-4,
-relative; bf16 under TP has the bf16 TP tolerances of tests/test_equivalence.py). The layouts share one spawn of
-two processes (one compile of a layer per process and shape).
+relative; bf16 under TP has tolerances derived from bf16, `tests.equivalence.bf16_tolerances`). The layouts share one
+spawn of two processes (one compile of a layer per process and shape).
 """
 
 import pytest
 import torch
 
-from tests.equivalence import (EMU, FP32, Layout, assert_equivalent, baseline, compose_run_config, layouts_worker,
-                               run_training)
+from tests.equivalence import (EMU, FP32, Layout, assert_equivalent, assert_equivalent_bf16, baseline,
+                               compose_run_config, layouts_worker, run_training)
 from tests.shared import once_per_session
 from tests.spawn import run_workers
-from tests.test_equivalence import BF16_TP_TOL
 
 pytestmark = pytest.mark.timeout(1200)  # the module's spawn compiles (inductor, cold cache) inside its first test
 
@@ -33,7 +32,7 @@ LAYOUTS = [
     Layout("dp2-pp2-zbv-emu-selective-recompute", TINY,
            ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU, "train.recompute=selective",
             COMPILED], 2, 2),
-    Layout("bf16-tp2", [*TINY, "train.dtype=bf16"], ["parallel.tp=2", COMPILED], 2, 1, BF16_TP_TOL),
+    Layout("bf16-tp2", [*TINY, "train.dtype=bf16"], ["parallel.tp=2", COMPILED], 2, 1),
     # train.compile=auto: compiled, then eager and compiled in turns (its trial), then the faster; 11 steps pass the
     # choice (the same layers and shapes as pp2-zb-h1: dynamo's cache, no compile of their own).
     Layout("pp2-1f1b-auto", [*TINY, "train.steps=11"], ["parallel.pp=2", "schedule=1f1b", AUTO], 2, 1),
@@ -64,7 +63,12 @@ def compiled(tmp_path_factory) -> dict[str, list[dict]]:
 def test_a_compiled_layout_equals_one_eager_process(compiled, case, tmp_path):
     results = compiled[case.name]
     assert all(r["graphs"] > 0 for r in results), "dynamo compiled nothing: the layers ran eager"
-    assert_equivalent(results, baseline([*STEPS, *case.run], tmp_path / "cache", tmp_path / "eager", case.dp), case.tol)
+    reference = baseline([*STEPS, *case.run], tmp_path / "cache", tmp_path / "eager", case.dp)
+    if "train.dtype=bf16" in case.run:
+        fp32 = baseline([*STEPS, *case.run, "train.dtype=fp32"], tmp_path / "cache", tmp_path / "fp32", case.dp)
+        assert_equivalent_bf16(results, reference, fp32)
+    else:
+        assert_equivalent(results, reference, case.tol)
 
 
 def test_one_compiled_process_equals_eager_and_keeps_the_dense_names(tmp_path, caplog):
