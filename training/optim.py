@@ -54,9 +54,8 @@ def kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
     """AdamW's implementation: torch's fused kernel on CUDA and CPU (one pass over each parameter instead of a dozen
     element-wise ops: 4.4 against 17 ms at 4.8M parameters on one CPU thread; the loop torch picks by default on CPU
     is what DDP's user gets). It is exact in every layout; against the loop it rounds about 2% of elements one ulp
-    apart. Which of the two keeps a bf16 pp2 run of a tied model within fp32 tolerances of one process is rounding
-    luck (tests/test_families.py's Qwen3 case over seeds 0-11: the loop failed seed 1, grad norm 3.6e-4 off; fused
-    passed all 12)."""
+    apart, which a bf16 run can carry into a flipped cast: the suite compares bf16 at tolerances derived from bf16
+    and runs its Qwen3 bf16 case under both kernels (tests/test_families.py), so neither kernel decides a verdict."""
     if params and all(p.device.type in ("cuda", "cpu") for p in params):
         return {"fused": True}
     return {"foreach": False}
