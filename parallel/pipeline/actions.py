@@ -32,10 +32,15 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"  # receive this stage's input activation from the previous stage
     SEND_B = "SEND_B"  # send the gradient of this stage's input to the previous stage
     RECV_B = "RECV_B"  # receive the gradient of this stage's output from the next stage
+    # Generation: the last stage's sampled token goes back to the first stage, the input of the micro-batch's next
+    # tick. Its other end is not a neighbouring stage, so MATES has no entry: `pipeline.generation` pairs them.
+    SEND_T = "SEND_T"  # send the token a tick sampled (named by the tick's unit and the last stage)
+    RECV_T = "RECV_T"  # receive the token a tick starts from (named by that tick's unit and the first stage)
 
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741
 SEND_F, RECV_F, SEND_B, RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+SEND_T, RECV_T = Kind.SEND_T, Kind.RECV_T
 
 
 class Action(NamedTuple):
@@ -64,7 +69,7 @@ class Action(NamedTuple):
 
 
 # Longest kinds first, so that "SEND_F3" is not read as kind "S..." and "F3" is not taken from "SEND_F3".
-_ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@s(\d+))?")
+_ACTION_RE = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|SEND_T|RECV_T|F|B|I|W)(\d+)(?:@s(\d+))?")
 
 Schedule = list[list[Action]]  # one action list per pipeline rank, executed in order
 Lists = Sequence[Sequence[Action]]  # the same, read-only (a LoweredPipeline's lists are tuples)

@@ -14,6 +14,8 @@ visits ends in the same state) and run in linear time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .actions import MATES, RECV_B, RECV_F, F, W, Costs, Key, Lists, counterpart, needs, output_of
 from .static_rules import ScheduleError
 from .partition import stage_to_rank
@@ -22,17 +24,22 @@ from .sweep import Sweeps
 Times = list[list[float]]  # per rank, per slot
 
 
-def run_strict(lowered: Lists, pp: int, placement: str) -> None:
+def run_strict(lowered: Lists, pp: int, placement: str, mate: Callable[[Key], Key] | None = None,
+               rank_of: Callable[[Key], int] | None = None) -> None:
     """Run every rank, each waiting for its whole batch where it posts it; raise ScheduleError on deadlock.
 
     The check guarantees that every compute's input comes before it on its rank (received in an earlier
     batch, or made by an earlier compute), so here only batches wait. Posting never holds another rank
-    back, so every order of visits ends in the same state: a stack of ranks to run is the cheapest."""
+    back, so every order of visits ends in the same state: a stack of ranks to run is the cheapest.
+    `mate` and `rank_of` pair messages whose other end is not a neighbouring stage (generation's token: its
+    counterpart and the rank that posts it); by default MATES does."""
     pos = [0] * pp  # per rank: the slot to run next (past a posted batch while that is still open)
     first = [0] * pp  # per rank: the first slot of its latest batch
     open_ops = [0] * pp  # per rank: ops of its posted batch whose counterpart is not posted yet
     posted: dict[Key, int] = {}  # such an op -> its rank
-    ready, mates, pop = list(range(pp)), MATES.get, posted.pop  # locals: this loop runs once per action
+    found = mate  # the loop below rebinds `mate` per action
+    mates = MATES.get if found is None else (lambda kind: _GIVEN if kind.is_comm else None)
+    ready, pop = list(range(pp)), posted.pop  # locals: this loop runs once per action
     while ready:
         r = ready.pop()
         actions, k = lowered[r], pos[r]
@@ -47,7 +54,7 @@ def run_strict(lowered: Lists, pp: int, placement: str) -> None:
                 mate = mates(a[0])
                 if mate is None:
                     break  # a compute: the batch ends here
-                q = pop((mate[0], a[1], a[2] + mate[1]), None)  # the counterpart (mate_of)
+                q = pop((mate[0], a[1], a[2] + mate[1]) if found is None else found(a), None)  # the counterpart
                 if q is None:
                     posted[a] = r
                     open_ops[r] += 1
@@ -58,19 +65,25 @@ def run_strict(lowered: Lists, pp: int, placement: str) -> None:
                 k += 1
         pos[r] = k
     if any(open_ops):
-        raise ScheduleError("deadlock: " + "; ".join(_blocked(lowered, first, open_ops, posted, pp, placement)))
+        lines = _blocked(lowered, first, open_ops, posted, pp, placement, found, rank_of)
+        raise ScheduleError("deadlock: " + "; ".join(lines))
+
+
+_GIVEN = (None, 0)  # `run_strict`'s marker: a comm action whose counterpart the caller's `mate` gives
 
 
 def _blocked(lowered: Lists, first: list[int], open_ops: list[int], posted: dict[Key, int], pp: int,
-             placement: str) -> list[str]:
+             placement: str, mate_fn: Callable[[Key], Key] | None = None,
+             rank_of: Callable[[Key], int] | None = None) -> list[str]:
     """One line per stuck rank: the first slot of its batch that waits, and what it waits for."""
     lines = []
     for r, actions in enumerate(lowered):
         if not open_ops[r]:
             continue
         j = next(j for j in range(first[r], len(actions)) if actions[j] in posted)
-        a, mate = actions[j], counterpart(actions[j])
-        q = stage_to_rank(mate.stage, pp, placement)
+        a = actions[j]
+        mate = counterpart(a) if mate_fn is None else type(a)._make(mate_fn(a))
+        q = stage_to_rank(mate.stage, pp, placement) if rank_of is None else rank_of(mate)
         lines.append(f"rank {r}, slot {j}, {a} waits for rank {q} to post {mate} (its slot {lowered[q].index(mate)})")
     return lines
 

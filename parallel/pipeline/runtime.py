@@ -267,7 +267,8 @@ def _post(transfers: tuple[Transfer, ...], transport: Transport, inbox: dict, ou
 
 def _key(comm: Action) -> tuple[str, int, int]:
     """Mailbox key of a SEND's tensor (by sending stage) or a RECV's (by receiving stage)."""
-    what = ACTIVATION if comm.kind in (Kind.SEND_F, Kind.RECV_F) else GRADIENT
+    # A sampled token (SEND_T/RECV_T) is a forward's output and the next forward's input, keyed as activations are.
+    what = GRADIENT if comm.kind in (Kind.SEND_B, Kind.RECV_B) else ACTIVATION
     return what, comm.microbatch, comm.stage
 
 
@@ -285,8 +286,10 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
     stage = stages[s]
     batch = micro_batches[mb]
     if action.kind is Kind.F:
-        inputs = batch.input_ids.to(stage.device, non_blocking=True) if stage.is_first else inputs
-        labels = batch.labels.to(stage.device, non_blocking=True) if stage.is_last else None
+        # A first stage takes the micro-batch's token ids, unless a token was sent to it (a generation tick's).
+        if stage.is_first and inputs is None:
+            inputs = batch.input_ids.to(stage.device, non_blocking=True)
+        labels = batch.labels.to(stage.device, non_blocking=True) if stage.is_last and batch.labels is not None else None
         out, what, to = (stage.forward(mb, inputs, labels, scales.loss_scale, scales.aux_scale, batch.extra),
                          ACTIVATION, s + 1)
     elif action.kind in (Kind.B, Kind.I):

@@ -5,6 +5,7 @@ decides when to wait. Two implementations: torch.distributed P2P, and in-process
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from .actions import Action, Kind, counterpart
 
-SENDS = (Kind.SEND_F, Kind.SEND_B)
+SENDS = (Kind.SEND_F, Kind.SEND_B, Kind.SEND_T)
 
 
 @dataclass
@@ -67,6 +68,10 @@ class Boundary:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    def empty(self, action: Action, device: torch.device) -> torch.Tensor:
+        """The buffer a receive lands in."""
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
     def check(self, msg: Message) -> None:
         """Refuse to send a tensor the receiver would misread (garbage) or wait on forever (a hang)."""
         tensor = msg.tensor
@@ -81,7 +86,8 @@ class Boundary:
 
 
 DIRECTION = {Kind.SEND_F: "sending activation to", Kind.RECV_F: "receiving activation from",
-             Kind.SEND_B: "sending gradient to", Kind.RECV_B: "receiving gradient from"}
+             Kind.SEND_B: "sending gradient to", Kind.RECV_B: "receiving gradient from",
+             Kind.SEND_T: "sending the sampled token to", Kind.RECV_T: "receiving the sampled token from"}
 
 
 def describe(rank: int, msg: Message) -> str:
@@ -170,7 +176,7 @@ class P2PTransport:
         if msg.action.kind in SENDS:
             self.boundary.check(msg)
             return msg.tensor.contiguous()
-        return torch.empty(self.boundary.shape, dtype=self.boundary.dtype, device=self.device)
+        return self.boundary.empty(msg.action, self.device)
 
     def wait(self, work: dist.Work, msg: Message) -> None:
         """Wait for one transfer (in stream order under NCCL); on timeout or a dead peer raise naming it."""
@@ -218,9 +224,10 @@ class _Channel:
 class LocalTransport:
     """All pipeline ranks of one process share these channels; `endpoint(rank)` is one rank's Transport."""
 
-    def __init__(self, boundary: Boundary | None = None) -> None:
+    def __init__(self, boundary: Boundary | None = None, mate: Callable[[Action], Action] = counterpart) -> None:
         self.channels: dict[tuple[int, int], _Channel] = {}
         self.boundary = boundary  # checked on every send, as the P2P transport does
+        self.mate = mate  # the receive a send pairs with (generation's token hop is no neighbour's)
 
     def endpoint(self, rank: int) -> "LocalEndpoint":
         return LocalEndpoint(self, rank)
@@ -254,16 +261,16 @@ class LocalEndpoint:
                 channel = self.hub.channel(msg.peer, self.rank)
                 pending = LocalPending(msg)
                 channel.recvs.append(pending)
-            _match(channel)
+            _match(channel, self.hub.mate)
             posted.append(pending)
         return posted
 
 
-def _match(channel: _Channel) -> None:
+def _match(channel: _Channel, mate: Callable[[Action], Action]) -> None:
     """Pair the oldest unmatched send with the oldest unmatched receive, as a real channel would."""
     while channel.sends and channel.recvs:
         (sent, tensor), recv = channel.sends.popleft(), channel.recvs.popleft()
-        if counterpart(sent) != recv.message.action:
+        if mate(sent) != recv.message.action:
             raise EmulationError(f"messages out of order: rank {recv.message.peer} sent {sent} first, but the oldest "
                                  f"receive posted for it is {recv.message.action} (channels match in posting order)")
         recv.tensor, recv.matched = tensor, True

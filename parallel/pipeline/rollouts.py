@@ -1,0 +1,146 @@
+"""A DP replica's generation in its training layout: the generation schedule's lists run by the same runtime loop
+over the stages' own chunks, round after round, until every sequence stopped or `max_new_tokens`.
+
+A round is one verified list of `ticks` ticks. Between rounds the last pipeline rank tells the others the round's
+last tokens (the next round's first input) and whether every row emitted EOS; DP replicas agree to stop together
+(expert parallelism dispatches across them, so they run the same forwards). A round's fill and drain cost
+pp - 1 ticks each; longer rounds amortise them, shorter ones stop sooner after the last EOS.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import all_gather_cat, all_reduce_
+from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, eval_mode, rollout
+from parallel.step import MicroBatch
+
+from .generation import generation_lists, generation_peer, token_mate
+from .partition import stage_to_rank
+from .generation_stage import GenerationBoundary, GenerationStage, Round
+from .runtime import StepScales, execute, execute_emulated, make_program
+from .transport import LocalTransport, P2PTransport
+
+if TYPE_CHECKING:
+    from parallel.engine import ParallelEngine
+
+TICKS_PER_ROUND = 16  # ticks between two checks for EOS: 2(pp - 1) ticks of bubble per 16 * M forwards
+
+
+def generate_in_layout(engine: ParallelEngine, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+                       first_row: int | None = None, ticks_per_round: int = TICKS_PER_ROUND) -> Rollout:
+    """This replica's completions; rows are numbered (for sampling) from `first_row`, by default as if the replicas'
+    prompts were stacked in DP-rank order."""
+    check_prompts(prompts, prompt_mask, sampling)
+    grid, pipeline, spec = engine.grid, engine.pipeline, engine.spec
+    n_stages, device = pipeline.n_stages, grid.device
+    batch = len(prompts)
+    first_row = grid.dp_rank * batch if first_row is None else first_row
+    # pp micro-batches keep every stage busy (the token of one is back when the first stage has run the others).
+    parts = [p for p in torch.arange(batch).tensor_split(min(batch, n_stages)) if len(p)]
+    m = len(parts)
+    mask = prompt_mask.to(device).bool()
+    gather = functools.partial(all_gather_cat, group=grid.tp_group, dim=-1)
+    stages: dict[int, dict[int, GenerationStage]] = {}
+    for r, rank_stages in engine.stages_of.items():
+        handoff: dict[int, torch.Tensor] = {}
+        stages[r] = {s: GenerationStage(st.chunk, s, n_stages, device, spec.dtype,
+                                        [Sequences(mask[p], [first_row + int(i) for i in p], st.chunk.adapter.new_cache())
+                                         for p in parts], sampling, gather, handoff, first_here=0 in rank_stages)
+                     for s, st in rank_stages.items()}
+    inputs = [prompts[p].to(device) for p in parts]
+    last = _last_stage(stages, n_stages)
+    step = 0
+    with torch.no_grad(), eval_mode([st.chunk.module for st in engine.stages.values()]):
+        while step < sampling.max_new_tokens:
+            ticks = min(ticks_per_round, sampling.max_new_tokens - step)
+            _run_round(engine, stages, inputs, m, ticks, step)
+            step += ticks
+            ends, done = _round_end(engine, last, parts, batch)
+            inputs = [ends[p].to(device)[:, None] for p in parts]
+            if _agree_done(done, grid):
+                break
+        tokens, logps = _share(engine, last, (batch, step))
+    return rollout(prompts, prompt_mask, tokens, logps, sampling)
+
+
+def _run_round(engine: ParallelEngine, stages: dict[int, dict[int, GenerationStage]], inputs: list[torch.Tensor],
+               m: int, ticks: int, step: int) -> None:
+    """One verified generation list of `ticks` ticks through every stage this process holds."""
+    grid, pipeline = engine.grid, engine.pipeline
+    pp, n_stages, placement = pipeline.spec.pp, pipeline.n_stages, pipeline.placement
+    lists = generation_lists(pp, n_stages, placement, m, ticks)
+    rows = [len(x) for x in inputs]
+    hidden = next(iter(engine.stages.values())).chunk.config.hidden_size
+    boundary = GenerationBoundary(rows, inputs[0].shape[1], hidden)
+    peer = functools.partial(generation_peer, n_microbatches=m, n_stages=n_stages, placement=placement, pp=pp)
+    if engine.emulated:
+        transport = LocalTransport(boundary, mate=lambda a: type(a)._make(token_mate(a, m, n_stages)))
+        peer_of = peer
+    else:
+        transport = P2PTransport(grid.rank, boundary, grid.device, engine.spec.timeout_s)
+
+        def peer_of(action):
+            return grid.global_rank_of(peer(action), grid.dp_rank, grid.tp_rank)
+    early = getattr(transport, "receives_early", False)
+    programs = {r: make_program(list(lists[r]), peer_of, early, {}) for r in stages}
+    for rank_stages in stages.values():
+        for stage in rank_stages.values():
+            stage.round = Round(step, ticks)
+    # The first stage's first tick takes these ids; a later tick's input is a token (received or handed over).
+    micro_batches = [MicroBatch(inputs[u % m], None) for u in range(ticks * m)]
+    scales = StepScales(loss_scale=1.0, aux_scale=0.0)
+    if engine.emulated:
+        execute_emulated(programs, stages, transport, micro_batches, scales)
+    else:
+        r = grid.pp_rank
+        execute(programs[r], stages[r], transport, micro_batches, scales)
+
+
+def _last_stage(stages: dict[int, dict[int, GenerationStage]], n_stages: int) -> GenerationStage | None:
+    """The stage with the head, where this process holds it."""
+    return next((st for rank in stages.values() for s, st in rank.items() if s == n_stages - 1), None)
+
+
+def _last_rank(engine: ParallelEngine) -> int:
+    """The global rank of this replica's last pipeline rank (what holds the sampled tokens)."""
+    pipeline, grid = engine.pipeline, engine.grid
+    r = stage_to_rank(pipeline.n_stages - 1, pipeline.spec.pp, pipeline.placement)
+    return grid.global_rank_of(r, grid.dp_rank, grid.tp_rank)
+
+
+def _round_end(engine: ParallelEngine, last: GenerationStage | None, parts: list[torch.Tensor],
+               batch: int) -> tuple[torch.Tensor, bool]:
+    """Every row's latest token and whether every row emitted EOS, from the last pipeline rank to the others."""
+    box = torch.zeros(batch + 1, dtype=torch.long, device=engine.grid.device)
+    if last is not None:
+        for p, seqs in zip(parts, last.sequences):
+            box[p.to(box.device)] = seqs.tokens[-1]
+        box[-1] = int(all(seqs.done for seqs in last.sequences))
+    if not engine.emulated and engine.pipeline.spec.pp > 1:
+        dist.broadcast(box, src=_last_rank(engine), group=engine.grid.pp_group)
+    return box[:-1].cpu(), bool(box[-1])
+
+
+def _agree_done(done: bool, grid) -> bool:
+    """Stop only when every DP replica is done (an EP layer's all_to_all needs every replica's forwards)."""
+    flag = torch.tensor([0 if done else 1], device=grid.device)
+    return not bool(all_reduce_(flag, grid.dp_group, op=dist.ReduceOp.MAX).item())
+
+
+def _share(engine: ParallelEngine, last: GenerationStage | None, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """The tokens and log-probs [B, steps] the last pipeline rank sampled, on every rank of the replica."""
+    if last is not None:
+        tokens, logps = completions(last.sequences)  # micro-batches are consecutive rows, in order
+        packed = torch.cat([tokens.double(), logps.double()], dim=1)
+    else:
+        packed = torch.zeros(shape[0], 2 * shape[1], dtype=torch.float64, device=engine.grid.device)
+    if not engine.emulated and engine.pipeline.spec.pp > 1:
+        packed = packed.to(engine.grid.device).contiguous()
+        dist.broadcast(packed, src=_last_rank(engine), group=engine.grid.pp_group)
+    packed = packed.cpu()  # token ids are exact in float64
+    return packed[:, :shape[1]].long(), packed[:, shape[1]:].float()
