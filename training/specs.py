@@ -14,6 +14,7 @@ from parallel.step import Objective
 from training.config.schema import model_keys, schema_defaults
 from training.lora import LoraSpec
 from training.objectives.dpo import PreferenceLoss
+from training.objectives.grpo import GroupPolicyLoss
 from training.objectives.lm import LANGUAGE_MODEL
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,9 +60,14 @@ def lora_record(cfg: DictConfig) -> dict | None:
 
 
 def objective(cfg: DictConfig) -> Objective:
-    """What the last stage computes (train.task): the LM loss (pretrain, sft), or the DPO loss over pairs (dpo)."""
+    """What the last stage computes (train.task): the LM loss (pretrain, sft), the DPO loss over pairs (dpo), or
+    the GRPO / CISPO loss over sampled completions (grpo)."""
     if OmegaConf.select(cfg, "train.task") == "dpo":
         return PreferenceLoss(beta=float(cfg.dpo.beta))
+    if OmegaConf.select(cfg, "train.task") == "grpo":
+        g = cfg.grpo
+        return GroupPolicyLoss(loss_type=str(g.loss_type), beta=float(g.beta), epsilon=float(g.epsilon),
+                               epsilon_high=float(g.epsilon_high), num_generations=int(g.num_generations))
     return LANGUAGE_MODEL
 
 

@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 from omegaconf import MISSING
 
 from training.config.distill_schema import DistillSchema
+from training.config.grpo_schema import GrpoSchema
 from training.config.keys import ReadWhen, key
 from training.config.presets import CONF_DIR, store_presets
 from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,
@@ -134,10 +135,12 @@ class TrainSchema:
         "pretrain", "what the run trains: `pretrain` and `sft` the next-token loss on `data.format`'s samples (`sft`: "
         "conversations, a chat format), `dpo` the DPO loss on MiniMind `dpo.jsonl` pairs (`chosen` / `rejected` "
         "conversations, `data.format=chat`; the reference is the starting weights; "
-        "[concepts](concepts.md#dpo)), `distill` the next-token loss mixed with a teacher's (`distill.*`)",
-        one_of("pretrain", "sft", "dpo", "distill"))
+        "[concepts](concepts.md#dpo)), `distill` the next-token loss mixed with a teacher's (`distill.*`), `grpo` "
+        "MiniMind's GRPO / CISPO on completions the model samples for prompts (`grpo.*`; [concepts](concepts.md#grpo))",
+        one_of("pretrain", "sft", "dpo", "distill", "grpo"))
     steps: int = key(1000, "optimizer steps", positive)
-    micro_batch_size: int = key(8, "sequences per micro-batch (under `train.task=dpo` an even number: whole pairs)",
+    micro_batch_size: int = key(8, "sequences per micro-batch (under `train.task=dpo` an even number: whole pairs; "
+                                   "under `grpo` a multiple of `grpo.num_generations`: whole groups)",
                                 positive)
     global_batch_size: Optional[int] = key(
         None, "sequences per optimizer step across DP; when set, `schedule.n_microbatches` = `global_batch_size / "
@@ -315,6 +318,7 @@ class RunSchema:
     lora: LoraSchema = field(default_factory=LoraSchema)
     dpo: DpoSchema = field(default_factory=DpoSchema)
     distill: DistillSchema = field(default_factory=DistillSchema)
+    grpo: GrpoSchema = field(default_factory=GrpoSchema)
     logger: LoggerSchema = field(default_factory=LoggerSchema)
     debug: DebugSchema = field(default_factory=DebugSchema)
 

@@ -150,6 +150,12 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
     """The training step stream of DP replica `dp_rank` of `dp_size`, and the tokenizer, from the run config.
 
     `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
+    if run_data_spec(cfg).train_task == "grpo":  # prompts, held in memory: training.data.prompts
+        from training.data.prompts import build_prompt_stream
+
+        spec = run_data_spec(cfg)
+        tokenizer = build_tokenizer(spec)
+        return build_prompt_stream(spec, tokenizer, cfg, dp_rank, dp_size, verbose), tokenizer
     spec, geo, tokenizer, splits = _prepare(cfg, verbose)
     kind = PairBatches if spec.preference else StepBatches  # pairs: the DPO reference log-probabilities ride along
     stream = kind(splits.train, geo.samples_per_micro_batch, geo.n_microbatches, dp_rank, dp_size, geo.seed,

@@ -52,6 +52,21 @@ def _pair_problem(record: Any) -> str | None:
     return None
 
 
+def _prompt_problem(record: Any) -> str | None:
+    """Why a GRPO row (MiniMind's rlaif.jsonl) holds no prompt: a conversation with a user turn to answer, or None."""
+    if not isinstance(record, dict) or "conversations" not in record:
+        return "no \"conversations\" key"
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not turns:
+        return "\"conversations\" is not a non-empty list"
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+            return f"message {i} is not a {{role, content}} message with role one of {', '.join(ROLES)}"
+    if not any(t["role"] == "user" and t["content"].strip() for t in turns):
+        return "no user turn with content (nothing to answer)"
+    return None
+
+
 def _conversation_problem(turns: Any, column: str) -> str | None:
     """Why a list of {role, content} messages is not a conversation to learn from, or None."""
     if not isinstance(turns, list) or not turns:
@@ -81,6 +96,7 @@ TASKS: dict[str, Task] = {
     "text": Task(("text",), _text_problem, lambda row: row["text"]),
     "chat": Task(("conversations",), _chat_problem, lambda row: row["conversations"]),
     "dpo": Task(("chosen", "rejected"), _pair_problem, lambda row: (row["chosen"], row["rejected"])),
+    "prompt": Task(("conversations",), _prompt_problem, lambda row: row["conversations"]),
 }
 
 

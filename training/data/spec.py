@@ -11,7 +11,7 @@ from training.data.chat_rules import ChatRules
 NAMES = ("synthetic", "jsonl")
 FORMATS = ("packed", "padded", "chat", "chat_packed")  # chat: MiniMind conversations
 PACKED_FORMATS = ("packed", "chat_packed")
-TRAIN_TASKS = ("pretrain", "sft", "dpo")  # train.task
+TRAIN_TASKS = ("pretrain", "sft", "dpo", "grpo")  # train.task
 
 
 class DataError(ValueError):
@@ -59,6 +59,8 @@ class DataSpec:
     @property
     def task(self) -> str:
         """The task whose columns each row must hold (a key of training.data.rows.TASKS)."""
+        if self.train_task == "grpo":  # prompts: conversations up to their last user turn
+            return "prompt"
         return "dpo" if self.preference else "chat" if self.chat else "text"
 
 
@@ -107,7 +109,7 @@ def default_format(name: str, train_task: str) -> str:
     """`data.format` when the config leaves it null: conversations (`chat`) for sft, dpo and distill (MiniMind distills
     on its SFT data); for pretraining one padded document per sample from files (MiniMind's PretrainDataset), packed
     documents from the embedded corpus."""
-    if train_task in ("sft", "dpo", "distill"):
+    if train_task in ("sft", "dpo", "distill", "grpo"):
         return "chat"
     return "padded" if name == "jsonl" else "packed"
 
@@ -140,6 +142,17 @@ def run_data_spec(cfg: Any) -> DataSpec:
     return data_spec(section(cfg, "data"), train_task(cfg))
 
 
+def rows_per_sample(cfg: Any) -> int:
+    """Sequences one sample stands for: a DPO pair's two, a GRPO prompt's group of completions, else one."""
+    task = train_task(cfg)
+    if task == "grpo":
+        from training.config.grpo_schema import GrpoSchema  # the home of its default
+
+        value = optional_field(optional_field(cfg, "grpo"), "num_generations")
+        return int(GrpoSchema().num_generations if value is None else value)
+    return 2 if task == "dpo" else 1
+
+
 def geometry(cfg: Any) -> Geometry:
     """The batch geometry of a whole run config (train.* and schedule.n_microbatches)."""
     train, schedule = section(cfg, "train"), section(cfg, "schedule")
@@ -148,5 +161,5 @@ def geometry(cfg: Any) -> Geometry:
         micro_batch_size=int(_field(train, "micro_batch_size", "train")),
         n_microbatches=int(_field(schedule, "n_microbatches", "schedule")),
         seed=int(_field(train, "seed", "train")),
-        rows_per_sample=2 if train_task(cfg) == "dpo" else 1,
+        rows_per_sample=rows_per_sample(cfg),
     )
