@@ -31,7 +31,7 @@ class MiniMindAdapter:
                      context: DecodeContext | None = None) -> dict:
         inputs = {"cos": base.rope_cos[position_ids], "sin": base.rope_sin[position_ids]}
         if context is not None:  # the mask MiniMindModel.forward makes over its cache's past
-            past = context.cache.get_seq_length(context.layers[0]) if context.layers else 0
+            past = context.cache.get_seq_length(context.layer_ids[0]) if context.layer_ids else 0
             inputs["mask"] = build_attention_mask(context.attention_mask, hidden.shape[1], past, hidden.device)
             inputs["cache"] = context.cache
         return inputs

@@ -53,7 +53,7 @@ class TransformersDecoderAdapter:
         sized = {}  # attention type -> the chunk's first layer of it: the cache layer a mask is sized against
         if context is not None:
             mask_args.update(attention_mask=context.attention_mask, cache=context.cache)
-            for layer_id in reversed(context.layers):
+            for layer_id in reversed(context.layer_ids):
                 sized[self._mask_type(layer_id)] = layer_id
         masks = {"full_attention": create_causal_mask(**mask_args, layer_idx=sized.get("full_attention"))}
         if getattr(self.config, "sliding_window", None) is not None:

@@ -32,7 +32,7 @@ class DecodeContext:
 
     attention_mask: torch.Tensor | None
     cache: Any
-    layers: tuple[int, ...]
+    layer_ids: tuple[int, ...]
 
 
 class FamilyAdapter(Protocol):

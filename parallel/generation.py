@@ -65,8 +65,8 @@ def pick(logits: torch.Tensor, sampling: Sampling, rows: Sequence[int], step: in
             logits.device).manual_seed(_row_seed(sampling.seed, row, step))) for row in rows])
         gumbel = -torch.log(-torch.log(noise.clamp(min=torch.finfo(torch.float32).tiny)))
         tokens = (scores + gumbel).argmax(dim=-1)
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
-    return tokens, logps
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens, log_probs
 
 
 def prompt_positions(prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class Sequences:
     seen: int = 0  # tokens the cache holds
     finished: torch.Tensor | None = None  # [b] bool: emitted EOS (last stage)
     tokens: list[torch.Tensor] = field(default_factory=list)  # per step [b] long (last stage)
-    logps: list[torch.Tensor] = field(default_factory=list)  # per step [b] float32 (last stage)
+    log_probs: list[torch.Tensor] = field(default_factory=list)  # per step [b] float32 (last stage)
 
     def forward_args(self, width: int) -> dict[str, Any]:
         """Positions, padding mask (None without padding, as `generate` drops an all-ones mask) and cache of the
@@ -109,12 +109,12 @@ class Sequences:
     def sample(self, logits: torch.Tensor, sampling: Sampling, step: int) -> torch.Tensor:
         """Record the token of generation `step` from the last position's full logits [b, V]; finished rows take pad
         (log-prob 0). Returns the next input ids [b, 1]."""
-        tokens, logps = pick(logits, sampling, self.rows, step)
+        tokens, log_probs = pick(logits, sampling, self.rows, step)
         if self.finished is None:
             self.finished = torch.zeros(len(self.rows), dtype=torch.bool, device=tokens.device)
         tokens = tokens.masked_fill(self.finished, sampling.pad_token_id)
         self.tokens.append(tokens)
-        self.logps.append(logps.masked_fill(self.finished, 0.0))
+        self.log_probs.append(log_probs.masked_fill(self.finished, 0.0))
         if sampling.eos_token_id is not None:
             self.finished = self.finished | (tokens == sampling.eos_token_id)
         return tokens[:, None]
@@ -128,23 +128,23 @@ class Sequences:
 def completions(parts: list[Sequences]) -> tuple[torch.Tensor, torch.Tensor]:
     """The last stage's micro-batches, in row order -> tokens [B, steps] long and log-probs [B, steps] float32."""
     return (torch.cat([torch.stack(p.tokens, dim=1) for p in parts]),
-            torch.cat([torch.stack(p.logps, dim=1) for p in parts]))
+            torch.cat([torch.stack(p.log_probs, dim=1) for p in parts]))
 
 
-def rollout(prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tensor, logps: torch.Tensor,
+def rollout(prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tensor, log_probs: torch.Tensor,
             sampling: Sampling) -> Rollout:
     """The Rollout of generated `tokens` [B, steps], cut where `generate` stops: when every row emitted EOS."""
-    tokens, logps = tokens.cpu(), logps.cpu().float()
+    tokens, log_probs = tokens.cpu(), log_probs.cpu().float()
     completion = torch.ones_like(tokens, dtype=torch.bool)
     if sampling.eos_token_id is not None:
         eos = (tokens == sampling.eos_token_id).long()
         after = (eos.cumsum(1) - eos) > 0  # strictly after the first EOS
         completion = ~after
     n = int(completion.sum(1).max()) if tokens.numel() else 0
-    completion, tokens, logps = completion[:, :n], tokens[:, :n], logps[:, :n]
+    completion, tokens, log_probs = completion[:, :n], tokens[:, :n], log_probs[:, :n]
     tokens = tokens.masked_fill(~completion, sampling.pad_token_id)
     return Rollout(torch.cat([prompts.cpu(), tokens], dim=1), prompt_mask.cpu().bool(), completion,
-                   logps.masked_fill(~completion, 0.0))
+                   log_probs.masked_fill(~completion, 0.0))
 
 
 def check_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> None:

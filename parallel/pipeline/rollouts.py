@@ -10,7 +10,7 @@ pp - 1 ticks each; longer rounds amortise them, shorter ones stop sooner after t
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,27 @@ from .runtime import StepScales, execute, execute_emulated, make_program
 from .transport import LocalTransport, P2PTransport
 
 if TYPE_CHECKING:
-    from parallel.engine import ParallelEngine
+    from parallel.grid import ParallelGrid
+    from parallel.spec import EngineSpec
+
+    from .lowered import LoweredPipeline
+    from .stage import Stage
+
+
+class LayoutEngine(Protocol):
+    """What generation reads of a rank's step engine (`ParallelEngine`): its layout and its stages."""
+
+    spec: EngineSpec
+    grid: ParallelGrid
+    pipeline: LoweredPipeline
+    emulated: bool
+    stages_of: dict[int, dict[int, Stage]]
+    stages: dict[int, Stage]
 
 TICKS_PER_ROUND = 16  # ticks between two checks for EOS: 2(pp - 1) ticks of bubble per 16 * M forwards
 
 
-def generate_in_layout(engine: ParallelEngine, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
                        first_row: int | None = None, ticks_per_round: int = TICKS_PER_ROUND) -> Rollout:
     """This replica's completions; rows are numbered (for sampling) from `first_row`, by default as if the replicas'
     prompts were stacked in DP-rank order."""
@@ -64,11 +79,11 @@ def generate_in_layout(engine: ParallelEngine, prompts: torch.Tensor, prompt_mas
             inputs = [ends[p].to(device)[:, None] for p in parts]
             if _agree_done(done, grid):
                 break
-        tokens, logps = _share(engine, last, (batch, step))
-    return rollout(prompts, prompt_mask, tokens, logps, sampling)
+        tokens, log_probs = _share(engine, last, (batch, step))
+    return rollout(prompts, prompt_mask, tokens, log_probs, sampling)
 
 
-def _run_round(engine: ParallelEngine, stages: dict[int, dict[int, GenerationStage]], inputs: list[torch.Tensor],
+def _run_round(engine: LayoutEngine, stages: dict[int, dict[int, GenerationStage]], inputs: list[torch.Tensor],
                m: int, ticks: int, step: int) -> None:
     """One verified generation list of `ticks` ticks through every stage this process holds."""
     grid, pipeline = engine.grid, engine.pipeline
@@ -106,14 +121,14 @@ def _last_stage(stages: dict[int, dict[int, GenerationStage]], n_stages: int) ->
     return next((st for rank in stages.values() for s, st in rank.items() if s == n_stages - 1), None)
 
 
-def _last_rank(engine: ParallelEngine) -> int:
+def _last_rank(engine: LayoutEngine) -> int:
     """The global rank of this replica's last pipeline rank (what holds the sampled tokens)."""
     pipeline, grid = engine.pipeline, engine.grid
     r = stage_to_rank(pipeline.n_stages - 1, pipeline.spec.pp, pipeline.placement)
     return grid.global_rank_of(r, grid.dp_rank, grid.tp_rank)
 
 
-def _round_end(engine: ParallelEngine, last: GenerationStage | None, parts: list[torch.Tensor],
+def _round_end(engine: LayoutEngine, last: GenerationStage | None, parts: list[torch.Tensor],
                batch: int) -> tuple[torch.Tensor, bool]:
     """Every row's latest token and whether every row emitted EOS, from the last pipeline rank to the others."""
     box = torch.zeros(batch + 1, dtype=torch.long, device=engine.grid.device)
@@ -132,11 +147,11 @@ def _agree_done(done: bool, grid) -> bool:
     return not bool(all_reduce_(flag, grid.dp_group, op=dist.ReduceOp.MAX).item())
 
 
-def _share(engine: ParallelEngine, last: GenerationStage | None, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+def _share(engine: LayoutEngine, last: GenerationStage | None, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """The tokens and log-probs [B, steps] the last pipeline rank sampled, on every rank of the replica."""
     if last is not None:
-        tokens, logps = completions(last.sequences)  # micro-batches are consecutive rows, in order
-        packed = torch.cat([tokens.double(), logps.double()], dim=1)
+        tokens, log_probs = completions(last.sequences)  # micro-batches are consecutive rows, in order
+        packed = torch.cat([tokens.double(), log_probs.double()], dim=1)
     else:
         packed = torch.zeros(shape[0], 2 * shape[1], dtype=torch.float64, device=engine.grid.device)
     if not engine.emulated and engine.pipeline.spec.pp > 1:

@@ -72,6 +72,8 @@ def _check_rank(lowered: Lists, r: int, owner: list[int], n_stages: int, m: int)
 def _check_comm(r: int, k: int, a: Action, seen: dict[Key, int], owner: list[int], n_stages: int) -> None:
     """A SEND after what it sends is computed; both ends on different ranks."""
     kind, mb, s = a
+    if kind not in MATES:
+        _fail(r, k, a, "a generation message (the sampled token's hop) has no place in a training schedule")
     if kind is SEND_F and (F, mb, s) not in seen:
         _fail(r, k, a, f"sends the activation before {Action(F, mb, s)} computes it")
     if kind is SEND_B and (B, mb, s) not in seen and (I, mb, s) not in seen:
