@@ -27,9 +27,9 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 # Sleep schedules vs the simulator's ideal, the real model vs torch.distributed.pipelining, single-process
-# overhead, transport hop latency, EP, DP/ZeRO-1 vs DDP, TP vs DTensor, recompute vs torch.utils.checkpoint, compiled layers
-# and the size sweep's quick cells (see scripts/bench/run_all.py): bench/results.json, docs/benchmarks.md,
-# bench/timelines/*.png, bench/sizes.png. `make bench ARGS=--sizes`: the size sweep alone, every cell.
+# overhead, rollout decoding vs transformers' generate, transport hop latency, EP, DP/ZeRO-1 vs DDP, TP vs DTensor,
+# recompute vs torch.utils.checkpoint, compiled layers and the size sweep's quick cells (see
+# scripts/bench/run_all.py): bench/results.json, docs/benchmarks.md, bench/timelines/*.png, bench/sizes.png. `make bench ARGS=--sizes`: the size sweep alone, every cell.
 bench: setup
 	$(PY) scripts/bench/run_all.py $(ARGS)
 

@@ -108,6 +108,8 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert r["overhead"]["ratio"] > 0
     assert r["transport"]["gloo_hop_us"] > 0 and r["transport"]["shm_hop_us"] > 0
     assert r["overhead"]["first_loss"]["sluice"] == pytest.approx(r["overhead"]["first_loss"]["plain"], rel=1e-6)
+    rollout = r["rollout"]  # greedy decoding: the script refuses figures unless both sides made the same tokens
+    assert rollout["sluice_tokens_per_s"] > 0 and rollout["transformers_tokens_per_s"] > 0, rollout
     experts = r["experts"]  # exact whatever the load: counted bytes, and the same first loss at ep=1 and ep=4
     assert experts["losses_equal"] is True, experts["first_loss"]
     assert experts["memory_met"] is True and experts["memory_fall"] > 0, experts  # met: compared in whole bytes
@@ -137,6 +139,7 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert "## Data parallelism against DistributedDataParallel (dp=2)" in page
     assert "## Tensor parallelism against DTensor `parallelize_module` (tp=2)" in page
     assert "## Recomputation against `torch.utils.checkpoint`" in page
+    assert "## Rollouts: decoding against transformers' `generate`" in page
     assert all(f"| {name} |" in page for name in SLEEP)
 
 

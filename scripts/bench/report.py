@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from report_rollout import rollout_acceptance, rollout_section
 from report_speedups import compiled_section, sizes_section
 
 MIB = 2**20
@@ -59,6 +60,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
         lines += [f"Run finished {run.get('finished', '?')}, took {run.get('wall_s', 0) / 60:.1f} min"
                   + (f" ({took})." if took else "."), ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _full_size(r) + _memory(r) + _overhead(r)
+    lines += rollout_section(r)
     lines += _transport(r) + _experts(r) + _data_parallel(r) + _tensor_parallel(r) + _recompute(r) + compiled_section(r)
     lines += sizes_section(r, doc_path, root, _machine(r))
     lines += ["## Method", "", METHOD]
@@ -139,6 +141,7 @@ def _acceptance(r: dict) -> list[str]:
         rows.append((f"every cell of the size sweep ({len(sizes['cells'])} cells): Sluice / peer at most 1.00 + the "
                      "cell's spread", f"worst {w['comparison']} at {w['cell']}: {w['ratio']:.3f} ± {w['spread']:.3f}",
                      sizes["within_spread"]))
+    rows += rollout_acceptance(r)
     out = ["## Acceptance", "", "| criterion | measured | met |", "|---|---|---|"]
     out += [f"| {c} | {m} | {'yes' if ok else '**no**'} |" for c, m, ok in rows]
     return out + [""]

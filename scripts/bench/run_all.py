@@ -1,10 +1,10 @@
 """`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining, the single-process
-overhead, the transports' hop latency, expert parallelism against replicated experts, data parallelism against
-DDP (and ZeRO-1 against ZeroRedundancyOptimizer), tensor parallelism against DTensor's parallelize_module,
-recomputation against torch.utils.checkpoint, compiled layers against eager, and the size sweep's quick cells
-(scripts/bench/sizes.py --quick), one after the other; then bench/results.json and docs/benchmarks.md (tables,
-ratios, timelines, the sizes heat map). `--sizes` runs the size sweep alone over every cell (`make bench ARGS=--sizes`),
-keeping the other sections of results.json, and rewrites the page.
+overhead, rollout decoding against transformers' generate, the transports' hop latency, expert parallelism against
+replicated experts, data parallelism against DDP (and ZeRO-1 against ZeroRedundancyOptimizer), tensor parallelism
+against DTensor's parallelize_module, recomputation against torch.utils.checkpoint, compiled layers against eager,
+and the size sweep's quick cells (scripts/bench/sizes.py --quick), one after the other; then bench/results.json and
+docs/benchmarks.md (tables, ratios, timelines, the sizes heat map). `--sizes` runs the size sweep alone over every
+cell (`make bench ARGS=--sizes`), keeping the other sections of results.json, and rewrites the page.
 
     python scripts/bench/run_all.py [--smoke] [--sizes] [--results PATH] [--doc PATH] [--png-dir DIR] [--heat-map PATH]
 
@@ -27,7 +27,7 @@ from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("schedules.py", "vs_torch.py", "vs_torch.py --size default --pp 2", "vs_torch.py --size default --pp 4",
-              "overhead.py", "hop_latency.py", "experts.py", "data_parallel.py", "tensor_parallel.py", "recompute.py",
+              "overhead.py", "rollout.py", "hop_latency.py", "experts.py", "data_parallel.py", "tensor_parallel.py", "recompute.py",
               "compiled.py", "sizes.py --quick --rounds 4")
 SMOKE_SKIPS = ("vs_torch.py --size default --pp 4",)  # the smoke checks scripts work: pp2 runs the same code
 
