@@ -104,6 +104,11 @@ class Trainer:
                 log.info("dpo: computing the reference log-probabilities (forward only, the starting weights) of the "
                          "pairs the %d steps read; step 1 follows", cfg.train.steps)
             compute_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
+        self.grpo = None
+        if OmegaConf.select(cfg, "train.task") == "grpo":  # keeps the starting weights: before any step or resume
+            from training.grpo.step import GrpoStep
+
+            self.grpo = GrpoStep(cfg, self.engine, grid, self.tokenizer, self.run_dir)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
         state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
         self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,
@@ -151,7 +156,10 @@ class Trainer:
                 traced = step + 1 == cfg.train.trace_step
                 if self.expert_load is not None:
                     self.expert_load.reset()
+                if self.grpo is not None:  # the prompts' completions, scored, with their payload
+                    micro_batches = self.grpo.prepare(step + 1, micro_batches)
                 result = self.engine.step(with_inputs(micro_batches) if self.distill else micro_batches, trace=traced)
+                rollout = self.grpo.after_step(step + 1, result) if self.grpo is not None else {}
                 result.loss = guard.after_engine(step + 1, result.loss, params)
                 if result.tokens == 0:
                     unlabeled.append(step + 1)
@@ -178,16 +186,16 @@ class Trainer:
                 if on_step is not None:
                     on_step(step + 1)
                 positions_per_s = self.tokens_per_step / step_time  # every position computed, padding included
-                tokens_per_s = positions_per_s if self.dpo else result.tokens / step_time  # label tokens
+                tokens_per_s = positions_per_s if self.dpo or self.grpo else result.tokens / step_time  # label tokens
                 metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
                 evaluated = self.val_batches is not None and ((step + 1) % cfg.train.eval_every == 0
                                                               or step + 1 == steps)
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
                     # Only a logged step builds its record (and pays the trace files and the memory collective).
                     record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
-                              "pairs" if self.dpo else "tokens": result.tokens, "tokens_per_s": tokens_per_s,
-                              "padded_tokens_per_s": positions_per_s,
-                              "step_time_s": step_time, "skipped_steps": guard.skipped, **result.metrics}
+                              "pairs" if self.dpo else "completions" if self.grpo else "tokens": result.tokens,
+                              "tokens_per_s": tokens_per_s, "padded_tokens_per_s": positions_per_s,
+                              "step_time_s": step_time, "skipped_steps": guard.skipped, **result.metrics, **rollout}
                     if result.trace is not None:
                         from parallel.pipeline.trace_files import write_trace
 
