@@ -3,9 +3,11 @@ or, with `--search`, every layout of a world size ranked by predicted step time 
 
     python scripts/plan.py model=tiny parallel.pp=4 schedule=1f1b schedule.n_microbatches=8 [--out=plan.png]
     python scripts/plan.py --search world_size=8 parallel.memory_budget_gb=16 model=minimind3
+    python scripts/plan.py --generate model=tiny parallel.pp=4 schedule.n_microbatches=4 [--ticks=3]
 
 Arguments are the Hydra overrides of train.py, plus `--out=PATH` (or `--out PATH`) for the timeline PNG, and
-for the search `world_size=N` (default: the processes of the config as written).
+for the search `world_size=N` (default: the processes of the config as written). `--generate` draws the generation
+schedule instead (one round of `--ticks` ticks over schedule.n_microbatches micro-batches of sequences).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from parallel.pipeline.actions import Lists  # noqa: E402
+from parallel.pipeline.generation import generation_lists, simulate_generation  # noqa: E402
 from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
 from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.render import step_text  # noqa: E402
@@ -142,6 +145,8 @@ def main(argv: list[str]) -> int:
         fail(problem)
     if "--search" in overrides:
         return search_main([o for o in overrides if o != "--search"], out)
+    if "--generate" in overrides:
+        return generation_main([o for o in overrides if o != "--generate"], out)
     cfg = compose_validated(overrides)
     p, m = cfg.parallel, cfg.schedule.n_microbatches
     pp, vpp = p.pp, p.vpp
@@ -180,6 +185,38 @@ def main(argv: list[str]) -> int:
     print(f"  ({MEMORY_FORMULA}; per tensor-parallel rank)")
     title = f"{cfg.schedule.name}, pp={pp} vpp={vpp}, {m} micro-batches"
     print(f"timeline: {draw_timeline(sim, out, title)}")
+    return 0
+
+
+def generation_main(overrides: list[str], out: Path) -> int:
+    """Draw one round of the generation schedule of the config's pipeline: its verified lists, grid and timeline."""
+    ticks, rest = 3, []
+    for arg in overrides:
+        if arg.startswith("--ticks="):
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                fail(f"--ticks={value} must be a positive number of ticks")
+            ticks = int(value)
+        else:
+            rest.append(arg)
+    cfg = compose_validated(rest)
+    try:
+        pipeline = lower_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
+        pp, n, placement, m = pipeline.spec.pp, pipeline.n_stages, pipeline.placement, cfg.schedule.n_microbatches
+        lowered = generation_lists(pp, n, placement, m, ticks)
+    except ValueError as error:
+        fail(str(error))
+    sim = simulate_generation(lowered, pp, n, placement, m)
+    print(f"plan: generation on pp={pp} ({n} stages, placement {placement}), {m} micro-batches of sequences, "
+          f"one round of {ticks} ticks; F<u> is micro-batch u % {m} at tick u // {m} (tick 0: the prompt)")
+    print(step_text(lowered, pp, n, ticks * m, placement, simulated=sim))
+    print(f"predicted: {ticks * m} forwards per stage in {sim.makespan:g} units, bubble fraction "
+          f"{sim.bubble_fraction:.1%} (the fill and drain of pp - 1 forwards; with fewer micro-batches than stages "
+          "every tick waits for its token)")
+    print("lists (verified: every message matched, no deadlock):")
+    for r, actions in enumerate(lowered):
+        print(f"  rank {r}: {' '.join(map(str, actions))}")
+    print(f"timeline: {draw_timeline(sim, out, f'generation, pp={pp}, {m} micro-batches, {ticks} ticks')}")
     return 0
 
 

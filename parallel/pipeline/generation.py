@@ -18,6 +18,7 @@ from bisect import bisect_left
 from .actions import RECV_F, RECV_T, SEND_F, SEND_T, Action, Key, Kind, Lists, Schedule, mate_of
 from .partition import rank_stages, stage_to_rank
 from .replay import run_strict
+from .simulate import SimResult
 from .static_rules import ScheduleError
 
 F = Kind.F
@@ -113,6 +114,31 @@ def generation_lists(pp: int, n_stages: int, placement: str, n_microbatches: int
     lowered = lower_generation(compute, pp, n_stages, placement, n_microbatches)
     verify_generation(lowered, pp, n_stages, placement, n_microbatches, ticks)
     return tuple(map(tuple, lowered))
+
+
+def simulate_generation(lowered: Lists, pp: int, n_stages: int, placement: str, n_microbatches: int) -> SimResult:
+    """A round's predicted timeline at unit cost per forward (messages free, posted where they stand): what
+    `scripts/plan.py --generate` draws. Nothing is held for a backward, so the peak live micro-batches are 0."""
+    compute = [[a for a in actions if not a.kind.is_comm] for actions in lowered]
+    starts, ends = _timeline(compute, [stage_to_rank(s, pp, placement) for s in range(n_stages)], n_microbatches)
+    start, end = [], []
+    for r, actions in enumerate(lowered):
+        k, clock, rs, re = 0, 0.0, [], []
+        for a in actions:
+            if a.kind.is_comm:
+                rs.append(clock)
+                re.append(clock)
+            else:
+                rs.append(starts[r][k])
+                re.append(ends[r][k])
+                clock = ends[r][k]
+                k += 1
+        start.append(rs)
+        end.append(re)
+    makespan = max((e[-1] for e in ends if e), default=0.0)
+    busy = [float(len(e)) for e in ends]
+    bubble = 1.0 - sum(busy) / (pp * makespan) if makespan else 0.0
+    return SimResult(start, end, makespan, busy, bubble, [0] * pp, lowered)
 
 
 def verify_generation(lowered: Lists, pp: int, n_stages: int, placement: str, n_microbatches: int, ticks: int) -> None:
