@@ -110,6 +110,9 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert r["overhead"]["first_loss"]["sluice"] == pytest.approx(r["overhead"]["first_loss"]["plain"], rel=1e-6)
     rollout = r["rollout"]  # greedy decoding: the script refuses figures unless both sides made the same tokens
     assert rollout["sluice_tokens_per_s"] > 0 and rollout["transformers_tokens_per_s"] > 0, rollout
+    for name in ("pp2", "tp2"):  # the same greedy tokens as one process, and an idle share per rank
+        row = rollout["layouts"][name]
+        assert row["tokens_equal"] is True and len(row["bubble_by_rank"]) == 2 and row["speed_ratio"] > 0, row
     experts = r["experts"]  # exact whatever the load: counted bytes, and the same first loss at ep=1 and ep=4
     assert experts["losses_equal"] is True, experts["first_loss"]
     assert experts["memory_met"] is True and experts["memory_fall"] > 0, experts  # met: compared in whole bytes

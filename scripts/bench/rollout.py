@@ -1,16 +1,20 @@
 """Rollout decoding: Sluice's `engine.generate` (prefill, then one token per step over the family's key/value cache)
 against transformers' `generate` with its own cache, on the same MiniMind model, prompts and greedy decoding, in one
-process each; the ratio of their tokens/s. Writes the "rollout" section of results.json.
+process each; the ratio of their tokens/s. Then the same rollout in the training layouts pp2 and tp2 (two processes)
+against one process, with each pipeline rank's idle share (its bubble). Writes the "rollout" section of results.json.
 
 Each variant runs in a process of its own and they take turns, one generation each per round (A B, then B A) after
 a warm-up, as overhead.py does and for its reasons: one computes at a time, and neither's allocations share a heap.
 Both must produce the same tokens (greedy, no EOS: exactly `new_tokens` each); the script refuses figures otherwise.
+The layouts take turns the same way (the one-process rollout on rank 0 while rank 1 waits); a rank's busy time is
+the time inside its generation stages' forwards, its bubble 1 - busy / the rollout's wall time.
 
     python scripts/bench/rollout.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -18,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Times, bench_parser, init_gloo, ratio_and_spread, run_workers, update_results  # noqa: E402
+from common import Times, bench_parser, init_gloo, ratio_and_spread, run_workers, timed, update_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -28,6 +32,8 @@ from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.generation import Sampling  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
+from parallel.pipeline import generation_stage  # noqa: E402
+from parallel.pipeline.rollouts import TICKS_PER_ROUND  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
 
@@ -62,11 +68,12 @@ def prompts(setup: Setup, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(~mask, 0), mask
 
 
-def sluice_generate(setup: Setup):
-    """Sluice's one-process engine: `generate` as the GRPO step calls it (greedy here)."""
-    engine = build_engine(default_engine_spec(PipelineSpec(), 1, setup.prompt), decoder_of(model(setup)),
-                          ParallelGrid.single("cpu"))
-    ids, mask = prompts(setup, engine.decoder.config.vocab_size)
+def sluice_generate(setup: Setup, pp: int = 1, tp: int = 1):
+    """Sluice's engine in a layout (one process by default): `generate` as the GRPO step calls it (greedy here)."""
+    grid = ParallelGrid.single("cpu") if pp * tp == 1 else ParallelGrid.build(1, tp, pp, backend="gloo", timeout_s=600)
+    net = model(setup)
+    engine = build_engine(default_engine_spec(PipelineSpec(pp=pp), 1, setup.prompt), decoder_of(net), grid)
+    ids, mask = prompts(setup, net.config.vocab_size)
     sampling = Sampling(max_new_tokens=setup.new_tokens, temperature=0.0, eos_token_id=None)
     return lambda: engine.generate(ids, mask, sampling).tokens[:, setup.prompt:]
 
@@ -105,6 +112,76 @@ def worker(rank: int, world: int, setup: Setup) -> dict:
     return {"times": times, "tokens": tokens}
 
 
+class BusyClock:
+    """The time this process spends inside generation stages' forwards (the pipeline's compute, not its waits)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        forward = generation_stage.GenerationStage.forward
+
+        def timed_forward(stage, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(stage, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        generation_stage.GenerationStage.forward = timed_forward
+
+
+def layouts_worker(rank: int, world: int, setup: Setup) -> dict:
+    """One process (rank 0 alone), pp2 and tp2 take turns; every rank returns its times and busy seconds."""
+    init_gloo()
+    torch.set_num_threads(1)
+    clock = BusyClock()
+    runs = {"pp2": sluice_generate(setup, pp=2), "tp2": sluice_generate(setup, tp=2)}
+    if rank == 0:
+        runs["one process"] = sluice_generate(setup)
+    tokens = {name: run() for name, run in runs.items()}
+    times = {name: Times() for name in ("one process", "pp2", "tp2")}
+    busy: dict[str, list[float]] = {"pp2": [], "tp2": []}
+    for k in range(setup.warmup + setup.rounds):
+        for name in list(times) if k % 2 == 0 else list(times)[::-1]:
+            dist.barrier()
+            if name == "one process" and rank != 0:
+                continue
+            clock.seconds = 0.0
+            wall, cpu, _ = (timed(runs[name]) if name != "one process" else _alone(runs[name]))
+            if k >= setup.warmup:
+                times[name].wall.append(wall)
+                times[name].cpu.append(cpu)
+                if name in busy:
+                    busy[name].append(clock.seconds / wall)
+    dist.barrier()
+    return {"times": times, "busy": busy, "tokens": tokens}
+
+
+def _alone(run) -> tuple[float, float, object]:
+    """One process's rollout timed on this rank only (the other waits at the next barrier)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = run()
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def layouts_section(setup: Setup) -> dict:
+    """pp2 and tp2 rollouts against one process: tokens/s ratios, each rank's bubble, and the schedule's own."""
+    by_rank = run_workers(layouts_worker, 2, setup, timeout=1800)
+    one = by_rank[0]["times"]["one process"]
+    out = {"ticks_per_round": TICKS_PER_ROUND}
+    for name in ("pp2", "tp2"):
+        spread = ratio_and_spread(one.wall, by_rank[0]["times"][name].wall)  # > 1: the layout decodes faster
+        out[name] = {"speed_ratio": spread["ratio"], "spread": spread["spread"],
+                     "tokens_equal": all(torch.equal(r["tokens"][name], by_rank[0]["tokens"]["one process"])
+                                         for r in by_rank),
+                     "bubble_by_rank": [1 - statistics.median(r["busy"][name]) for r in by_rank],
+                     **by_rank[0]["times"][name].summary(name.replace(" ", "_"))}
+    # The schedule's own idle share per round: fill and drain, pp - 1 forwards each of the round's ticks x M (M = pp
+    # micro-batches): (pp - 1) / (ticks x pp + pp - 1) on every rank, before any wait for a hop.
+    out["pp2"]["schedule_bubble"] = 1 / (TICKS_PER_ROUND * 2 + 1)
+    out.update(one.summary("one_process"))
+    return out
+
+
 def main(argv: list[str]) -> dict:
     parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=8, warmup=2)
     args = parser.parse_args(argv)
@@ -123,11 +200,15 @@ def main(argv: list[str]) -> dict:
                "sluice_tokens_per_s": tokens / sluice_t["sluice_s"],
                "transformers_tokens_per_s": tokens / torch_t["transformers_s"],
                "cpu_ratio": torch_t["transformers_cpu_s"] / sluice_t["sluice_cpu_s"], **sluice_t, **torch_t,
-               "setup": asdict(setup)}
+               "setup": asdict(setup), "layouts": layouts_section(setup)}
     update_results("rollout", section, args.results)
     print(f"rollout: Sluice {section['sluice_tokens_per_s']:.0f} tokens/s, transformers' generate "
           f"{section['transformers_tokens_per_s']:.0f} tokens/s: {section['speed_ratio']:.3f}x "
           f"(± {section['spread']:.3f}, {setup.rounds} rounds; CPU {section['cpu_ratio']:.3f}x)")
+    for name in ("pp2", "tp2"):
+        row = section["layouts"][name]
+        print(f"rollout {name}: {row['speed_ratio']:.3f}x one process's tokens/s (± {row['spread']:.3f}), bubble by "
+              f"rank {', '.join(f'{b:.3f}' for b in row['bubble_by_rank'])}, same tokens: {row['tokens_equal']}")
     return section
 
 
