@@ -77,9 +77,11 @@ class Engine(Protocol):
 
     def chunks(self) -> list[Decoder]: ...
 
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+                 first_row: int | None = None) -> Rollout:
         """Complete this DP replica's left-padded prompts [B, P] (called by every rank; every rank of the replica
-        returns the same Rollout); no gradients, the model in eval mode for the call."""
+        returns the same Rollout); no gradients, the model in eval mode for the call. Sampling numbers the rows from
+        `first_row` (default: as if the replicas' prompts were stacked in DP-rank order)."""
         ...
 
 
@@ -158,11 +160,13 @@ class LocalEngine:
         return sums
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+                 first_row: int | None = None) -> Rollout:
         """Prefill, then one token per step over the family's key/value cache, every row in one batch."""
         check_prompts(prompts, prompt_mask, sampling)
-        ids = prompts.to(self.device)
-        seqs = Sequences(prompt_mask.to(self.device).bool(), list(range(len(prompts))), self.decoder.adapter.new_cache())
+        ids, first = prompts.to(self.device), first_row or 0
+        seqs = Sequences(prompt_mask.to(self.device).bool(), list(range(first, first + len(prompts))),
+                         self.decoder.adapter.new_cache())
         with eval_mode([self.model]):
             for step in range(sampling.max_new_tokens):
                 with autocast(self.device, self.dtype):

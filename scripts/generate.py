@@ -1,7 +1,11 @@
-"""Greedy or sampled text generation from an exported folder (scripts/export_hf.py): model + tokenizer.
+"""Greedy or sampled text generation from an exported folder (scripts/export_hf.py) or a training checkpoint.
 
-Usage: python scripts/generate.py MODEL_DIR "prompt" [--chat] [--max-new-tokens N] [--temperature T]
-                                  [--trust-remote-code]
+Usage: python scripts/generate.py MODEL_DIR "prompt" [--chat] [--max-new-tokens N] [--temperature T] [--top-p P]
+                                  [--seed S] [--trust-remote-code] [--layout parallel.tp=2 parallel.pp=2 ...]
+MODEL_DIR is an exported folder (config.json, weights, tokenizer: transformers' `generate` runs it), or a training
+checkpoint, a checkpoints folder or a run directory (its newest checkpoint and the tokenizer saved with it: Sluice's
+own engine runs it, by the generation schedule, in one process or in the layout `--layout` names, whose workers
+this script launches; every layout prints the same text for the same seed).
 `--chat` sends the prompt as a user turn rendered with the folder's chat template, as SFT and DPO trained on it.
 Code shipped in a folder (its config.json's auto_map: `--format minimind` exports, other projects' folders) runs only
 with `--trust-remote-code`; pass it only for folders you trust (docs/checkpoints.md). Bad input (config values, a
@@ -19,7 +23,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoint.dense import CheckpointError  # noqa: E402
+from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta  # noqa: E402
 from models.config_values import config_values_problem  # noqa: E402
+from parallel.generation import Sampling  # noqa: E402
+from training.generation_run import generate_in_workers, parse_layout  # noqa: E402
 
 
 class InputError(ValueError):
@@ -35,15 +43,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="the prompt is a user turn of a conversation")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the modeling code the folder ships (its config.json's auto_map)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (a training checkpoint)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (a training checkpoint)")
+    parser.add_argument("--layout", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="the layout a training checkpoint generates in: parallel.dp/tp/pp/ep/vpp/emulate, schedule")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
     if not args.temperature >= 0:  # also refuses nan
         raise InputError(f"--temperature={args.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise InputError(f"--top-p={args.top_p} must be in (0, 1]")
     folder = Path(args.model_dir)
-    if not (folder / "config.json").is_file():
-        raise InputError(f"{folder} is not an exported model folder (no config.json); make one with "
-                         "scripts/export_hf.py")
+    args.checkpoint = None if (folder / "config.json").is_file() else find_checkpoint(folder)
+    if not (folder / "config.json").is_file() and args.checkpoint is None:
+        raise InputError(f"{folder} is not an exported model folder (no config.json) nor a training checkpoint; make "
+                         "one with scripts/export_hf.py or pass a run directory")
+    if args.layout and args.checkpoint is None:
+        raise InputError("--layout runs a training checkpoint; an exported folder generates in one process")
+    try:
+        args.layout = parse_layout(args.layout)
+    except ValueError as error:
+        raise InputError(str(error)) from None
     return args
 
 
@@ -105,9 +126,34 @@ def check_context(prompt_tokens: int, max_new_tokens: int, context: int | None) 
                      f"model's context of {context} tokens; use --max-new-tokens {context - prompt_tokens} or fewer")
 
 
+def from_checkpoint(args: argparse.Namespace) -> int:
+    """A training checkpoint through Sluice's engine, in one process or the `--layout` it names."""
+    try:
+        meta = read_meta(args.checkpoint)
+        folder = args.checkpoint / TOKENIZER
+        if not folder.is_dir():
+            raise InputError(f"{args.checkpoint} holds no tokenizer (the run had none to save); export the weights "
+                             "with scripts/export_hf.py --tokenizer DIR and generate from that folder")
+        tokenizer = loading("tokenizer", str(folder), lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True))
+        ids = prompt_ids(tokenizer, args.prompt, args.chat, str(folder))
+        check_context(ids.shape[1], args.max_new_tokens, meta["model"].get("max_position_embeddings"))
+    except (InputError, CheckpointError) as error:
+        print(f"generate: {error}", file=sys.stderr)
+        return 2
+    sampling = Sampling(args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0, seed=args.seed)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    rollout = generate_in_workers(args.checkpoint, args.layout, ids, mask, sampling)
+    completion = rollout.tokens[0, ids.shape[1]:][rollout.completion_mask[0]]
+    print(tokenizer.decode(completion, skip_special_tokens=True))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse_args(argv)
+        if args.checkpoint is not None:
+            return from_checkpoint(args)
         trust = args.trust_remote_code
         check_trust(args.model_dir, check_config_values(args.model_dir), trust)
         config = loading("config", args.model_dir,

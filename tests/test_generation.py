@@ -238,3 +238,44 @@ def test_plan_draws_a_generation_schedule(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "rank 3  | .   .   .   F0  F1" in text and "bubble fraction 20.0%" in text  # 12 forwards in 15 units
     assert "SEND_T0@s3" in text and "RECV_T4@s0" in text and out.stat().st_size > 0
+
+
+# --- scripts/generate.py on a training checkpoint ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run's directory: one step, its checkpoint saved with the tokenizer (in this process)."""
+    from tests.equivalence import compose_run_config
+    from training.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("trained")
+    cfg = compose_run_config(["model=tiny", "train.steps=1", "checkpoint.save_final=true"], root / "cache")
+    Trainer(cfg, ParallelGrid.single(CPU), root / "run").fit()
+    return root / "run"
+
+
+def test_generate_script_takes_a_checkpoint_and_a_layout(trained, capsys):
+    from tests.test_scripts import script
+
+    generate = script("generate")
+    argv = [str(trained), "the cat", "--max-new-tokens", "6", "--temperature", "1", "--seed", "3"]
+    assert generate.main(argv) == 0
+    one = capsys.readouterr().out
+    assert generate.main([*argv, "--layout", "parallel.pp=2", "parallel.emulate=true"]) == 0
+    assert capsys.readouterr().out == one and one.strip()
+    assert generate.main([*argv, "--layout", "parallel.pp=two"]) == 2
+    assert "--layout parallel.pp=two: parallel.pp is a positive whole number" in capsys.readouterr().err
+
+
+def test_a_checkpoints_greedy_completion_equals_transformers_on_its_weights(trained):
+    from checkpoint.export import build_model
+    from training.generation_run import checkpoint_weights, generate_one_process
+
+    state, meta = checkpoint_weights(trained)
+    model = build_model(meta["model"], state)
+    prompts, mask = left_padded(model.config.vocab_size, rows=3)
+    ours = generate_one_process(trained, prompts, mask, Sampling(NEW, temperature=0))
+    theirs = model.generate(prompts, attention_mask=mask.long(), do_sample=False, max_new_tokens=NEW, pad_token_id=0,
+                            eos_token_id=None)
+    assert torch.equal(ours.tokens, theirs)
