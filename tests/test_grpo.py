@@ -306,3 +306,83 @@ def test_a_reward_model_with_another_tokenizer_is_refused(tmp_path):
     from training.data.tokenizer import load_tokenizer
 
     assert reward_model_problem(str(folder), load_tokenizer(folder)) is None
+
+
+# --- layouts: dp2, pp2, tp2 x pp2 and ep2 equal one process ----------------------------------------------------------
+
+def letters(prompts, completions, scale=1.0):
+    """A reward by `_target_` with a keyword bound in the config: the completion's distinct letters (a spread in
+    every group, unlike the rule rewards on a fresh model's long completions)."""
+    return [scale * len({ch for ch in c if ch.isalpha()}) for c in completions]
+
+
+LAYOUT_RUN = ["train.task=grpo", "train.steps=2", "grpo.rewards=[minimind_rules,{_target_:tests.test_grpo.letters,scale:0.1}]", "train.seq_len=32", "grpo.max_new_tokens=8", "grpo.num_generations=2",
+              "train.micro_batch_size=4", "schedule.n_microbatches=2", "grpo.sample_every=1",
+              "grpo.beta=0.5", "data.num_docs=300", "optim.lr=3e-3"]
+DENSE, MOE = ["model=tiny"], ["model=tiny-moe", "model.num_experts_per_tok=2"]
+
+
+def layout_cases():
+    from tests.equivalence import EMU, Layout
+
+    return [Layout("dp2", [*DENSE], ["parallel.dp=2"], 2, 2),
+            Layout("tp2-pp2-emu", [*DENSE], ["parallel.tp=2", "parallel.pp=2", EMU], 2, 1),
+            Layout("ep2-moe", [*MOE], ["parallel.dp=2", "parallel.ep=2"], 2, 2),
+            Layout("pp2-emu", [*DENSE], ["parallel.pp=2", EMU], 1, 1)]
+
+
+def sampled(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def grpo_metrics(run_dir) -> list[dict]:
+    keys = ("reward_mean", "reward_std", "completion_len", "kl_ref", "clip_fraction", "advantage_std")
+    return [{k: r[k] for k in keys} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Every layout's results and run directory, and its one-process baseline's (the world-2 layouts share one
+    spawn; pp2 emulated runs here)."""
+    from tests.equivalence import baseline, layouts_worker
+    from tests.shared import once_per_session
+    from tests.spawn import run_workers
+
+    cases = layout_cases()
+
+    def compute(root):
+        cache = str(root / "cache")
+        spawned = [c for c in cases if c.world == 2]
+        runs = [([*LAYOUT_RUN, *c.run, *c.layout], str(root / c.name)) for c in spawned]
+        by_rank = run_workers(layouts_worker, 2, runs, cache, timeout=600)
+        out = {c.name: [r[i] for r in by_rank] for i, c in enumerate(spawned)}
+        for c in cases:
+            if c.world == 1:
+                out[c.name] = layouts_worker(0, 1, [([*LAYOUT_RUN, *c.run, *c.layout], str(root / c.name))], cache)
+        for c in cases:
+            key = f"baseline-{'-'.join(c.run)}-dp{c.dp}"
+            if key not in out:
+                out[key] = [baseline([*LAYOUT_RUN, *c.run], root / "cache", root / key, c.dp)]
+        return {"root": root, **out}
+
+    return once_per_session(tmp_path_factory, "grpo-layouts", compute)
+
+
+@pytest.mark.parametrize("name", ["dp2", "tp2-pp2-emu", "ep2-moe", "pp2-emu"])
+def test_a_layout_samples_and_trains_as_one_process(layout_runs, name):
+    """The same completions (replica 0's sampled groups, the global batch's reward and length statistics), the same
+    losses, gradients and parameters as one process over the same global batch."""
+    from tests.equivalence import Tolerances, assert_equivalent
+
+    case = next(c for c in layout_cases() if c.name == name)
+    key = f"baseline-{'-'.join(case.run)}-dp{case.dp}"
+    root = layout_runs["root"]
+    # The loss is group-centred (a group's advantages sum to 0), so it is ~1e-3 of its terms (|A log p| ~ 8): an
+    # fp32 summation-order difference of 3e-8 is 5e-5 of the loss and 4e-9 of its terms. Gradients (not centred by
+    # construction) are compared at the harness's 1e-5, parameters as DPO's at its lr.
+    assert_equivalent(layout_runs[name], layout_runs[key][0], Tolerances(loss=2e-4, param=3e-4))
+    want, got = sampled(root / key), sampled(root / name)
+    assert [(s["prompt"], s["completion"]) for s in got] == [(s["prompt"], s["completion"]) for s in want[:len(got)]]
+    for mine, theirs in zip(grpo_metrics(root / name), grpo_metrics(root / key)):
+        for k, v in theirs.items():
+            assert mine[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (k, mine, theirs)
