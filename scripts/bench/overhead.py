@@ -20,11 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LoopStep, Times, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
+from common import LoopStep, bench_parser, init_gloo, run_workers, take_turns, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from models import decoder_of  # noqa: E402
@@ -103,17 +102,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict:
     step = (SluiceStep if rank == 0 else PlainStep)(setup, optim_cfg)
     micro = batches(setup, dense_model(setup).config.vocab_size)
     first_loss = step(micro)  # same weights, same data: the same first loss in both
-    times = Times()
-    for k in range(setup.warmup + setup.rounds):
-        for turn in range(world) if k % 2 == 0 else reversed(range(world)):  # A B, then B A: no slot bias
-            dist.barrier()
-            if rank == turn:
-                wall, cpu = time.perf_counter(), time.process_time()
-                step(micro)
-                if k >= setup.warmup:
-                    times.wall.append(time.perf_counter() - wall)
-                    times.cpu.append(time.process_time() - cpu)
-    dist.barrier()
+    times = take_turns(lambda: step(micro), rank, world, setup.warmup, setup.rounds)
     return {"times": times, "first_loss": first_loss, "clip_cpu_s": clip_costs(step) if rank == 0 else None}
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Times, bench_parser, init_gloo, ratio_and_spread, run_workers, timed, update_results  # noqa: E402
+from common import (Times, bench_parser, init_gloo, ratio_and_spread, run_workers, take_turns, timed,  # noqa: E402
+                    update_results)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -98,18 +99,7 @@ def worker(rank: int, world: int, setup: Setup) -> dict:
     torch.set_num_threads(1)  # the machine's other core belongs to whoever else runs
     run = (sluice_generate if rank == 0 else transformers_generate)(setup)
     tokens = run()
-    times = Times()
-    for k in range(setup.warmup + setup.rounds):
-        for turn in range(world) if k % 2 == 0 else reversed(range(world)):  # A B, then B A: no slot bias
-            dist.barrier()
-            if rank == turn:
-                wall, cpu = time.perf_counter(), time.process_time()
-                run()
-                if k >= setup.warmup:
-                    times.wall.append(time.perf_counter() - wall)
-                    times.cpu.append(time.process_time() - cpu)
-    dist.barrier()
-    return {"times": times, "tokens": tokens}
+    return {"times": take_turns(run, rank, world, setup.warmup, setup.rounds), "tokens": tokens}
 
 
 class BusyClock:
