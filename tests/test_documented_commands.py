@@ -99,3 +99,16 @@ def test_a_documented_command_composes_and_validates(where, line, tmp_path, monk
     for job in jobs:
         validate(compose_config(job), world_size_of(words))
     assert "-m" in flags or len(jobs) == 1
+
+
+def test_the_folders_the_documented_commands_write_are_ignored_by_git():
+    """A run directory (`hydra.run.dir=runs/...`) or an export (`out/...`) the docs' commands make is not offered to
+    `git add`: README's quick start writes both inside the checkout."""
+    import subprocess
+
+    written = {m.group(1).split("/")[0] for page in PAGES for line in code_lines(page)
+               for m in re.finditer(r"(?:hydra\.run\.dir=|export_hf\.py \S+ )((?:runs|out)/\S+)", line)}
+    assert written == {"runs", "out"}, written
+    for folder in sorted(written):
+        checked = subprocess.run(["git", "check-ignore", "-q", f"{folder}/any-run"], cwd=ROOT)
+        assert checked.returncode == 0, f"{folder}/ is not in .gitignore"
