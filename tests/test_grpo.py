@@ -386,3 +386,19 @@ def test_a_layout_samples_and_trains_as_one_process(layout_runs, name):
     for mine, theirs in zip(grpo_metrics(root / name), grpo_metrics(root / key)):
         for k, v in theirs.items():
             assert mine[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (k, mine, theirs)
+
+
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
+    """The sampling seed is a function of train.seed and the step, the reference the starting weights (kept before
+    the resume loads a checkpoint): a run resumed after step 2 continues bit for bit, its step-3 completions too."""
+    from parallel.grid import ParallelGrid
+    from tests.equivalence import assert_bitwise_resume, compose_run_config, run_training
+
+    def run(name: str, *extra: str) -> dict:
+        cfg = compose_run_config([*LAYOUT_RUN, *DENSE, "train.steps=3", "checkpoint.every=2", *extra], tmp_path / "c")
+        return run_training(cfg, ParallelGrid.single(CPU), tmp_path / name)
+
+    straight = run("straight")
+    resumed = run("resumed", f"checkpoint.resume={tmp_path / 'straight' / 'checkpoints' / 'step_00000002'}")
+    assert_bitwise_resume([straight], [resumed], start=2)
+    assert [s for s in sampled(tmp_path / "straight") if s["step"] == 3] == sampled(tmp_path / "resumed")
