@@ -402,3 +402,32 @@ def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
     resumed = run("resumed", f"checkpoint.resume={tmp_path / 'straight' / 'checkpoints' / 'step_00000002'}")
     assert_bitwise_resume([straight], [resumed], start=2)
     assert [s for s in sampled(tmp_path / "straight") if s["step"] == 3] == sampled(tmp_path / "resumed")
+
+
+def test_the_reward_model_scores_prompt_and_answer_clipped_to_three(tmp_path):
+    """A stock sequence classifier with the run's tokenizer scores the prompt with the answer after `</think>`, its
+    score clipped to [-3, 3] as MiniMind clips."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from training.data.tokenizer import train_bpe_tokenizer
+    from training.grpo.reward_model import RewardModel
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat and the dog ran"] * 20, 300)
+    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    classifier = LlamaForSequenceClassification(config)
+    folder = tmp_path / "rm"
+    classifier.save_pretrained(folder)
+    model = RewardModel(str(folder), tokenizer, CPU)
+
+    def raw(text: str) -> float:
+        with torch.no_grad():
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+            return float(classifier(input_ids=ids).logits[0, 0])
+
+    prompts, completions = ["the cat ", "the dog "], ["sat on the mat", "thinking</think> ran"]
+    assert model(prompts, completions) == pytest.approx([raw("the cat sat on the mat"), raw("the dog ran")])
+    with torch.no_grad():
+        model.model.score.weight.mul_(1e4)
+    assert all(abs(s) == 3.0 for s in model(prompts, completions))
