@@ -95,7 +95,8 @@ class Sequences:
         if self.seen == 0:
             positions = prompt_positions(mask)
         else:  # one past the row's last position (its real prompt tokens - 1, plus the tokens generated since)
-            positions = mask.sum(-1, keepdim=True) + (self.seen - mask.shape[1]) + torch.arange(width, device=mask.device)
+            steps = torch.arange(width, device=mask.device)
+            positions = mask.sum(-1, keepdim=True) + (self.seen - mask.shape[1]) + steps
         padded = None
         if not bool(mask.all()):
             grown = torch.ones(mask.shape[0], self.seen + width - mask.shape[1], dtype=torch.bool, device=mask.device)
@@ -159,13 +160,16 @@ def check_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sa
 
 
 @contextmanager
-def eval_mode(modules: list[nn.Module]) -> Iterator[None]:
-    """The modules in eval mode (no dropout, no router aux loss) for a generation, each put back as it was."""
+def generation_mode(modules: list[nn.Module]) -> Iterator[None]:
+    """The modules in eval mode (no dropout, no router aux loss) for a generation, each put back as it was, and
+    compiled layers (train.compile) run eagerly: the cache grows every step, so a compiled layer would recompile
+    per token until dynamo gives up."""
     before = [[(m, m.training) for m in module.modules()] for module in modules]
     for module in modules:
         module.eval()
     try:
-        yield
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         for flags in before:
             for m, training in flags:

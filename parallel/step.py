@@ -14,7 +14,7 @@ from torch import nn
 
 from parallel.chunked_ce import cross_entropy_rows
 from parallel.decoder import Decoder
-from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, eval_mode, rollout
+from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, generation_mode, rollout
 
 IGNORE_INDEX = -100  # labels with this value do not enter the loss (torch cross-entropy default)
 TokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -167,7 +167,7 @@ class LocalEngine:
         ids, first = prompts.to(self.device), first_row or 0
         seqs = Sequences(prompt_mask.to(self.device).bool(), list(range(first, first + len(prompts))),
                          self.decoder.adapter.new_cache())
-        with eval_mode([self.model]):
+        with generation_mode([self.model]):
             for step in range(sampling.max_new_tokens):
                 with autocast(self.device, self.dtype):
                     logits, _ = self.decoder(input_ids=ids, **seqs.forward_args(ids.shape[1]), logits_to_keep=1)

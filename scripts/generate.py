@@ -23,9 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint.dense import CheckpointError  # noqa: E402
+from checkpoint.dense import CheckpointError, check_dense_files  # noqa: E402
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta  # noqa: E402
 from models.config_values import config_values_problem  # noqa: E402
+from models.model_size import host_memory, size_problem  # noqa: E402
 from parallel.generation import Sampling  # noqa: E402
 from training.generation_run import generate_in_workers, parse_layout  # noqa: E402
 
@@ -46,7 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (a training checkpoint)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed (a training checkpoint)")
     parser.add_argument("--layout", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="the layout a training checkpoint generates in: parallel.dp/tp/pp/ep/vpp/emulate, schedule")
+                        help="a training checkpoint's layout: parallel.dp/tp/pp/ep/vpp/emulate, schedule")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens={args.max_new_tokens} must be at least 1")
@@ -72,13 +73,22 @@ def check_config_values(folder: str) -> dict:
     """The folder's config.json holds values a model can be built from (sizes, activation, rope type)."""
     try:
         data = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: arrays nested past Python's stack
         raise InputError(f"{folder}: its config.json is not readable JSON ({error})") from None
     if not isinstance(data, dict):
         raise InputError(f"{folder}: its config.json holds {type(data).__name__}, not an object of fields")
-    if problem := config_values_problem(data, f"{folder}: its config.json's"):
+    if problem := config_values_problem(data, f"{folder}: its config.json's") or \
+            size_problem(data, f"{folder}: its config.json's", host_memory()):  # the model is built whole here
         raise InputError(problem)
     return data
+
+
+def check_weights(folder: str) -> None:
+    """The weights the folder loads are regular files inside it: a link that leaves it is refused, never read."""
+    try:
+        check_dense_files(folder)
+    except CheckpointError as error:
+        raise InputError(str(error).replace("checkpoint.load_dense=", "")) from None
 
 
 def check_trust(folder: str, data: dict, trusted: bool) -> None:
@@ -156,6 +166,7 @@ def main(argv: list[str]) -> int:
             return from_checkpoint(args)
         trust = args.trust_remote_code
         check_trust(args.model_dir, check_config_values(args.model_dir), trust)
+        check_weights(args.model_dir)
         config = loading("config", args.model_dir,
                          lambda f: AutoConfig.from_pretrained(f, local_files_only=True, trust_remote_code=trust))
         tokenizer = loading("tokenizer", args.model_dir,

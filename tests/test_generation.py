@@ -167,7 +167,8 @@ def test_verifier_refuses_a_deadlocking_generation_list():
     lists = generation_lists(2, 2, "loop", 2, 2)
     assert [str(a) for a in lists[0][:3]] == ["F0@s0", "SEND_F0@s0", "F1@s0"]
     broken = _broken(_broken(lists, 0, "RECV_T2@s0", 1), 0, "SEND_F0@s0", 3)  # F0 RECV_T2 F1 SEND_F0 ...
-    with pytest.raises(ScheduleError, match=r"deadlock: rank 0, slot 1, RECV_T2@s0 waits for rank 1 to post SEND_T0@s1"):
+    deadlock = r"deadlock: rank 0, slot 1, RECV_T2@s0 waits for rank 1 to post SEND_T0@s1"
+    with pytest.raises(ScheduleError, match=deadlock):
         verify_generation(broken, 2, 2, "loop", 2, 2)
 
 

@@ -33,7 +33,7 @@ def generation_compute(pp: int, n_stages: int, placement: str, n_microbatches: i
 
 
 def token_mate(action: Key, n_microbatches: int, n_stages: int) -> Key:
-    """The other end of a message: SEND_T(u, last) <-> RECV_T(u + M, 0); the neighbours' messages as MATES pairs them."""
+    """The other end of a message: SEND_T(u, last) <-> RECV_T(u + M, 0); a neighbour's as MATES pairs it."""
     kind, unit, stage = action
     if kind is SEND_T:
         return RECV_T, unit + n_microbatches, 0

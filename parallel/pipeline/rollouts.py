@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.collectives import all_gather_cat, all_reduce_
-from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, eval_mode, rollout
+from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, generation_mode, rollout
 from parallel.step import MicroBatch
 
 from .generation import generation_lists, generation_peer, token_mate
@@ -63,14 +63,15 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
     stages: dict[int, dict[int, GenerationStage]] = {}
     for r, rank_stages in engine.stages_of.items():
         handoff: dict[int, torch.Tensor] = {}
-        stages[r] = {s: GenerationStage(st.chunk, s, n_stages, device, spec.dtype,
-                                        [Sequences(mask[p], [first_row + int(i) for i in p], st.chunk.adapter.new_cache())
-                                         for p in parts], sampling, gather, handoff, first_here=0 in rank_stages)
-                     for s, st in rank_stages.items()}
+        stages[r] = {}
+        for s, st in rank_stages.items():
+            seqs = [Sequences(mask[p], [first_row + int(i) for i in p], st.chunk.adapter.new_cache()) for p in parts]
+            stages[r][s] = GenerationStage(st.chunk, s, n_stages, device, spec.dtype, seqs, sampling, gather, handoff,
+                                           first_here=0 in rank_stages)
     inputs = [prompts[p].to(device) for p in parts]
     last = _last_stage(stages, n_stages)
     step = 0
-    with torch.no_grad(), eval_mode([st.chunk.module for st in engine.stages.values()]):
+    with torch.no_grad(), generation_mode([st.chunk.module for st in engine.stages.values()]):
         while step < sampling.max_new_tokens:
             ticks = min(ticks_per_round, sampling.max_new_tokens - step)
             _run_round(engine, stages, inputs, m, ticks, step)
