@@ -195,6 +195,7 @@ def _layouts_worker(rank: int, world_size: int) -> dict:
         "pp2": ("tiny", (1, 1, 2, 1), {"pp": 2}),
         "tp2 x pp2": ("llama-tiny", (1, 2, 1, 1), {"pp": 2, "emulate": True}),
         "ep2": ("qwen3-moe-tiny", (2, 1, 1, 2), {}),
+        "ep2 x pp2": ("qwen3-moe-tiny", (2, 1, 1, 2), {"pp": 2, "emulate": True}),
     }
     out = {}
     for name, (preset, (dp, tp, pp, ep), changes) in layouts.items():
@@ -212,8 +213,8 @@ def _layouts_worker(rank: int, world_size: int) -> dict:
 
 
 def test_world2_layouts_equal_one_process():
-    """dp2 (each replica its rows), pp2 over P2P, tp2 x pp2 (vocab-parallel logits gathered), ep2: every rank's
-    completions are one process's, greedy and seeded sampling."""
+    """dp2 (each replica its rows), pp2 over P2P, tp2 x pp2 (vocab-parallel logits gathered), ep2 and ep2 x pp2:
+    every rank's completions are one process's, greedy and seeded sampling."""
     results = run_workers(_layouts_worker, 2, timeout=300)
     for rank, result in enumerate(results):
         for (name, temperature), (ours, one, rows) in result.items():
