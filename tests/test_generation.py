@@ -89,6 +89,20 @@ def test_greedy_equals_transformers_generate(preset):
     assert model.training is False and all(not m.training for m in model.modules())
 
 
+def test_sliding_window_caches_equal_transformers_generate():
+    """Gemma3 (sliding and full layers, a rotary table each): prompt and completion past its 16-token window, in one
+    process and in an emulated pp2 whose stages hold different kinds of layers."""
+    model = family_model("gemma3-tiny")
+    prompts, mask = left_padded(model.config.vocab_size)
+    prompts, mask = torch.cat([prompts, prompts.flip(1)], 1), torch.cat([mask, mask.flip(1) | True], 1)
+    sampling = Sampling(12, temperature=0)
+    theirs = model.generate(prompts, attention_mask=mask.long(), do_sample=False, max_new_tokens=12, pad_token_id=0,
+                            eos_token_id=None)
+    assert prompts.shape[1] + 12 > model.config.sliding_window
+    assert torch.equal(engine_of(model).generate(prompts, mask, sampling).tokens, theirs)
+    assert torch.equal(engine_of(model, pp=2, emulate=True).generate(prompts, mask, sampling).tokens, theirs)
+
+
 def test_generation_leaves_training_mode_and_grads_alone():
     model = family_model("tiny").train()
     engine = engine_of(model)
