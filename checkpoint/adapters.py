@@ -18,6 +18,7 @@ with zero rows of A and columns of B (the product unchanged) so that MiniMind's 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from checkpoint.atomic_write import output_folder, replace_folder, save_torch, write_text
 from checkpoint.confine import inside, regular_file
 from checkpoint.dense import load_weights_only
 from checkpoint.errors import CheckpointError
@@ -52,11 +54,14 @@ def adapter_config(record: dict[str, Any], linears: list[str]) -> dict[str, Any]
 def save_adapters(state: dict[str, torch.Tensor], record: dict[str, Any], out: str | Path) -> Path:
     """Write the adapters of a dense state_dict (and the config of `record`) as a PEFT folder `out`."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     weights = {PEFT_PREFIX + name: tensor.detach().contiguous() for name, tensor in state.items() if is_adapter(name)}
-    save_file(weights, str(out / WEIGHTS), metadata={"format": "pt"})
     config = adapter_config(record, list(adapter_pairs(state)))
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    def build(new: Path) -> None:  # a fresh folder, renamed into place whole
+        save_file(weights, str(new / WEIGHTS), metadata={"format": "pt"})
+        write_text(new / CONFIG, json.dumps(config, indent=2) + "\n", "export")
+
+    replace_folder(out, build, "export")
     return out
 
 
@@ -103,8 +108,8 @@ def save_minimind_lora(state: dict[str, torch.Tensor], record: dict[str, Any], m
                        out: str | Path) -> Path:
     """Write a run's adapters as MiniMind's LoRA .pth (`load_lora(model, path)` after `apply_lora(model)`)."""
     path = minimind_lora_path(model, out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(minimind_lora_state(state, record, model), path)
+    output_folder(path.parent, "export")
+    save_torch(minimind_lora_state(state, record, model), path, "export")
     return path
 
 
@@ -125,8 +130,12 @@ def read_minimind_lora(path: str | Path, rank: int, scale: float) -> dict[str, t
         detail = (str(error).strip() or type(error).__name__).splitlines()[0]
         raise CheckpointError(f"{key}: cannot be read as a state_dict ({detail}); give a file MiniMind's save_lora "
                               "wrote") from None
-    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
-        raise CheckpointError(f"{key}: not a state_dict of tensors (MiniMind's save_lora writes one)")
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in loaded.items()):
+        odd = next((k for k in loaded if not isinstance(k, str)), None) if isinstance(loaded, dict) else None
+        named = f" (a key is {type(odd).__name__} {odd!r}, not a name)" if odd is not None else ""
+        raise CheckpointError(f"{key}: not a state_dict of tensors under string names{named}; give a file "
+                              "MiniMind's save_lora wrote")
     loaded = {k.removeprefix("module."): v for k, v in loaded.items()}  # as MiniMind's load_lora strips DDP's prefix
     linears = sorted({k[:-len(MINIMIND_A)] for k in loaded if k.endswith(MINIMIND_A)})
     if not linears or len(loaded) != 2 * len(linears) or any(n + MINIMIND_B not in loaded for n in linears):
@@ -146,11 +155,14 @@ def read_peft_lora(folder: str | Path, rank: int, scale: float) -> dict[str, tor
     config_path, weights_path = (inside(folder, name, key) for name in (CONFIG, WEIGHTS))
     try:
         config = json.loads(config_path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{key}: {CONFIG} is not JSON ({error}); give a folder PEFT's save_pretrained wrote")
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        detail = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise CheckpointError(f"{key}: {CONFIG} is not JSON ({detail}); give a folder PEFT's save_pretrained "
+                              "wrote") from None
     r, alpha = (config.get(k) if isinstance(config, dict) else None for k in ("r", "lora_alpha"))
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (r, alpha)):
-        raise CheckpointError(f"{key}: {CONFIG} needs positive r and lora_alpha (here r={r}, lora_alpha={alpha})")
+    if type(r) is not int or r < 1 or type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise CheckpointError(f"{key}: {CONFIG} needs r a positive integer and lora_alpha a finite number > 0 (here "
+                              f"r={r!r}, lora_alpha={alpha!r}); give a folder PEFT's save_pretrained wrote")
     if config.get("use_rslora") or config.get("use_dora"):
         raise CheckpointError(f"{key}: rsLoRA / DoRA adapters are not plain LoRA; give a plain LoRA folder")
     try:
@@ -183,6 +195,9 @@ def sluice_pairs(key: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], 
         a, b = a.float(), b.float()
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise CheckpointError(f"{key}: {name}'s A {tuple(a.shape)} and B {tuple(b.shape)} are not a LoRA pair")
+        for side, tensor in (("A", a), ("B", b)):
+            if not bool(torch.isfinite(tensor).all()):  # it would train as a non-finite loss at step 1
+                raise CheckpointError(f"{key}: {name}'s {side} holds NaN or Inf; give adapters with finite values")
         have = a.shape[0]
         if have != rank and (have < rank or bool(a[rank:].any()) and bool(b[:, rank:].any())):
             raise CheckpointError(f"{key}: its adapters have rank {have}; set lora.rank={have}")

@@ -36,6 +36,9 @@ def inside(folder: str | os.PathLike, name: str | os.PathLike, what: str,
            error: type[Exception] = CheckpointError, must_exist: bool = True) -> Path:
     """`folder / name`, refused unless `name` is relative, has no `..`, resolves (symlinks followed) inside `folder`
     and, when `must_exist`, is a regular file."""
+    if "\0" in str(name):  # os.stat would raise ValueError on it: a name no file has
+        raise error(f"{what}: {folder} names {str(name)!r}, which holds a NUL byte no file name can; the folder is "
+                    "corrupt or crafted: use one from a source you trust")
     folder, pure = Path(folder), PurePath(name)
     if pure.is_absolute() or ".." in pure.parts or str(name) == "":
         raise error(f"{what}: {folder} names {str(name)!r}, a path outside that folder; a folder's files must sit "
@@ -56,3 +59,18 @@ def files_inside(folder: str | os.PathLike, names: tuple[str, ...] | list[str], 
     is not a regular file is refused (never copied or opened)."""
     folder = Path(folder)
     return [inside(folder, name, what, error) for name in names if os.path.lexists(folder / name)]
+
+
+def read_small(path: str | os.PathLike, what: str, limit: int, error: type[Exception] = CheckpointError) -> str:
+    """The text of a small file (a run's id, a folder's OWNER): a regular file checked by `stat` before it is opened
+    (a FIFO never blocks, a link to /dev/zero is refused) and read to at most `limit` bytes (a larger one refused)."""
+    path = regular_file(path, what, error)
+    try:
+        with open(path, "rb") as file:
+            data = file.read(limit + 1)
+    except OSError as problem:
+        raise error(f"{what}: {path} cannot be read ({problem.strerror or type(problem).__name__})") from None
+    if len(data) > limit:
+        raise error(f"{what}: {path} is larger than {limit} bytes, more than such a file ever holds; it is not "
+                    "the file it should be: delete or replace it")
+    return data.decode("utf-8", errors="replace")

@@ -96,8 +96,9 @@ def read_dense_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     state = load_weights_only(path)
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a training checkpoint that wraps the weights
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors under string names")
     # torch.compile prefixes names with `_orig_mod.`; the weights are the same.
     return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
 

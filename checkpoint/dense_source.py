@@ -96,8 +96,9 @@ def _open_torch(path: Path) -> tuple[list[str], Reader]:
                               f"{str(error).splitlines()[0]}") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors under string names")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # torch.compile's prefix
     # A copy per read: a tied model's embedding and head share one storage in the file, and a Parameter must own
     # its memory (WeightSource's contract), not alias the mapped file or another Parameter.

@@ -10,7 +10,6 @@ checkpoint exports its adapters merged into the base weights (W + lora_B @ lora_
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch import nn
 
 import minimind
 from checkpoint.adapters import save_adapters, save_minimind_lora
+from checkpoint.atomic_write import copy_file, output_folder, replace_folder, save_torch
 from checkpoint.checksums import check as verify_checksums
 from checkpoint.confine import files_inside
 from checkpoint.dense import CheckpointError, fill_ties
@@ -30,7 +30,8 @@ from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
 from checkpoint.safe_reader import SafeReader
 from checkpoint.stock import stock_model
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
-from models import build_model as build_module, config_from_record, native
+from models import ModelError, build_model as build_module, config_from_record, native
+from models.model_size import host_memory, size_problem
 from parallel.decoder import DecoderPlan
 from checkpoint.lora_merge import is_adapter, merge_adapters
 
@@ -57,6 +58,7 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     folder = locate(path)
     verify_checksums(folder)  # a flipped byte is named, never exported
     meta = read_meta(folder)
+    config = model_record_config(folder, meta["model"])  # sizes checked before anything is built or allocated
     metadata = read_metadata(folder)  # through the allow-list, or one clear line
     state = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
              for key, m in metadata.state_dict_metadata.items()
@@ -67,11 +69,24 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     except (Exception, CheckpointException) as error:  # noqa: BLE001  DCP wraps read failures (a BaseException)
         raise CheckpointError(f"checkpoint {folder} is corrupt or truncated ({type(error).__name__}); "
                               "export another checkpoint") from None
-    fill_ties(state, DecoderPlan.of(build_module(config_from_record(meta["model"]))).ties)  # meta: names only
+    fill_ties(state, DecoderPlan.of(build_module(config)).ties)  # meta: names only
     bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise CheckpointError(f"checkpoint {folder}: {bad[0]} holds NaN or Inf; refusing to export non-finite weights")
     return state, meta
+
+
+def model_record_config(folder: Path, record: dict[str, Any]):
+    """The config of a checkpoint's model record, its values and size checked (the whole model is built in this
+    process, in fp32: it must fit this host's memory); CheckpointError naming meta.json and the field."""
+    where = f"checkpoint {folder}: meta.json's model"
+    try:
+        config = config_from_record(record, where)
+    except ModelError as error:
+        raise CheckpointError(str(error)) from None
+    if problem := size_problem(record, where, host_memory()):
+        raise CheckpointError(problem)
+    return config
 
 
 def build_model(record: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
@@ -93,9 +108,10 @@ def tokenizer_files(source: Path, root: Path | None = None) -> list[Path]:
 
 
 def copy_tokenizer(files: list[Path], out_dir: Path) -> bool:
-    """Copy the tokenizer `files` (checked by `tokenizer_files`) into `out_dir`; False when there are none."""
+    """Copy the tokenizer `files` (checked by `tokenizer_files`) into `out_dir`, each confined (never through a link);
+    False when there are none."""
     for file in files:
-        shutil.copy(file, out_dir / file.name)
+        copy_file(file, out_dir / file.name, "export")
     return bool(files)
 
 
@@ -119,12 +135,16 @@ def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | P
             model, own = stock, False
     if own:
         model.config.auto_map = dict(AUTO_MAP)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    if own:
-        source = Path(minimind.__file__).parent
-        for name in MODELING_FILES:
-            shutil.copy(source / name, out_dir / name)
-    copy_tokenizer(tokenizer, out_dir)
+
+    def build(new: Path) -> None:  # a fresh folder of its own: no file in it can be a link planted beforehand
+        model.save_pretrained(str(new), safe_serialization=True)
+        if own:
+            source = Path(minimind.__file__).parent
+            for name in MODELING_FILES:
+                copy_file(source / name, new / name, "export")
+        copy_tokenizer(tokenizer, new)
+
+    replace_folder(out_dir, build, "export")  # renamed into place whole: a failed export leaves nothing
     return out_dir
 
 
@@ -140,8 +160,8 @@ def pth_path(model: nn.Module, out: str | Path) -> Path:
 def save_pth(model: nn.Module, out: str | Path) -> Path:
     """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects."""
     path = pth_path(model, out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path)
+    output_folder(path.parent, "export")
+    save_torch({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path, "export")
     return path
 
 

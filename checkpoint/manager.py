@@ -27,7 +27,8 @@ from checkpoint.checksums import SUMS, digest, sums_text
 from checkpoint.dense import CheckpointError
 from checkpoint.disk import space_problem, write_problem
 from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
-from checkpoint.ownership import Owner, claim, read_owner, refusal, this_run
+from checkpoint.atomic_write import write_text
+from checkpoint.ownership import OWNER, RUN_ID, Owner, claim, read_owner, refusal, this_run
 from checkpoint.meta_schema import step_problem, validate_meta
 from parallel.collectives import broadcast_object
 
@@ -93,7 +94,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     file = inside(Path(path), META, "checkpoint")  # a link out of the checkpoint or a FIFO: refused, never read
     try:
         raw = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: arrays nested past Python's stack
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({type(error).__name__}); the checkpoint is "
                               "corrupt: resume from another one") from None
     return validate_meta(raw, Path(path))
@@ -128,6 +129,10 @@ def resolve_resume(resume: str, directory: Path) -> Path | None:
     if resume in ("none", "", None):
         return None
     if resume == "auto":
+        if os.path.islink(directory):  # resume=auto means this run's own checkpoints: a link may lead to any run's
+            raise CheckpointError(f"checkpoint.resume=auto: checkpoint.dir={directory} is a symbolic link (to "
+                                  f"{os.path.realpath(directory)}); auto resumes only this run's own checkpoints, "
+                                  "never through a link: name the checkpoint, checkpoint.resume=<its folder>")
         found = complete_checkpoints(directory)
         return found[-1] if found else None
     if not Path(resume).exists():
@@ -177,10 +182,7 @@ def _distributed() -> bool:
 
 
 def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_text(path, text, "checkpoint")  # a temporary name, flushed, renamed into place; never through a link
 
 
 class CheckpointManager:
@@ -302,12 +304,19 @@ class CheckpointManager:
     def _complete(self, tmp: Path, final: Path, step: int, sums: dict[str, str], what: str) -> None:
         """Rank 0, after every rank wrote its share: meta.json, tokenizer, checksums, marker, then the visible
         name, if the folder is still this run's."""
-        meta = {"format": 1, "step": step, "data": self.data.state_dict(), **self.meta}
+        meta = {"format": 1, "step": step, "data": self.data.state_dict(), **self.meta,
+                RUN_ID: self._me().run_id}  # whose checkpoint it is, in the checkpoint itself (checkpoint.ownership)
         _fsync_write(tmp / META, json.dumps(meta, indent=1))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp / TOKENIZER))
         _fsync_write(tmp / SUMS, sums_text({**sums, META: digest(tmp / META)}))
-        owner = read_owner(self.spec.dir)
+        if not os.path.lexists(self.spec.dir / OWNER):  # lost since the claim: rewritten (with a warning), not fatal
+            claim(self.spec.dir, self._me(), complete_checkpoints(self.spec.dir), self.resumed_from,
+                  self.spec.resume != "auto")
+        try:
+            owner = read_owner(self.spec.dir)
+        except CheckpointError:
+            owner = None
         if owner is None or owner.run_id != self._me().run_id:  # another run resumed from it and took it over
             where = owner.run_dir if owner is not None else "unknown"
             raise CheckpointError(f"{what}: checkpoint.dir={self.spec.dir} now belongs to another run ({where}), "

@@ -54,6 +54,7 @@ class CheckpointMeta(_Schema):
     model: dict[str, Any]
     layout: dict[str, Any] = {}
     lora: LoraRecord | None = None
+    run_id: str | None = Field(default=None, pattern=r"^[0-9A-Za-z]{1,64}$")  # the run that saved it (ownership)
 
     @model_validator(mode="after")
     def _position_follows_step(self) -> CheckpointMeta:
@@ -118,7 +119,7 @@ def index_weight_map(file: Path) -> dict[str, str]:
     fix = "the index is corrupt: write the folder again (save_pretrained)"
     try:
         raw = json.loads(Path(file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointError(f"checkpoint.load_dense={file} is not readable JSON ({type(error).__name__}); "
                               f"{fix}") from None
     return _validated(SafetensorsIndex, raw, f"checkpoint.load_dense={file}", fix).weight_map

@@ -75,7 +75,7 @@ def _culprit(file: Path) -> str | None:
         with open(file, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length)) if length <= MAX_HEADER else None
-    except (OSError, ValueError, struct.error):
+    except (OSError, ValueError, RecursionError, struct.error):
         return None
     if not isinstance(header, dict):
         return None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from models.model_size import size_problem
+
 # Sizes a model allocates from: a positive integer (bool is an int to Python, not to a config).
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok",
@@ -43,7 +45,7 @@ def config_values_problem(data: dict[str, Any], where: str) -> str | None:
     for name in ROPE_KEYS:
         if data.get(name) is not None and (problem := _rope_problem(name, data[name])):
             return f"{where} {problem}"
-    return None
+    return size_problem(data, where)  # before a config object is built: some make a list per layer
 
 
 def _activation_problem(name: str, value: Any, model_type: str | None) -> str | None:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from models.config_values import config_values_problem
+from models.model_size import size_problem
 from models.registry import ADAPTERS
 from parallel.decoder import ContractError, Decoder, DecoderPlan
 
@@ -48,22 +49,25 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
     given = {k: v for k, v in fields.items() if v is not None}
     if folder is None:
         _check_minimind_fields(given)
+        if problem := size_problem(given, "model:"):  # closed form: num_hidden_layers=1e9 must not build
+            raise ModelError(problem)
         return MiniMindConfig(**given)
     path = hf_config_folder(folder)
     try:
         data = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise ModelError(f"model.hf_config={folder}: config.json is not readable JSON ({error})") from None
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: arrays nested past Python's stack
+        raise ModelError(f"model.hf_config={folder}: config.json is not readable JSON ({type(error).__name__})") \
+            from None
     if not isinstance(data, dict):
         raise ModelError(f"model.hf_config={folder}: config.json holds {type(data).__name__}, not an object of fields")
     model_type = data.get("model_type")
-    if model_type not in ADAPTERS:
-        raise ModelError(_unsupported(folder, model_type))
+    if not isinstance(model_type, str) or model_type not in ADAPTERS:
+        raise ModelError(_unsupported(folder, model_type if isinstance(model_type, str) else None))
     if problem := config_values_problem({**data, **given}, f"model.hf_config={folder}: config.json's"):
         raise ModelError(problem)
     if model_type == "minimind":  # MiniMindConfig writes every MoE field: only the overrides are checked
         _check_minimind_fields(given, bool({**data, **given}.get("use_moe", False)))
-        return MiniMindConfig(**{**_plain(data), **given})
+        return _built(f"model.hf_config={folder}: config.json's", lambda: MiniMindConfig(**{**_plain(data), **given}))
     default = AutoConfig.for_model(model_type)
     for key in given:
         if key in MINIMIND_ONLY or not hasattr(default, key):
@@ -71,11 +75,19 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
                              "config.json or drop the override")
     if "rope_theta" in given and isinstance(data.get("rope_parameters"), dict):
         data["rope_parameters"] = {**data["rope_parameters"], "rope_theta": given.pop("rope_theta")}
+    return _built(f"model.hf_config={folder}: config.json's",
+                  lambda: AutoConfig.for_model(model_type, **{**_plain(data), **given}))
+
+
+def _built(where: str, make):
+    """`make()`, a config object; what its constructor refuses (transformers' own checks of the fields config_values
+    leaves alone: layer_types, a rope field's type) is one ModelError line naming `where`."""
     try:
-        return AutoConfig.for_model(model_type, **{**_plain(data), **given})
-    except StrictDataclassError as error:  # transformers' own type check of the fields config_values leaves alone
-        raise ModelError(f"model.hf_config={folder}: config.json's "
-                         f"{str(error).splitlines()[-1].partition(': ')[2].lower()}; fix it in config.json") from None
+        return make()
+    except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        detail = lines[-1].partition(": ")[2] or lines[-1] if isinstance(error, StrictDataclassError) else lines[0]
+        raise ModelError(f"{where} {detail[:300]}; fix it in the file") from None
 
 
 def _plain(data: dict) -> dict:
@@ -118,15 +130,17 @@ def config_record(config: PretrainedConfig) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k not in NOT_MODEL}
 
 
-def config_from_record(record: dict[str, Any]) -> PretrainedConfig:
-    """The config `config_record` wrote."""
+def config_from_record(record: dict[str, Any], where: str = "a checkpoint's meta.json model") -> PretrainedConfig:
+    """The config `config_record` wrote, its values checked first (`where` names the file in the one line)."""
+    if problem := config_values_problem(record, where):
+        raise ModelError(problem)
     fields = {k: v for k, v in record.items() if k != "model_type"}
     model_type = record.get("model_type", "minimind")
     if model_type == "minimind":
-        return MiniMindConfig(**fields)
-    if model_type not in ADAPTERS:
-        raise ModelError(_unsupported("(checkpoint)", model_type))
-    return AutoConfig.for_model(model_type, **fields)
+        return _built(where, lambda: MiniMindConfig(**fields))
+    if not isinstance(model_type, str) or model_type not in ADAPTERS:
+        raise ModelError(_unsupported(where, model_type if isinstance(model_type, str) else None))
+    return _built(where, lambda: AutoConfig.for_model(model_type, **fields))
 
 
 def family_of(config: PretrainedConfig) -> str:

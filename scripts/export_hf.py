@@ -14,17 +14,24 @@ Qwen3-MoE (checked on the weights: same keys, same logits), so `AutoModelForCaus
 A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone: a PEFT
 folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`, or with
 --format pth MiniMind's LoRA .pth for its `apply_lora(model)` then `load_lora(model, OUT)`.
-OUT must be new (or an empty folder): --force writes into an existing one, replacing files of the same name.
+OUT must be new (or an empty folder): --force replaces an existing one as a whole. Every file is written under a
+temporary name and renamed into place (a folder: built beside OUT, then renamed), never through a link; OUT may not
+be a link, nor the source or a folder holding it. A failed export leaves OUT as it was.
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from safetensors import SafetensorError  # noqa: E402
+
 from checkpoint.dense import CheckpointError, load_dense_into  # noqa: E402
+from checkpoint.disk import disk_cause  # noqa: E402
+from models import ModelError  # noqa: E402
 from checkpoint.export import FORMATS, export_checkpoint, save_hf_folder, save_pth  # noqa: E402
 from checkpoint.manager import find_checkpoint, read_meta  # noqa: E402
 
@@ -69,6 +76,13 @@ def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
 
     if not source.exists():
         raise CheckpointError(f"SOURCE={source} does not exist; give a run directory, a checkpoint or dense weights")
+    if out.is_symlink():
+        raise CheckpointError(f"OUT={out} is a symbolic link; refusing to write through it (it may lead anywhere): "
+                              "give a real path")
+    real_out, real_source = os.path.realpath(out), os.path.realpath(source)
+    if os.path.commonpath([real_out, real_source]) == real_out:
+        raise CheckpointError(f"OUT={out} is the source or holds it ({source}); an export would replace what it "
+                              "reads: choose another OUT")
     if fmt == "pth":
         problem = output_file_problem(out, "OUT")
         if problem is None and out.exists() and not force:
@@ -76,8 +90,8 @@ def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
     else:
         problem = output_dir_problem(out, "OUT")
         if problem is None and out.is_dir() and any(out.iterdir()) and not force:
-            problem = (f"OUT={out} is a folder that already holds files; choose a new one or pass --force to write "
-                       "into it")
+            problem = (f"OUT={out} is a folder that already holds files; choose a new one or pass --force to "
+                       "replace it")
     if problem:
         raise CheckpointError(problem)
 
@@ -91,7 +105,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--format", choices=FORMATS, default="hf")
     parser.add_argument("--tokenizer", help="tokenizer folder (dense sources only)")
-    parser.add_argument("--force", action="store_true", help="write into an existing, non-empty OUT")
+    parser.add_argument("--force", action="store_true", help="replace an existing, non-empty OUT as a whole")
     parser.add_argument("--adapters-only", action="store_true",
                         help="a LoRA checkpoint's adapters alone: a PEFT folder, or MiniMind's LoRA .pth with "
                         "--format pth (training checkpoints only)")
@@ -107,9 +121,15 @@ def main(argv: list[str]) -> int:
             parser.error("--adapters-only exports a LoRA run's training checkpoint; dense weights hold no adapters")
         else:
             out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides)
-    except CheckpointError as error:
+    except (CheckpointError, ModelError) as error:
         print(f"export_hf: {error}", file=sys.stderr)
         return 2
+    except (OSError, SafetensorError) as error:  # the disk said no mid-write: the partial output is already gone
+        cause = disk_cause(error) or disk_cause(getattr(error, "__context__", None)) or \
+            (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"export_hf: writing {args.out} failed: {cause}; nothing was written: free space or choose another "
+              "OUT", file=sys.stderr)
+        return 1
     print(written(Path(out), args.adapters_only))
     return 0
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint.checksums import SUMS, digest, sums_text
 from checkpoint.dense import CheckpointError
 from checkpoint.manager import check_ownership, complete_checkpoints
 from checkpoint.ownership import OWNER, RUN_ID
@@ -121,9 +122,19 @@ def test_of_two_runs_starting_at_once_the_second_to_save_is_refused(tmp_path):
     assert snapshot(tmp_path / "shared") == before  # A's step_2 neither overwritten nor pruned
 
 
+def as_saved_before_records(checkpoint: Path) -> None:
+    """Drop meta.json's run_id (and re-sum it): a checkpoint saved before checkpoints recorded their run."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta.pop(RUN_ID)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    sums = {name: value for value, name in (line.split("  ") for line in (checkpoint / SUMS).read_text().splitlines())}
+    (checkpoint / SUMS).write_text(sums_text({**sums, "meta.json": digest(checkpoint / "meta.json")}))
+
+
 def test_an_unclaimed_folder_is_refused_to_a_fresh_run_and_adopted_by_resuming_it(owned, tmp_path):
     root, _, folder = copy_of(owned, tmp_path)
     (folder / OWNER).unlink()  # saved before runs claimed folders
+    as_saved_before_records(folder / "step_00000002")
     cfg = config(root, folder, "train.steps=3")
     assert check_ownership(checkpoint_spec(cfg, tmp_path / "b")) == (
         f"checkpoint.dir={folder} holds checkpoints (step_00000002) that this run did not write; a run never prunes "
@@ -132,3 +143,80 @@ def test_an_unclaimed_folder_is_refused_to_a_fresh_run_and_adopted_by_resuming_i
     result = train(root, tmp_path / "b", folder, "checkpoint.resume=auto", steps=3)
     assert len(result["losses"]) == 1
     assert json.loads((folder / OWNER).read_text())["run_dir"] == str((tmp_path / "b").resolve())
+
+
+# Issue 46, Why 2-5: ownership recorded in each checkpoint, never lost or stolen.
+
+def test_each_checkpoint_records_the_run_that_wrote_it(owned):
+    _, run, folder = owned
+    meta = json.loads((folder / "step_00000002" / "meta.json").read_text())
+    assert meta[RUN_ID] == (run / RUN_ID).read_text().strip()
+
+
+def test_a_fresh_run_in_a_reused_run_directory_is_refused_without_metrics(tmp_path):
+    from training.console import check_run_dir
+
+    run = tmp_path / "run"
+    train(tmp_path, run, run / "checkpoints")
+    (run / "metrics.jsonl").unlink(missing_ok=True)  # gone: the checkpoints still say whose they are
+    for resume in (None, "none"):
+        problem = check_run_dir(run, resume, run / "checkpoints")
+        assert problem.startswith(f"checkpoint.dir={run / 'checkpoints'} already holds checkpoints of an earlier run")
+    assert check_run_dir(run, "auto", run / "checkpoints") is None  # continuing them is what auto is for
+
+
+def test_resume_auto_never_adopts_another_runs_checkpoints_without_an_owner(owned, tmp_path):
+    root, _, folder = copy_of(owned, tmp_path)
+    (folder / OWNER).unlink()  # their meta.json still records run A
+    before = snapshot(folder)
+    with pytest.raises(CheckpointError, match="that this run did not write"):
+        train(root, tmp_path / "b", folder, "checkpoint.resume=auto", steps=3)
+    assert snapshot(folder) == before  # step_2 neither adopted nor pruned
+    result = train(root, tmp_path / "b", folder, f"checkpoint.resume={folder / 'step_00000002'}", steps=3)
+    assert len(result["losses"]) == 1  # naming the checkpoint continues it
+
+
+def test_resume_auto_never_follows_a_link_out_of_its_run_directory(owned, tmp_path):
+    root, _, folder = copy_of(owned, tmp_path)
+    (folder / OWNER).unlink()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "checkpoints").symlink_to(folder)
+    before = snapshot(folder)
+    with pytest.raises(CheckpointError, match=r"is a symbolic link .* never through a link"):
+        run_training(compose_run_config([*TINY, "train.steps=3", "checkpoint.resume=auto"], root / "cache"),
+                     ParallelGrid.single("cpu"), tmp_path / "b")
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("damage", ["delete", "edit"])
+def test_a_lost_owner_is_rewritten_from_the_runs_own_checkpoints(owned, tmp_path, caplog, damage):
+    caplog.set_level("WARNING", logger="sluice")
+    root, run, folder = copy_of(owned, tmp_path)
+    if damage == "delete":
+        (folder / OWNER).unlink()
+    else:
+        (folder / OWNER).write_text("{not json")
+    result = train(root, run, folder, "checkpoint.resume=auto", steps=3)
+    assert len(result["losses"]) == 1 and [p.name for p in complete_checkpoints(folder)] == ["step_00000003"]
+    assert f"{OWNER} was {'missing' if damage == 'delete' else 'unreadable'}; rewritten from this run's own" \
+        in caplog.text
+    assert json.loads((folder / OWNER).read_text())["run_id"] == (run / RUN_ID).read_text().strip()
+
+
+@pytest.mark.parametrize("name", [OWNER, RUN_ID])
+@pytest.mark.parametrize("kind", ["fifo", "zero"])
+def test_owner_and_run_id_are_read_as_checked_files(owned, tmp_path, name, kind):
+    import os
+
+    root, run, folder = copy_of(owned, tmp_path)
+    path = (folder if name == OWNER else run) / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)  # would block a plain read forever
+    else:
+        path.symlink_to("/dev/zero")  # would read without limit
+    cfg = config(root, folder, "train.steps=3", "checkpoint.resume=auto")
+    problem = check_ownership(checkpoint_spec(cfg, run))
+    expected = "a FIFO" if kind == "fifo" else "a character device"
+    assert problem is not None and f"{name}: {path} is {expected}, not a regular file" in problem, problem
+    assert len(problem.splitlines()) == 1

@@ -115,4 +115,5 @@ def test_export_refuses_a_used_output_unless_forced(exported, tmp_path, capsys):
         assert expected in one_line_failure(export, argv, capsys), argv
     assert (tmp_path / "file").read_text() == "x"
     assert export.main([*source, str(tmp_path / "used"), "--force", "model=tiny"]) == 0
-    assert (tmp_path / "used" / "notes.txt").read_text() == "mine" and (tmp_path / "used" / "config.json").exists()
+    # --force replaces the folder as a whole (a new folder renamed into place), never editing files in place
+    assert not (tmp_path / "used" / "notes.txt").exists() and (tmp_path / "used" / "config.json").exists()

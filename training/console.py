@@ -22,10 +22,10 @@ def check_run_dir(run_dir: Path, resume: str | None, checkpoints: Path | None = 
     """One line when a run would mix its metrics into an earlier run's: a fresh run into a used directory, or
     `checkpoint.resume=auto` where `checkpoints` (default `<run dir>/checkpoints`) holds nothing to resume from."""
     metrics = Path(run_dir) / "metrics.jsonl"
-    if not metrics.exists():
-        return None
+    checkpoints = Path(checkpoints) if checkpoints is not None else Path(run_dir) / "checkpoints"
+    if not metrics.exists():  # gone, but the checkpoints still say whose they are
+        return earlier_checkpoints(run_dir, checkpoints) if resume in (None, "", "none") else None
     if resume == "auto":
-        checkpoints = Path(checkpoints) if checkpoints is not None else Path(run_dir) / "checkpoints"
         if complete_checkpoints(checkpoints):
             return None
         return (f"checkpoint.resume=auto: run directory {run_dir} holds {metrics.name} but {checkpoints} holds no "
@@ -36,6 +36,27 @@ def check_run_dir(run_dir: Path, resume: str | None, checkpoints: Path | None = 
     return (f"run directory {run_dir} already holds {metrics.name} from an earlier run; choose a new "
             "hydra.run.dir (or drop it for a fresh timestamped one), delete the old run, "
             "or continue it with checkpoint.resume")
+
+
+def earlier_checkpoints(run_dir: Path, checkpoints: Path) -> str | None:
+    """One line when a fresh run (no resume) would save into a folder holding this run directory's earlier
+    checkpoints, with or without its metrics.jsonl: the run id persists in the run directory, so its saves would
+    replace them. Another run's folder is checkpoint.ownership's to refuse, in its own words."""
+    from checkpoint.errors import CheckpointError
+    from checkpoint.ownership import read_owner, this_run, written_by
+
+    found = complete_checkpoints(checkpoints)
+    if not found:
+        return None
+    try:
+        owner, me = read_owner(checkpoints), this_run(run_dir)
+    except CheckpointError as error:
+        return str(error)
+    if (owner is not None and owner.run_id != me.run_id) or written_by(found[-1]) not in (None, me.run_id):
+        return None  # another run's: check_ownership refuses it
+    return (f"checkpoint.dir={checkpoints} already holds checkpoints of an earlier run in {run_dir} (newest "
+            f"{found[-1].name}), which a fresh run would overwrite; continue them with checkpoint.resume=auto, or "
+            "choose a new hydra.run.dir (or drop it for a fresh timestamped one)")
 
 
 def interpreter() -> str:

@@ -26,14 +26,20 @@ log = logging.getLogger("sluice")
 
 def teacher_config(path: str):
     """The teacher's transformers config: its folder's config.json, or its training checkpoint's model record."""
-    from models import config_from_record, model_config
+    from models import ModelError, config_from_record, model_config
+    from models.model_size import host_memory, size_problem
 
     if (Path(path) / "config.json").is_file():
-        return model_config({"hf_config": path})
-    from checkpoint.export import locate
-    from checkpoint.manager import read_meta
+        config = model_config({"hf_config": path})  # its values and dimensions checked before it is built
+    else:
+        from checkpoint.export import locate
+        from checkpoint.manager import read_meta
 
-    return config_from_record(read_meta(locate(path))["model"])
+        config = config_from_record(read_meta(locate(path))["model"], f"distill.teacher={path}: meta.json's model")
+    # The teacher is built whole in each process (load_teacher): its weights must fit this host.
+    if problem := size_problem(config.to_dict(), f"distill.teacher={path}:", host_memory()):
+        raise ModelError(problem)
+    return config
 
 
 def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:

@@ -29,6 +29,7 @@ from training.reliability import flight_recorder
 from training.reliability.faults import FaultInjector
 from training.layout import layout_world_size, process_pp
 from training.rendezvous import AttemptStore, attempt_store
+from training.run_log import ConfinedFileHandler, confine_log_files
 from training.restarts import RestartBudget, newest_step, restart_resume
 from training.specs import checkpoint_spec
 from training.reliability.watchdog import EXIT_INTERRUPTED, Interrupted, Limits, exit_code, report_hang, start_watchdog
@@ -41,6 +42,7 @@ WORKER_ENTRY = Path(__file__).resolve().parent / "worker_entry.py"
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
     """Hydra task: one run (or one job of a sweep)."""
+    confine_log_files()  # Hydra opened train.log with a plain FileHandler: never write through a link there
     run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
@@ -216,7 +218,7 @@ def configure_worker_logging(run_dir: Path, rank: int) -> None:
     if root.handlers or rank != 0:
         return  # Hydra configured this process already, or this rank stays quiet
     form = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "train.log")):
+    for handler in (logging.StreamHandler(sys.stdout), ConfinedFileHandler(run_dir / "train.log")):
         handler.setFormatter(form)
         root.addHandler(handler)
     root.setLevel(logging.INFO)

@@ -11,6 +11,8 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from checkpoint.atomic_write import open_append
+
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -77,7 +79,7 @@ class JsonlSink:
     """metrics.jsonl: one strict-JSON object per logged step, flushed at once."""
 
     def __init__(self, run_dir: Path):
-        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.file = open_append(run_dir / "metrics.jsonl", "metrics")  # never through a link
 
     def write(self, step: int, record: dict[str, Any]) -> None:
         self.file.write(strict_json({"step": step, **record}) + "\n")

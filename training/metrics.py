@@ -3,7 +3,6 @@
 import json
 import logging
 import math
-import os
 import time
 from contextlib import ExitStack
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from checkpoint.atomic_write import write_text
 from training.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
 from training.flops import device_peak_tflops, flops_per_token, throughput_record
 from training.config.schema import model_decoder
@@ -125,12 +125,7 @@ def drop_rows_after(path: Path, step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as out:
-            out.writelines(kept)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)  # a kill during the rewrite leaves the old file whole
+        write_text(path, "".join(kept), "metrics")  # renamed into place: a kill leaves the old file whole
     return dropped
 
 

@@ -17,7 +17,7 @@ from training.config.keys import ReadWhen, key
 from training.config.presets import CONF_DIR, store_presets
 from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,
                                     fault, fraction, layer_counts, non_negative, one_of, optional, positive,
-                                    schedule_name, text)
+                                    schedule_name, seed_value, text)
 
 MIB = 1 << 20
 
@@ -147,7 +147,7 @@ class TrainSchema:
         "(dp * micro_batch_size)` (it must divide)", optional(positive))
     seq_len: int = key(256, "tokens per sequence", at_least(2))  # one input and one label token at least
     seed: int = key(42, "seed of the initial weights (the same for every layout) and of the sample order "
-                        "(reshuffled each epoch unless `data.shuffle=false`)", at_least(0))
+                        "(reshuffled each epoch unless `data.shuffle=false`)", seed_value)
     dtype: str = key("auto", "compute dtype: `auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`",
                      one_of("auto", "fp32", "bf16"))
     grad_clip: float = key(1.0, "global gradient-norm clipping threshold; `0` = off", non_negative)
@@ -211,7 +211,7 @@ class DataSchema:
         "`data=jsonl` and `packed` for the embedded corpus",
         optional(one_of("packed", "padded", "chat", "chat_packed")))
     num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
-    seed: int = key(0, "seed of the synthetic corpus", at_least(0))
+    seed: int = key(0, "seed of the synthetic corpus", seed_value)
     shuffle: bool = key(True, "reshuffle the training samples every epoch (seeded by `train.seed`); `false` keeps "
                               "their order in the data (a curriculum), on every layout alike")
     vocab_size: int = key(2048, "vocabulary of the synthetic corpus's BPE tokenizer",

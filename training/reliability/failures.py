@@ -14,6 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from checkpoint.atomic_write import open_append, write_text
+from checkpoint.errors import CheckpointError
+
 # The project's own error classes (ConfigError, CheckpointError, DataError, TransportTimeout, BoundaryMismatch,
 # ScheduleError, InjectedCrash, NonFiniteError, ...) exist to carry a message that says what is wrong and how to
 # fix it: those are printed as they are. Anything else is unexpected and keeps its traceback.
@@ -37,8 +40,11 @@ def describe_failure(error: BaseException, run_dir: Path | None, rank: int) -> s
         return f"rank {rank}: unexpected {type(error).__name__}: {text} (before the run directory was known)"
     path = Path(run_dir) / LOG_DIR / f"rank{rank}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as log:
-        log.write("".join(traceback.format_exception(error)))
+    try:
+        with open_append(path, "traceback log") as log:
+            log.write("".join(traceback.format_exception(error)))
+    except CheckpointError as refused:  # a link planted in the run directory: the line still says what failed
+        return f"rank {rank}: unexpected {type(error).__name__}: {text} ({refused})"
     return f"rank {rank}: unexpected {type(error).__name__}: {text} (traceback in {path})"
 
 
@@ -50,9 +56,10 @@ def record_failure(run_dir: Path | None, rank: int, message: str, announce: bool
     if path is not None and not path.exists():  # the first failure of a rank is the cause; later: consequences
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {"rank": rank, "time": time.time(), "message": message, "culprit": culprit, "kind": kind}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(path)  # the launcher never reads half a record
+        try:
+            write_text(path, json.dumps(record), "failure record")  # renamed into place: never half a record
+        except CheckpointError:
+            announce = True  # a link planted where the record goes: the line is printed instead
     if announce:  # through tqdm: a progress bar on the screen is cleared first, not glued to the line
         tqdm.write(f"sluice: {message}", file=sys.stderr)
         sys.stderr.flush()

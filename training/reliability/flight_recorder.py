@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.atomic_write import write_bytes
+from checkpoint.errors import CheckpointError
 from training.reliability.hang import DUMP_DIR
 
 PREFIX = "nccl_trace_rank_"
@@ -44,5 +46,8 @@ def dump(run_dir: Path | None, rank: int) -> Path | None:
         return None
     path = Path(run_dir) / DUMP_DIR / f"{PREFIX}{rank}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    try:
+        write_bytes(path, data, "NCCL trace")  # never through a link planted in the run directory
+    except CheckpointError:
+        return None
     return path

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint.atomic_write import write_text
+from checkpoint.errors import CheckpointError
 from parallel.pipeline.actions import Action
 from parallel.pipeline.transport import SENDS, Message, Pending, describe
 
@@ -116,9 +118,10 @@ class Watch:
         state["what"] = str(self.state.what)
         record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "coords": self.coords, **state,
                   "last_done": None if self.last_done is None else str(self.last_done), "pending": self.pending()}
-        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # one per writer: two threads may dump at once
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(path)  # the launcher never reads half a dump
+        try:  # a temporary name per writer (two threads may dump at once), renamed: never half a dump
+            write_text(path, json.dumps(record, indent=1), "hang dump")
+        except CheckpointError:
+            return None  # a link planted where the dump goes: nothing is written through it
         return path
 
 
