@@ -64,8 +64,15 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 def load_metadata(path: Path) -> Metadata:
     """The DCP metadata at `path` (a file), unpickled through the allow-list; refuses pickled-object keys."""
-    with open(path, "rb") as file:
-        metadata = RestrictedUnpickler(file, path).load()
+    try:
+        with open(path, "rb") as file:
+            metadata = RestrictedUnpickler(file, path).load()
+    except CheckpointError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            OverflowError, MemoryError, RecursionError) as error:  # a cut or flipped file: what the pickle VM says
+        raise CheckpointError(f"checkpoint {path} is not readable DCP metadata ({type(error).__name__}); the "
+                              "checkpoint is corrupt or truncated: resume from another one") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path} holds a {type(metadata).__name__}, not DCP metadata; the "
                               "checkpoint is corrupt or not a Sluice checkpoint")
