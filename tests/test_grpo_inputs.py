@@ -1,0 +1,118 @@
+"""train.task=grpo's bad input, each one line before launch (issue 45 item 7): settings, prompt rows without a user
+turn, reward targets that do not import, reward-model folders that are not sequence classifiers or read another
+tokenizer; and the reward model's clipped scores. A reward that raises or returns the wrong shape at run time, and
+a group of equal rewards, are tests/test_grpo.py's."""
+
+import json
+
+import pytest
+import torch
+
+CPU = torch.device("cpu")
+
+
+# --- bad input: one line before launch -------------------------------------------------------------------------------
+
+
+def grpo_config(tmp_path, *overrides):
+    """experiment=grpo's run config with `overrides` (its data cache under tmp_path)."""
+    from training.config.schema import compose_config
+
+    return compose_config(["experiment=grpo", "train.steps=2", "logger=none", f"data.cache_dir={tmp_path / 'cache'}",
+                           *overrides])
+
+
+def problem_of(cfg) -> str:
+    from training.config.validate import validate
+    from training.config.values import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        validate(cfg)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def rlaif(tmp_path, rows) -> str:
+    path = tmp_path / "rlaif.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["grpo.num_generations=1"], "grpo.num_generations=1 must be >= 2"),
+    (["train.micro_batch_size=8"], "train.micro_batch_size=8 is not a multiple of grpo.num_generations=6"),
+    (["grpo.max_new_tokens=96"], "grpo.max_new_tokens=96 leaves no room for the prompt in train.seq_len=96"),
+    (["train.seq_len=512"], "train.seq_len=512 exceeds model.max_position_embeddings=256"),
+    (["grpo.loss_type=ppo"], "grpo.loss_type=ppo is not supported; use one of grpo, cispo"),
+    (["grpo.rewards=[length]"], "grpo.rewards: unknown reward 'length'; use one of minimind_rules"),
+    (["grpo.rewards=[{_target_: no.such.module.fn}]"], "grpo.rewards: cannot import no.such.module.fn"),
+    (["train.eval_every=5", "data.val_fraction=0.1"], "train.task=grpo has no held-out loss to evaluate; set "
+                                                      "train.eval_every=0"),
+    (["data.val_fraction=0.1"], "train.task=grpo holds no prompts out; drop data.val_path and data.val_fraction"),
+])
+def test_bad_grpo_settings_are_one_line_before_launch(tmp_path, overrides, expected):
+    assert expected in problem_of(grpo_config(tmp_path, *overrides))
+
+
+def test_a_prompt_row_with_no_user_turn_is_named_before_launch(tmp_path):
+    good = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    bad = {"conversations": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": ""}]}
+    path = rlaif(tmp_path, [good] * 3 + [bad])
+    problem = problem_of(grpo_config(tmp_path, "data=jsonl", f"data.path={path}", "data.tokenizer=synthetic"))
+    assert f"data.path: {path}:4: no user turn with content (nothing to answer)" in problem
+
+
+def test_a_reward_model_folder_that_is_not_a_sequence_classifier_is_refused(tmp_path):
+    folder = tmp_path / "not-a-classifier"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    problem = problem_of(grpo_config(tmp_path, f"grpo.reward_model={folder}"))
+    assert "is not a sequence classifier (architectures ['LlamaForCausalLM'])" in problem
+    assert "has no config.json" in problem_of(grpo_config(tmp_path, f"grpo.reward_model={tmp_path}"))
+
+
+def test_a_reward_model_with_another_tokenizer_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from training.data.tokenizer import train_bpe_tokenizer
+    from training.grpo.reward_model import reward_model_problem
+
+    folder = tmp_path / "classifier"
+    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    train_bpe_tokenizer(["one two three four"] * 20, 300).save_pretrained(folder)
+    ours = train_bpe_tokenizer(["five six seven eight nine"] * 20, 300)
+    assert "has another tokenizer than the run's" in reward_model_problem(str(folder), ours)
+    from training.data.tokenizer import load_tokenizer
+
+    assert reward_model_problem(str(folder), load_tokenizer(folder)) is None
+
+
+def test_the_reward_model_scores_prompt_and_answer_clipped_to_three(tmp_path):
+    """A stock sequence classifier with the run's tokenizer scores the prompt with the answer after `</think>`, its
+    score clipped to [-3, 3] as MiniMind clips."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from training.data.tokenizer import train_bpe_tokenizer
+    from training.grpo.reward_model import RewardModel
+
+    tokenizer = train_bpe_tokenizer(["the cat sat on the mat and the dog ran"] * 20, 300)
+    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    classifier = LlamaForSequenceClassification(config)
+    folder = tmp_path / "rm"
+    classifier.save_pretrained(folder)
+    model = RewardModel(str(folder), tokenizer, CPU)
+
+    def raw(text: str) -> float:
+        with torch.no_grad():
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+            return float(classifier(input_ids=ids).logits[0, 0])
+
+    prompts, completions = ["the cat ", "the dog "], ["sat on the mat", "thinking</think> ran"]
+    assert model(prompts, completions) == pytest.approx([raw("the cat sat on the mat"), raw("the dog ran")])
+    with torch.no_grad():
+        model.model.score.weight.mul_(1e4)
+    assert all(abs(s) == 3.0 for s in model(prompts, completions))
