@@ -126,10 +126,15 @@ class Sequences:
         return self.finished is not None and bool(self.finished.all())
 
 
-def completions(parts: list[Sequences]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last stage's micro-batches, in row order -> tokens [B, steps] long and log-probs [B, steps] float32."""
-    return (torch.cat([torch.stack(p.tokens, dim=1) for p in parts]),
-            torch.cat([torch.stack(p.log_probs, dim=1) for p in parts]))
+def completions(parts: list[Sequences], steps: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage's micro-batches, in row order -> tokens [B, steps] long and log-probs [B, steps] float32; a
+    micro-batch that stopped early (every row past EOS) is filled with pad and log-prob 0."""
+    tokens, log_probs = [], []
+    for p in parts:
+        done = torch.stack(p.tokens, dim=1)
+        tokens.append(torch.nn.functional.pad(done, (0, steps - done.shape[1]), value=pad))
+        log_probs.append(torch.nn.functional.pad(torch.stack(p.log_probs, dim=1), (0, steps - done.shape[1])))
+    return torch.cat(tokens), torch.cat(log_probs)
 
 
 def rollout(prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tensor, log_probs: torch.Tensor,

@@ -175,7 +175,7 @@ class LocalEngine:
                 ids = seqs.sample(logits[:, -1], sampling, step)
                 if seqs.done:
                     break
-        return rollout(prompts, prompt_mask, *completions([seqs]), sampling)
+        return rollout(prompts, prompt_mask, *completions([seqs], len(seqs.tokens), sampling.pad_token_id), sampling)
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> StepResult:
         """Forward-only loss over the micro-batches (model in eval mode), a mean over the objective's count."""

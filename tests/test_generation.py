@@ -155,6 +155,27 @@ def test_emulated_pipelines_equal_one_process(preset):
         assert_same(expected, layouts[0].generate(prompts, mask, sampling))  # the engine's own call, one round
 
 
+def test_a_micro_batch_past_eos_drops_out_at_the_round_end():
+    """pp2, micro-batches of rows {0, 1} and {2, 3}: with an EOS only the first two rows emit, the first micro-batch
+    stops running at the end of the round it finished in (fewer head calls), and the tokens stay one process's."""
+    model = family_model("tiny")
+    prompts, mask = left_padded(model.config.vocab_size, rows=4)
+    one = engine_of(model)
+    free = one.generate(prompts, mask, Sampling(12, temperature=0)).tokens[:, PROMPT:]
+    eos = min(set(free[0].tolist()) & set(free[1].tolist()) - set(free[2:].flatten().tolist()))
+    sampling = Sampling(12, temperature=0, eos_token_id=eos)
+    layout = engine_of(model, pp=2, emulate=True)
+    calls = []
+    last = layout.chunks()[-1]
+    hook = last.module.get_submodule(last.plan.head).register_forward_hook(lambda *_: calls.append(1))
+    try:
+        assert_same(one.generate(prompts, mask, sampling), generate_in_layout(layout, prompts, mask, sampling,
+                                                                              ticks_per_round=3))
+    finally:
+        hook.remove()
+    assert len(calls) < 2 * 12, len(calls)  # without the drop both micro-batches run all 12 ticks (here 9 + 12)
+
+
 # --- the schedule and its verifier ----------------------------------------------------------------------------------
 
 

@@ -17,10 +17,12 @@ from .transport import BoundaryMismatch, Message
 
 @dataclass
 class Round:
-    """One run of the generation list: its first generation step and how many ticks it runs."""
+    """One run of the generation list: its first generation step, how many ticks it runs, and the micro-batches it
+    runs (those with a row still before EOS), in order: unit u is micro-batch active[u % len(active)]."""
 
     first_step: int
     ticks: int
+    active: tuple[int, ...]
 
 
 @dataclass
@@ -28,7 +30,7 @@ class GenerationBoundary:
     """What each message of a round carries: hidden states [rows of the micro-batch, tokens, hidden] in float32 (the
     whole prompt at prefill, else one token), or a sampled token [rows, 1] long."""
 
-    rows: list[int]  # rows per micro-batch
+    rows: list[int]  # rows per micro-batch of the round
     width: int  # tokens at the round's first tick (the prompt length in the first round, else 1)
     hidden: int
 
@@ -64,7 +66,7 @@ class GenerationStage:
     gather: VocabGather  # the last stage's vocab-sharded logits -> the full vocabulary's
     handoff: dict[int, torch.Tensor]  # unit -> its input token, where the first and last stage share a rank
     first_here: bool = False  # the first stage is on this rank too (pp 1, or a V placement): tokens stay here
-    round: Round = field(default_factory=lambda: Round(0, 1))
+    round: Round = field(default_factory=lambda: Round(0, 1, (0,)))
 
     @property
     def is_first(self) -> bool:
@@ -78,9 +80,9 @@ class GenerationStage:
                 aux_scale: float, extra: dict | None = None) -> torch.Tensor | None:
         """Tick `unit // M` of micro-batch `unit % M`: the stage's output (hidden states, or the sampled token
         [b, 1] to send to the first stage), or None where nothing leaves the rank."""
-        m = len(self.sequences)
-        tick, mb = divmod(unit, m)
-        seqs = self.sequences[mb]
+        m = len(self.round.active)
+        tick, j = divmod(unit, m)
+        seqs = self.sequences[self.round.active[j]]
         if self.is_first and tick:
             inputs = self.handoff.pop(unit, inputs)  # the token of the previous tick: handed over here, or received
         width = inputs.shape[1]

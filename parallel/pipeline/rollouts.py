@@ -1,10 +1,12 @@
 """A DP replica's generation in its training layout: the generation schedule's lists run by the same runtime loop
 over the stages' own chunks, round after round, until every sequence stopped or `max_new_tokens`.
 
-A round is one verified list of `ticks` ticks. Between rounds the last pipeline rank tells the others the round's
-last tokens (the next round's first input) and whether every row emitted EOS; DP replicas agree to stop together
-(expert parallelism dispatches across them, so they run the same forwards). A round's fill and drain cost
-pp - 1 ticks each; longer rounds amortise them, shorter ones stop sooner after the last EOS.
+A round is one verified list of `ticks` ticks over the micro-batches that still have a row before EOS. Between
+rounds the last pipeline rank tells the others the round's last tokens (the next round's first input) and which rows
+emitted EOS; a micro-batch whose rows all did drops out. Under expert parallelism the DP replicas dispatch tokens to
+each other inside every MoE layer, so they run the same forwards: every micro-batch runs until no replica has a row
+left. A round's fill and drain cost pp - 1 ticks each; longer rounds amortise them, shorter ones drop finished
+micro-batches sooner.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
     first_row = grid.dp_rank * batch if first_row is None else first_row
     # pp micro-batches keep every stage busy (the token of one is back when the first stage has run the others).
     parts = [p for p in torch.arange(batch).tensor_split(min(batch, n_stages)) if len(p)]
-    m = len(parts)
     mask = prompt_mask.to(device).bool()
     gather = functools.partial(all_gather_cat, group=grid.tp_group, dim=-1)
     stages: dict[int, dict[int, GenerationStage]] = {}
@@ -70,24 +71,27 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
                                            first_here=0 in rank_stages)
     inputs = [prompts[p].to(device) for p in parts]
     last = _last_stage(stages, n_stages)
-    step = 0
+    step, active = 0, tuple(range(len(parts)))
     with torch.no_grad(), generation_mode([st.chunk.module for st in engine.stages.values()]):
-        while step < sampling.max_new_tokens:
+        while step < sampling.max_new_tokens and active:
             ticks = min(ticks_per_round, sampling.max_new_tokens - step)
-            _run_round(engine, stages, inputs, m, ticks, step)
+            _run_round(engine, stages, [inputs[i] for i in active], Round(step, ticks, active))
             step += ticks
-            ends, done = _round_end(engine, last, parts, batch)
+            ends, finished = _round_end(engine, last, parts, batch)
             inputs = [ends[p].to(device)[:, None] for p in parts]
-            if _agree_done(done, grid):
-                break
-        tokens, log_probs = _share(engine, last, (batch, step))
+            running = tuple(i for i in active if not bool(finished[parts[i]].all()))
+            if grid.ep > 1:  # expert layers dispatch across replicas: they run the same forwards, all or none
+                active = active if _any_replica(bool(running), grid) else ()
+            else:  # a micro-batch whose rows all emitted EOS drops out of the next round
+                active = running
+        tokens, log_probs = _share(engine, last, (batch, step), sampling.pad_token_id)
     return rollout(prompts, prompt_mask, tokens, log_probs, sampling)
 
 
 def _run_round(engine: LayoutEngine, stages: dict[int, dict[int, GenerationStage]], inputs: list[torch.Tensor],
-               m: int, ticks: int, step: int) -> None:
-    """One verified generation list of `ticks` ticks through every stage this process holds."""
-    grid, pipeline = engine.grid, engine.pipeline
+               plan: Round) -> None:
+    """One verified generation list of the round's ticks over its micro-batches through every stage here."""
+    grid, pipeline, m, ticks = engine.grid, engine.pipeline, len(plan.active), plan.ticks
     pp, n_stages, placement = pipeline.spec.pp, pipeline.n_stages, pipeline.placement
     lists = generation_lists(pp, n_stages, placement, m, ticks)
     rows = [len(x) for x in inputs]
@@ -106,7 +110,7 @@ def _run_round(engine: LayoutEngine, stages: dict[int, dict[int, GenerationStage
     programs = {r: make_program(list(lists[r]), peer_of, early, {}) for r in stages}
     for rank_stages in stages.values():
         for stage in rank_stages.values():
-            stage.round = Round(step, ticks)
+            stage.round = plan
     # The first stage's first tick takes these ids; a later tick's input is a token (received or handed over).
     micro_batches = [MicroBatch(inputs[u % m], None) for u in range(ticks * m)]
     scales = StepScales(loss_scale=1.0, aux_scale=0.0)
@@ -130,28 +134,30 @@ def _last_rank(engine: LayoutEngine) -> int:
 
 
 def _round_end(engine: LayoutEngine, last: GenerationStage | None, parts: list[torch.Tensor],
-               batch: int) -> tuple[torch.Tensor, bool]:
-    """Every row's latest token and whether every row emitted EOS, from the last pipeline rank to the others."""
-    box = torch.zeros(batch + 1, dtype=torch.long, device=engine.grid.device)
+               batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's latest token and whether it emitted EOS, from the last pipeline rank to the others."""
+    box = torch.zeros(2 * batch, dtype=torch.long, device=engine.grid.device)
     if last is not None:
         for p, seqs in zip(parts, last.sequences):
             box[p.to(box.device)] = seqs.tokens[-1]
-        box[-1] = int(all(seqs.done for seqs in last.sequences))
+            box[(p + batch).to(box.device)] = seqs.finished.long()
     if not engine.emulated and engine.pipeline.spec.pp > 1:
         dist.broadcast(box, src=_last_rank(engine), group=engine.grid.pp_group)
-    return box[:-1].cpu(), bool(box[-1])
+    box = box.cpu()
+    return box[:batch], box[batch:].bool()
 
 
-def _agree_done(done: bool, grid) -> bool:
-    """Stop only when every DP replica is done (an EP layer's all_to_all needs every replica's forwards)."""
-    flag = torch.tensor([0 if done else 1], device=grid.device)
-    return not bool(all_reduce_(flag, grid.dp_group, op=dist.ReduceOp.MAX).item())
+def _any_replica(running: bool, grid) -> bool:
+    """Whether any DP replica still has a row before EOS."""
+    flag = torch.tensor([int(running)], device=grid.device)
+    return bool(all_reduce_(flag, grid.dp_group, op=dist.ReduceOp.MAX).item())
 
 
-def _share(engine: LayoutEngine, last: GenerationStage | None, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+def _share(engine: LayoutEngine, last: GenerationStage | None, shape: tuple[int, int],
+           pad: int) -> tuple[torch.Tensor, ...]:
     """The tokens and log-probs [B, steps] the last pipeline rank sampled, on every rank of the replica."""
     if last is not None:
-        tokens, log_probs = completions(last.sequences)  # micro-batches are consecutive rows, in order
+        tokens, log_probs = completions(last.sequences, shape[1], pad)  # consecutive rows, in order
         packed = torch.cat([tokens.double(), log_probs.double()], dim=1)
     else:
         packed = torch.zeros(shape[0], 2 * shape[1], dtype=torch.float64, device=engine.grid.device)
