@@ -49,6 +49,8 @@ def parse_row(line: bytes, task: Task) -> tuple[Any, str | None]:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
         return None, json_problem(decoded, error)
+    except RecursionError:  # arrays or objects nested past Python's stack: no row any task reads
+        return None, "line is not usable JSON: its arrays or objects nest too deeply"
     if SURROGATE_ESCAPE.search(line):
         problem = _lone_surrogate(record)
         if problem is not None:
