@@ -63,9 +63,9 @@ def quiet_dcp():
 
 
 def _packed(param: nn.Parameter, grid: ParallelGrid) -> bool:
-    """A TP shard made of several blocks of the dense tensor (packed gate and up halves): no DTensor placement
+    """A TP shard made of several blocks of the dense tensor (packed parts: gate and up, q k v): no DTensor placement
     describes it, so it is gathered whole to save and sliced after loading (a collective over TP)."""
-    return grid.tp > 1 and getattr(param, "tp_packed", 1) > 1
+    return grid.tp > 1 and getattr(param, "tp_packed", 1) != 1  # a count of equal parts, or their sizes
 
 
 def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:

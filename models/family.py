@@ -167,9 +167,11 @@ def build_model(config: PretrainedConfig, device: str | torch.device = "meta") -
 
 
 def decoder_of(model: nn.Module) -> Decoder:
-    """`model` as the parallel layer sees it: its declared plan and its family's adapter."""
-    adapter = ADAPTERS[family_of(model.config)]
+    """`model` as the parallel layer sees it: its declared plans (the TP plan as its adapter chooses) and its
+    family's adapter."""
+    family = ADAPTERS[family_of(model.config)]
     try:
-        return Decoder(model, DecoderPlan.of(model), adapter(model))
+        adapter = family(model)
+        return Decoder(model, DecoderPlan.of(model, adapter), adapter)
     except ContractError as error:
         raise ModelError(str(error)) from None

@@ -56,6 +56,16 @@ class MiniMindAdapter:
     def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
         return None  # MiniMind's planned modules are plain nn.Linear / nn.Embedding
 
+    @classmethod
+    def tp_plan(cls, declared: dict[str, str]) -> dict[str, str]:
+        return declared  # MiniMindConfig's own
+
+    def tp_parts(self, name: str) -> tuple[int, ...] | None:
+        return None  # no packed projections
+
+    def tp_local(self, layer: nn.Module, tp: int) -> None:
+        return None  # the model reads head counts from its tensors
+
     def selective_recompute(self, layer: nn.Module) -> list:
         """The attention core (q/k norms, SDPA) and each SwiGLU's silu(gate) * up, experts' included."""
         targets = []

@@ -7,7 +7,9 @@ entry here, its presets (`models/configs/<preset>/config.json`, `conf/model/<pre
 say something, its adapter.
 
 Registering checks only what costs nothing (this module loads in every process): the adapter implements every hook
-of `parallel.decoder.FamilyAdapter`, and each preset exists and names the entry's model_type. Whatever needs a built
+of `parallel.decoder.FamilyAdapter`, each preset exists and names the entry's model_type, and every TP style the
+family's plans name (its config class's `base_model_tp_plan`, its LM class's `_tp_plan`, and the plan its adapter
+chooses instead) is an entry of `parallel.tensor_styles.STYLES`: read from the classes, no model built. Whatever needs a built
 model (its plans, buffers, TP subclasses, numbers) is the conformance test's, generated from this table: a family
 that fails it fails the suite, not a user's run.
 """
@@ -20,11 +22,13 @@ from pathlib import Path
 from types import MappingProxyType
 
 import yaml
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from models.gemma3 import Gemma3Adapter
 from models.minimind import MiniMindAdapter
 from models.transformers_decoder import TransformersDecoderAdapter
 from parallel.decoder import FamilyAdapter
+from parallel.tensor_styles import unknown_styles
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOKS = tuple(name for name in vars(FamilyAdapter) if not name.startswith("_"))  # every method the protocol declares
@@ -56,6 +60,26 @@ def _preset_model_type(preset: str) -> str:
     return json.loads((ROOT / folder / "config.json").read_text()).get("model_type")
 
 
+def declared_tp_plans(model_type: str) -> dict[str, dict[str, str]]:
+    """The TP plans a model_type's classes declare, read from the classes (no model built): where -> plan."""
+    config_class = type(AutoConfig.for_model(model_type))
+    lm_class = AutoModelForCausalLM._model_mapping[config_class]  # transformers' own lookup, registered ones too
+    return {"base_model_tp_plan": dict(getattr(config_class, "base_model_tp_plan", None) or {}),
+            "_tp_plan": dict(getattr(lm_class, "_tp_plan", None) or {})}
+
+
+def _style_problem(family: Family) -> str | None:
+    """One line naming family, module and style for the first style its plans name that Sluice's table lacks."""
+    plans = declared_tp_plans(family.model_type)
+    plans[f"{family.adapter.__name__}.tp_plan"] = family.adapter.tp_plan(plans["base_model_tp_plan"])
+    for where, plan in plans.items():
+        for key, style in unknown_styles(plan):
+            return (f"family {family.model_type!r}: {key} declares TP style {style!r} ({where}), which Sluice's TP "
+                    "style table lacks; add its builder to parallel/tensor_styles.py STYLES or choose a known style "
+                    "in the adapter's tp_plan")
+    return None
+
+
 def registry(*families: Family) -> MappingProxyType:
     """The read-only table {model_type: Family}, each entry checked as the module docstring says."""
     table = {}
@@ -67,6 +91,8 @@ def registry(*families: Family) -> MappingProxyType:
         for preset in family.presets:
             if (found := _preset_model_type(preset)) != family.model_type:
                 raise RegistryError(f"family {family.model_type!r}: preset {preset!r} builds {found!r}")
+        if problem := _style_problem(family):
+            raise RegistryError(problem)
         table[family.model_type] = family
     return MappingProxyType(table)
 

@@ -14,7 +14,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from models.initialization import init_module_buffers, init_parameter
 from models.sizes import tp_sizes
 from parallel.decoder import DecodeContext, DecoderPlan
-from parallel.recompute import GatedActivation, SdpaCore
+from parallel.recompute import GatedActivation, PackedGatedActivation, SdpaCore, UnknownRole
 from parallel.tensor_pass import plan_pattern
 
 
@@ -127,18 +127,43 @@ class TransformersDecoderAdapter:
     def tp_module(self, dense: nn.Module, parallel: nn.Module) -> nn.Module | None:
         return None  # these families' planned modules are plain nn.Linear / nn.Embedding
 
+    @classmethod
+    def tp_plan(cls, declared: dict[str, str]) -> dict[str, str]:
+        return declared  # the plan transformers declares
+
+    def tp_parts(self, name: str) -> tuple[int, ...] | None:
+        return None  # packed experts' gate_up_proj: equal halves
+
+    def tp_local(self, layer: nn.Module, tp: int) -> None:
+        return None  # the layers read head counts from their tensors (`view(..., -1, head_dim)`)
+
     # --- what the layout search, recompute and TP need -------------------------------------------------------
 
     def selective_recompute(self, layer: nn.Module) -> list:
-        targets = []
-        for sub in layer.modules():
-            if self.attention_class is not None and isinstance(sub, self.attention_class):
-                norms = tuple(getattr(sub, n) for n in ("q_norm", "k_norm") if isinstance(getattr(sub, n, None),
-                                                                                         nn.Module))
-                targets.append(SdpaCore(sub, norms))
-            elif all(isinstance(getattr(sub, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-                targets.append(GatedActivation(sub, sub.gate_proj, sub.up_proj, sub.down_proj, sub.act_fn))
-        return targets
+        """By role: the attention core (the class the model records attentions of) and the activation of the layer's
+        `mlp`, with separate gate and up projections or one packing both; an `UnknownRole` for either not found."""
+        targets: list = [SdpaCore(sub, tuple(getattr(sub, n) for n in ("q_norm", "k_norm")
+                                             if isinstance(getattr(sub, n, None), nn.Module)))
+                         for sub in layer.modules()
+                         if self.attention_class is not None and isinstance(sub, self.attention_class)]
+        if not targets:
+            targets.append(UnknownRole(layer, "attention core"))
+        return [*targets, self._mlp_activation(layer)]
+
+    @staticmethod
+    def _mlp_activation(layer: nn.Module):
+        """The gated activation of `layer.mlp` (its projections may be TP layers by now: found by name, not class)."""
+        mlp = getattr(layer, "mlp", None)
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+
+        def has(*names: str) -> bool:
+            return all(isinstance(getattr(mlp, n, None), nn.Module) for n in names)
+
+        if callable(act) and has("gate_proj", "up_proj", "down_proj"):
+            return GatedActivation(mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj, act)
+        if callable(act) and has("gate_up_proj", "down_proj"):
+            return PackedGatedActivation(mlp, mlp.gate_up_proj, mlp.down_proj, act)
+        return UnknownRole(mlp if mlp is not None else layer, "MLP activation")
 
     def moe_forward(self, block: nn.Module, experts) -> None:
         return None  # the experts module's own forward takes (tokens, top_k_index, top_k_weights)
@@ -147,7 +172,7 @@ class TransformersDecoderAdapter:
         return block.gate, lambda routed: routed[-1]  # transformers' top-k routers return (..., top_k_index)
 
     def tp_sizes(self) -> dict[str, int]:
-        return tp_sizes(self.config, bool(self.moe_layers))
+        return tp_sizes(self.config, bool(self.moe_layers), self.tp_plan(dict(self.config.base_model_tp_plan or {})))
 
     def matmul_params_per_token(self) -> int:
         return self.matmul_params

@@ -71,9 +71,25 @@ class FamilyAdapter(Protocol):
         (Gemma3's scaled embedding), built from `parallel` (the plain TP layer of its shard) so as to keep that
         behaviour; None where the family has no such module (the TP pass then refuses it)."""
 
+    def tp_plan(self, declared: dict[str, str]) -> dict[str, str]:
+        """The base model's TP plan this family runs, given the one its config declares (`base_model_tp_plan`):
+        the declared one, or a better one of the same styles (Phi-3 splits its fused projections by heads where
+        transformers gathers them). Reads no model: the registry checks its styles at import."""
+
+    def tp_parts(self, name: str) -> tuple[int, ...] | None:
+        """The dense sizes of the parts packed side by side along the sharded dim of the planned module or
+        parameter `name` under a packed style (Phi-3's [q | k | v] rows, unequal under GQA); None: equal halves,
+        as transformers packs [gate | up]."""
+
+    def tp_local(self, layer: nn.Module, tp: int) -> None:
+        """After the TP pass shards `layer` (tp >= 2): make a forward that reads global sizes (Phi-3's attention,
+        slicing its packed q, k, v at the config's head counts) read this rank's; a no-op for most families."""
+
     def selective_recompute(self, layer: nn.Module) -> list[Any]:
-        """The blocks of one layer that `train.recompute=selective` recomputes (`parallel.recompute` targets):
-        which part is cheap to redo and heavy to keep is a property of the architecture, not of a plan."""
+        """The blocks of one layer that `train.recompute=selective` recomputes (`parallel.recompute` targets) by
+        role (an attention core, an MLP's activation), and an `UnknownRole` for a part whose role the family cannot
+        name (left saved; the run says so at start): which part is cheap to redo and heavy to keep is a property of
+        the architecture, not of a plan."""
 
     def moe_forward(self, block: nn.Module, experts: Callable) -> Callable | None:
         """The forward of an MoE `block` that routes as the model does and hands its experts to
@@ -111,8 +127,9 @@ class DecoderPlan:
     ep_plan: dict[str, str] = field(default_factory=dict)  # module or parameter name pattern -> EP style
 
     @staticmethod
-    def of(model: nn.Module) -> DecoderPlan:
-        """Read the plans `model`'s classes declare; ContractError naming the class when one is missing."""
+    def of(model: nn.Module, adapter: FamilyAdapter | None = None) -> DecoderPlan:
+        """Read the plans `model`'s classes declare (the TP plan through the family `adapter`'s `tp_plan`, where
+        given); ContractError naming the class when one is missing."""
         name = type(model).__name__
         pp_plan = dict(getattr(model.config, "base_model_pp_plan", None) or {})
         head_plan = dict(getattr(type(model), "_pp_plan", None) or {})
@@ -136,7 +153,7 @@ class DecoderPlan:
         ep_plan = {f"{base}.{key}": style for key, style in
                    (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
         return DecoderPlan(base, embedding, f"{base}.{stacks[0]}", tuple(f"{base}.{k}" for k in after), head,
-                           _tp_plan(model, base, embedding, head), ties, ep_plan)
+                           _tp_plan(model, base, embedding, head, adapter), ties, ep_plan)
 
     def piece_of(self, name: str) -> tuple[str, int | None]:
         """Which piece holds the dense parameter `name`: ("embedding" | "layer" | "final" | "head", layer id)."""
@@ -158,10 +175,13 @@ def _tied_keys(model: nn.Module) -> dict[str, str]:
     return dict(declared)
 
 
-def _tp_plan(model: nn.Module, base: str, embedding: str, head: str) -> dict[str, str]:
-    """The base plan (prefixed) and the head's, logits left vocab-sharded; an embedding the plan leaves out is
-    vocab-parallel, as in Megatron-LM, so that a tied head and embedding stay one sharded tensor."""
-    plan = {f"{base}.{key}": style for key, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items()}
+def _tp_plan(model: nn.Module, base: str, embedding: str, head: str,
+             adapter: FamilyAdapter | None = None) -> dict[str, str]:
+    """The base plan (the adapter's, prefixed) and the head's, logits left vocab-sharded; an embedding the plan
+    leaves out is vocab-parallel, as in Megatron-LM, so that a tied head and embedding stay one sharded tensor."""
+    declared = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    chosen = adapter.tp_plan(declared) if adapter is not None else declared
+    plan = {f"{base}.{key}": style for key, style in chosen.items()}
     plan.setdefault(embedding, "embedding_rowwise")
     # The loss is vocab-parallel cross-entropy, which never gathers the logits.
     head_plan = getattr(type(model), "_tp_plan", None) or {}

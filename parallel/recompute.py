@@ -3,7 +3,7 @@
 `full` recomputes each decoder layer's forward in its backward, keeping only the layer's input. `selective`
 (Megatron style) recomputes only cheap, memory-heavy parts, which the family's adapter names per layer: an
 attention core (its norms and the SDPA kernel; RoPE between them saves nothing) and a gated activation
-act(gate) * up; every linear layer's input stays saved, so no linear layer runs twice. The pass patches instance
+act(gate) * up (from two projections, or from one packing [gate | up]); every linear layer's input stays saved, so no linear layer runs twice. The pass patches instance
 `forward`s from outside, so the model file stays single-device code and every parameter keeps its dense name.
 
 Under the I/W split the recomputation runs inside I under the forward's `SplitLinears`, so the recomputed
@@ -46,6 +46,39 @@ class GatedActivation:
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class PackedGatedActivation:
+    """Recompute act(gate) * up of a gated MLP whose one projection packs [gate | up] (Phi-3's `gate_up_proj`; under
+    TP its local output is [this rank's gate | its up], halves alike); gate_up and down's input stay saved."""
+
+    module: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class UnknownRole:
+    """A part of a layer whose role (`attention core`, `MLP activation`) the family's adapter cannot name:
+    `selective` leaves it saved, and the run says so at start (`unknown_roles`) rather than change silently."""
+
+    module: nn.Module
+    role: str
+
+
+def unknown_roles(decoder: Decoder) -> list[str]:
+    """One line per kind of layer part that `train.recompute=selective` cannot recompute, for the start of a run."""
+    found: dict[tuple[str, str], list[int]] = {}
+    for layer_id, layer in decoder.blocks():
+        for target in decoder.adapter.selective_recompute(layer):
+            if isinstance(target, UnknownRole):
+                found.setdefault((type(target.module).__name__, target.role), []).append(layer_id)
+    family = getattr(decoder.config, "model_type", "?")
+    return [f"train.recompute=selective: {family}'s {kind} has no {role} its adapter names (in {len(ids)} layers): "
+            "it is kept saved, not recomputed; name its role in the family adapter's selective_recompute"
+            for (kind, role), ids in found.items()]
+
+
 def apply_recompute(decoder: Decoder, mode: str) -> Decoder:
     """Make the layers of `decoder` (a `parallel.decoder.Decoder`) recompute activations in backward, in place."""
     if mode not in MODES:
@@ -61,7 +94,9 @@ def apply_recompute(decoder: Decoder, mode: str) -> Decoder:
                 for norm in target.norms:
                     _patch_forward(norm, _Checkpointed(norm.forward))
                 _patch_forward(target.module, _UnderMode(target.module.forward, _CheckpointSDPA))
-            else:
+            elif isinstance(target, PackedGatedActivation):
+                _patch_forward(target.module, _PackedGatedRecomputed(target))
+            elif isinstance(target, GatedActivation):
                 _patch_forward(target.module, _GatedRecomputed(target))
     return decoder
 
@@ -135,6 +170,21 @@ class _GatedRecomputed:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         t = self.target
         return t.down(_checkpoint(self._activation, t.gate(x), t.up(x)))
+
+
+class _PackedGatedRecomputed:
+    """A packed gated MLP's forward with act(gate) * up recomputed in backward (a class, so deepcopy rebinds it)."""
+
+    def __init__(self, target: PackedGatedActivation):
+        self.target = target
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return up * self.target.act(gate)  # the order Phi-3 multiplies in (exact either way)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.target
+        return t.down(_checkpoint(self._activation, t.gate_up(x)))
 
 
 def _same_function_modes() -> tuple[AbstractContextManager, AbstractContextManager]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .blocks import Parts, local_block
 from .chunked_ce import cross_entropy_rows
 from .collectives import all_gather_cat, all_reduce_, group_rank, group_size
 from .grid import ParallelGrid
@@ -57,6 +58,19 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(group_size(ctx.group), dim=-1)[group_rank(ctx.group)].contiguous(), None
 
 
+class _ScatterToTP(torch.autograd.Function):
+    """Keep this rank's block of the last dim forward; all-gather backward (the input was replicated)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.chunk(group_size(group), dim=-1)[group_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_cat(grad, ctx.group, dim=-1), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Enter the TP region: identity forward, all-reduce of the input gradient backward."""
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
@@ -70,6 +84,11 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Leave the TP region by concatenating last-dim shards: all-gather forward, split backward."""
     return x if group_size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter the TP region sharded: this rank's last-dim block forward, all-gather of the gradient backward."""
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group)
 
 
 # ---- layers ---------------------------------------------------------------------------------------------
@@ -107,17 +126,20 @@ class _AddWhole:
         return output + self.branch.up(self.branch.down(args[0]))
 
 
-def _shard_param(tensor: torch.Tensor, partition_dim: int) -> nn.Parameter:
-    """A Parameter marked as TP-sharded along partition_dim (the grad norm counts it on every TP rank)."""
+def shard_param(tensor: torch.Tensor, partition_dim: int, packed: Parts = 1) -> nn.Parameter:
+    """A Parameter marked as TP-sharded along partition_dim (the grad norm counts it on every TP rank); `packed` says
+    how its parts lie (checkpoints and materialising slice by part)."""
     param = nn.Parameter(tensor.detach().clone().contiguous())
     param.tensor_parallel = True
     param.partition_dim = partition_dim
+    if packed != 1:
+        param.tp_packed = packed
     return param
 
 
-def _slice(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    """Rank's contiguous 1/size block of tensor along dim."""
-    return tensor.chunk(size, dim=dim)[rank]
+def tp_slice(tensor: torch.Tensor, dim: int, rank: int, size: int, packed: Parts = 1) -> torch.Tensor:
+    """Rank's block of tensor along dim (of each packed part)."""
+    return local_block(tensor, rank, size, dim, packed)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -131,10 +153,12 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, grid: ParallelGrid, gather_output: bool = False,
-                   weight: nn.Parameter | None = None) -> "ColumnParallelLinear":
-        """Take this rank's rows of linear's weight (and bias); `weight` reuses an already sharded tie."""
-        weight = weight if weight is not None else _shard_param(_slice(linear.weight, 0, grid.tp_rank, grid.tp), 0)
-        bias = None if linear.bias is None else _shard_param(_slice(linear.bias, 0, grid.tp_rank, grid.tp), 0)
+                   weight: nn.Parameter | None = None, packed: Parts = 1) -> "ColumnParallelLinear":
+        """Take this rank's rows of linear's weight (and bias), of each packed part; `weight` reuses an already
+        sharded tie."""
+        r, tp = grid.tp_rank, grid.tp
+        weight = weight if weight is not None else shard_param(tp_slice(linear.weight, 0, r, tp, packed), 0, packed)
+        bias = None if linear.bias is None else shard_param(tp_slice(linear.bias, 0, r, tp, packed), 0, packed)
         return cls(weight, bias, grid.tp_group, gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,21 +172,26 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's input columns split over TP: input sharded on the last dim, output all-reduced."""
+    """y = x W^T with W's input columns split over TP: input sharded on the last dim, output all-reduced. With
+    `split_input` the input arrives replicated and each rank takes its block of it (`rowwise_split_input`)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, split_input: bool = False):
         super().__init__()
-        self.weight, self.bias, self.group = weight, bias, group
+        self.weight, self.bias, self.group, self.split_input = weight, bias, group, split_input
         self.out_features, self.in_features = weight.shape
         self.branch: Branch | None = None
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, grid: ParallelGrid) -> "RowParallelLinear":
-        """Take this rank's columns of linear's weight; the bias stays whole (added once, after the sum)."""
-        weight = _shard_param(_slice(linear.weight, 1, grid.tp_rank, grid.tp), 1)
-        return cls(weight, linear.bias, grid.tp_group)
+    def from_dense(cls, linear: nn.Linear, grid: ParallelGrid, split_input: bool = False,
+                   packed: Parts = 1) -> "RowParallelLinear":
+        """Take this rank's columns of linear's weight (of each packed part); the bias stays whole (added once,
+        after the sum)."""
+        weight = shard_param(tp_slice(linear.weight, 1, grid.tp_rank, grid.tp, packed), 1, packed)
+        return cls(weight, linear.bias, grid.tp_group, split_input)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = scatter_to_tp_region(x, self.group)
         y = F.linear(x, self.weight)
         if self.branch is None:
             y = reduce_from_tp_region(y, self.group)
@@ -174,7 +203,7 @@ class RowParallelLinear(nn.Module):
         return y if self.branch is None else y + self.branch.up(h)
 
     def extra_repr(self) -> str:
-        return f"in_shard={self.in_features}, out={self.out_features}"
+        return f"in_shard={self.in_features}, out={self.out_features}, split_input={self.split_input}"
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -190,7 +219,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_dense(cls, embedding: nn.Embedding, grid: ParallelGrid,
                    weight: nn.Parameter | None = None) -> "VocabParallelEmbedding":
         """Take this rank's vocab rows of embedding's weight; `weight` reuses an already sharded tie."""
-        weight = weight if weight is not None else _shard_param(_slice(embedding.weight, 0, grid.tp_rank, grid.tp), 0)
+        weight = weight if weight is not None else shard_param(tp_slice(embedding.weight, 0, grid.tp_rank, grid.tp), 0)
         start = grid.tp_rank * weight.shape[0]
         pad = embedding.padding_idx
         local_pad = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
@@ -205,6 +234,28 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab=[{self.vocab_start}, {self.vocab_end}), dim={self.embedding_dim}"
+
+
+class HiddenParallelEmbedding(nn.Module):
+    """Embedding whose hidden columns are split over TP (`embedding_colwise`): each rank looks up its slice of every
+    vector, and the slices are gathered (all-gather forward, this rank's slice of the gradient backward)."""
+
+    def __init__(self, weight: nn.Parameter, group, padding_idx: int | None = None):
+        super().__init__()
+        self.weight, self.group, self.padding_idx = weight, group, padding_idx
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, grid: ParallelGrid) -> "HiddenParallelEmbedding":
+        """Take this rank's hidden columns of embedding's weight."""
+        weight = shard_param(tp_slice(embedding.weight, 1, grid.tp_rank, grid.tp), 1)
+        return cls(weight, grid.tp_group, embedding.padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gather_from_tp_region(F.embedding(ids, self.weight, self.padding_idx), self.group)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.num_embeddings}, dim_shard={self.embedding_dim}"
 
 
 # ---- loss and logits ----------------------------------------------------------------------------------------

@@ -1,30 +1,28 @@
-"""The TP pass: shard a decoder chunk as its declared TP plan says, then hook the partial gradients.
+"""The TP pass: shard a decoder chunk as its TP plan says, then hook the partial gradients.
 
-Styles keep transformers' names. On a module: `colwise` / `rowwise` (a Linear becomes a Column/RowParallelLinear),
-`embedding_rowwise` (a vocab-parallel Embedding), `replicated_with_grad_allreduce` (kept whole; its gradient is
-partial and summed over TP), `moe_tp_experts` (a module of stacked experts: its floating inputs enter the TP region,
-its partial output is summed). On a parameter, such as stacked experts [E, out, in]: `colwise` shards `out`,
-`packed_colwise` shards each of its packed halves (gate and up) alike, `rowwise` shards `in`; they add no
-collective of their own, `moe_tp_experts` on the owner does.
+The plan is the family's (its declared `base_model_tp_plan` and head `_tp_plan`, through the adapter's `tp_plan`); each
+style is one entry of `parallel.tensor_styles.STYLES`, which maps every style transformers declares onto Sluice's
+replicated activations. Parameter names stay dense; a packed shard holds its block of every packed part
+(`parallel.blocks`), so that checkpoints and dense weights slice by part.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 
+from .blocks import join_blocks, local_block  # noqa: F401  (re-exported: the TP blocks' one home is parallel.blocks)
 from .collectives import all_reduce_
 from .decoder import ContractError, Decoder
 from .grid import ParallelGrid
-from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region,
-                     reduce_from_tp_region)
+from .tensor import ColumnParallelLinear, HiddenParallelEmbedding, RowParallelLinear, VocabParallelEmbedding
+from .tensor_styles import GRAD_SUMMED, STYLES, Site
 
-PACKED = {"packed_colwise": 2}  # style -> how many blocks lie side by side along the sharded dim
+TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, HiddenParallelEmbedding)
 
 
 def check_tp_divisibility(sizes: dict[str, int], tp: int) -> None:
@@ -34,17 +32,6 @@ def check_tp_divisibility(sizes: dict[str, int], tp: int) -> None:
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"parallel.tp={tp} does not divide {name}={size}; choose tp in {{{choices}}}")
-
-
-def local_block(dense: torch.Tensor, tp_rank: int, tp: int, dim: int, packed: int = 1) -> torch.Tensor:
-    """This TP rank's block of `dense` along `dim` (each of `packed` side-by-side halves sliced alike)."""
-    return torch.cat([half.chunk(tp, dim=dim)[tp_rank] for half in dense.chunk(packed, dim=dim)], dim=dim)
-
-
-def join_blocks(blocks: list[torch.Tensor], dim: int, packed: int = 1) -> torch.Tensor:
-    """The dense tensor from every TP rank's block, in rank order (the inverse of `local_block`)."""
-    halves = [block.chunk(packed, dim=dim) for block in blocks]
-    return torch.cat([torch.cat([h[i] for h in halves], dim=dim) for i in range(packed)], dim=dim)
 
 
 def apply_tensor_parallel(decoder: Decoder, grid: ParallelGrid) -> Decoder:
@@ -58,22 +45,32 @@ def shard_modules(decoder: Decoder, grid: ParallelGrid) -> Decoder:
     """Replace the plan's modules and parameters in place by this rank's shards (works on meta modules).
 
     Parameter names stay dense; pieces a pruned chunk lacks are skipped; a Parameter shared by two modules (a tied
-    embedding and head) stays one shared sharded Parameter."""
+    embedding and head) stays one shared sharded Parameter. Then the adapter makes each layer read this rank's
+    sizes where its forward reads global ones (`FamilyAdapter.tp_local`)."""
     check_tp_divisibility(decoder.adapter.tp_sizes(), grid.tp)
     if grid.tp == 1:
         return decoder
     model = decoder.module
-    shards: dict[int, nn.Parameter] = {}  # id(dense weight) -> its dim-0 shard, reused by a tie partner
+    ties: dict[int, tuple[int, nn.Parameter]] = {}  # id(dense weight) -> (shard dim, shard), reused by a tie partner
     # The list keeps every dense module (and weight) alive through the loop, so no id() is recycled.
     for name, target, style in _planned(model, decoder.plan.tp_plan):
+        if isinstance(target, TP_LAYERS):
+            raise ValueError(f"apply_tensor_parallel: model already has TP modules ({type(target).__name__})")
+        site = Site(name, target, style, grid, decoder.adapter, decoder.config, ties)
+        if style not in STYLES:
+            raise site.refuse("is not in Sluice's TP style table (parallel/tensor_styles.py)")
+        built = STYLES[style](site)
+        if built is None:
+            continue
+        if isinstance(target, nn.Module) and type(target) not in (nn.Linear, nn.Embedding):
+            built = _keeping_behaviour(name, target, built, decoder.adapter)  # a subclass: keep its own forward
+        if isinstance(target, nn.Module):  # a packed shard (dim -1 here) stands for no tie partner
+            dim = -1 if getattr(built.weight, "tp_packed", 1) != 1 else built.weight.partition_dim
+            ties.setdefault(id(target.weight), (dim, built.weight))
         parent, _, child = name.rpartition(".")
-        if isinstance(target, nn.Parameter):
-            setattr(model.get_submodule(parent), child, _sharded_parameter(target, style, grid))
-        elif style == "moe_tp_experts":
-            target.forward = _ExpertsInRegion(target.forward, grid.tp_group)
-        elif style != "replicated_with_grad_allreduce":
-            setattr(model.get_submodule(parent), child,
-                    _parallel_module(name, target, style, grid, shards, decoder.adapter))
+        setattr(model.get_submodule(parent), child, built)
+    for _, layer in decoder.blocks():
+        decoder.adapter.tp_local(layer, grid.tp)
     return decoder
 
 
@@ -84,9 +81,10 @@ def sync_replicated_grads(decoder: Decoder, grid: ParallelGrid) -> None:
     weights are materialised, since a meta tensor's hooks do not survive getting storage."""
     if grid.tp == 1:
         return
-    for _, module, style in _planned(decoder.module, decoder.plan.tp_plan):
-        if style == "replicated_with_grad_allreduce":
-            for param in module.parameters(recurse=False):
+    for _, target, style in _planned(decoder.module, decoder.plan.tp_plan):
+        if style in GRAD_SUMMED:
+            params = [target] if isinstance(target, nn.Parameter) else target.parameters(recurse=False)
+            for param in params:
                 if param.requires_grad:  # a frozen weight has no gradient to sum
                     param.register_hook(partial(_all_reduce_grad, group=grid.tp_group))
 
@@ -110,52 +108,6 @@ def _planned(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Modul
 
     found = [(n, m, s) for n, m in list(model.named_modules()) if (s := style_of(n)) is not None]
     return found + [(n, p, s) for n, p in list(model.named_parameters()) if (s := style_of(n)) is not None]
-
-
-def _sharded_parameter(param: nn.Parameter, style: str, grid: ParallelGrid) -> nn.Parameter:
-    """This rank's block of a planned parameter (its last dim is `in`, the one before it `out`)."""
-    if style not in ("colwise", "rowwise", *PACKED) or param.dim() < 2:
-        raise ValueError(f"apply_tensor_parallel: style {style!r} does not apply to a {param.dim()}-d parameter")
-    dim, packed = param.dim() - (1 if style == "rowwise" else 2), PACKED.get(style, 1)
-    local = nn.Parameter(local_block(param.detach(), grid.tp_rank, grid.tp, dim, packed).clone(), param.requires_grad)
-    local.tensor_parallel, local.partition_dim, local.tp_packed = True, dim, packed
-    return local
-
-
-class _ExpertsInRegion:
-    """A `moe_tp_experts` forward: every floating input enters the TP region, the partial output is summed.
-    (A class, not a closure, so that deepcopy rebinds it to the copy.)"""
-
-    def __init__(self, forward: Callable, group):
-        self.forward, self.group = forward, group
-
-    def __call__(self, *args, **kwargs):
-        def enter(x):
-            return copy_to_tp_region(x, self.group) if torch.is_tensor(x) and x.is_floating_point() else x
-
-        out = self.forward(*(enter(a) for a in args), **{k: enter(v) for k, v in kwargs.items()})
-        return reduce_from_tp_region(out, self.group)
-
-
-def _parallel_module(name: str, module: nn.Module, style: str, grid: ParallelGrid, shards: dict,
-                     adapter) -> nn.Module:
-    """The TP replacement of one dense module under style."""
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-        raise ValueError(f"apply_tensor_parallel: model already has TP modules ({type(module).__name__})")
-    tied = shards.get(id(module.weight))
-    if style in ("colwise", "colwise_gather_output") and isinstance(module, nn.Linear):
-        new = ColumnParallelLinear.from_dense(module, grid, style == "colwise_gather_output", weight=tied)
-    elif style == "rowwise" and isinstance(module, nn.Linear):
-        new = RowParallelLinear.from_dense(module, grid)
-    elif style == "embedding_rowwise" and isinstance(module, nn.Embedding):
-        new = VocabParallelEmbedding.from_dense(module, grid, weight=tied)
-    else:
-        raise ValueError(f"apply_tensor_parallel: style {style!r} does not apply to {type(module).__name__}")
-    if type(module) not in (nn.Linear, nn.Embedding):  # a subclass: its own forward would be dropped silently
-        new = _keeping_behaviour(name, module, new, adapter)
-    if style != "rowwise":  # only row-sliced (dim 0) shards can stand for a tied partner
-        shards[id(module.weight)] = new.weight
-    return new
 
 
 def _keeping_behaviour(name: str, module: nn.Module, parallel: nn.Module, adapter) -> nn.Module:

@@ -318,6 +318,37 @@ def test_registering_a_family_checks_its_adapter_and_presets():
     assert str(error.value).startswith("family 'phi3': object lacks the FamilyAdapter hooks embed, layer_inputs, ")
 
 
+def test_a_family_declaring_a_style_the_table_lacks_is_refused_when_it_registers(monkeypatch):
+    """What `models.registry` runs at import, on a fixture Llama whose declared plans (or adapter) name an unknown
+    TP style: one line naming family, module and style, before any model is built."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def refusal(adapter=TransformersDecoderAdapter) -> str:
+        with pytest.raises(RegistryError) as error:
+            registry(Family("llama", "Llama", adapter, ("llama-tiny",)))
+        return str(error.value)
+
+    tail = ", which Sluice's TP style table lacks; add its builder to parallel/tensor_styles.py STYLES or choose a " \
+           "known style in the adapter's tp_plan"
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaConfig, "base_model_tp_plan",
+                      {**LlamaConfig.base_model_tp_plan, "layers.*.mlp.gate_proj": "colwise_strided"})
+        assert refusal() == ("family 'llama': layers.*.mlp.gate_proj declares TP style 'colwise_strided' "
+                             f"(base_model_tp_plan){tail}")
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaForCausalLM, "_tp_plan", {"lm_head": "vocab_gather"})
+        assert refusal() == f"family 'llama': lm_head declares TP style 'vocab_gather' (_tp_plan){tail}"
+
+    class OddPlan(TransformersDecoderAdapter):
+        @classmethod
+        def tp_plan(cls, declared: dict[str, str]) -> dict[str, str]:
+            return {**declared, "layers.*.self_attn.o_proj": "rowwise_strided"}
+
+    assert refusal(OddPlan) == ("family 'llama': layers.*.self_attn.o_proj declares TP style 'rowwise_strided' "
+                                f"(OddPlan.tp_plan){tail}")
+    assert list(registry(Family("llama", "Llama", TransformersDecoderAdapter, ("llama-tiny",)))) == ["llama"]
+
+
 def test_the_docs_list_every_registered_family():
     root = Path(__file__).resolve().parent.parent
     for page in ("README.md", "docs/concepts.md"):

@@ -338,3 +338,24 @@ def test_engine_spec_recompute_reaches_every_stage(mode):
     assert engine.step(batches(4)).loss == plain.loss
     with pytest.raises(RuntimeError, match="already has a patched forward"):
         apply_recompute(engine.stages[0].chunk, mode)  # the engine applied it once
+
+
+def _family_decoder(preset: str) -> Decoder:
+    """The dense decoder of a registered transformers family's preset, on the meta device."""
+    from models.family import build_model as build_module, model_config
+
+    return decoder_of(build_module(model_config({"name": preset, "hf_config": f"models/configs/{preset}"})))
+
+
+def test_a_part_whose_role_the_adapter_cannot_name_is_one_line_at_start_and_tp_layers_keep_their_roles():
+    from parallel.recompute import GatedActivation, SdpaCore, unknown_roles
+
+    moe = _family_decoder("qwen3-moe-tiny")  # its stacked experts: no activation module to recompute
+    assert unknown_roles(moe) == [
+        "train.recompute=selective: qwen3_moe's Qwen3MoeSparseMoeBlock has no MLP activation its adapter names (in 4 "
+        "layers): it is kept saved, not recomputed; name its role in the family adapter's selective_recompute"]
+    llama = _family_decoder("llama-tiny")
+    assert unknown_roles(llama) == []
+    layer = llama.blocks()[0][1]
+    layer.mlp.gate_proj = nn.Identity()  # as the TP pass leaves it: a ColumnParallelLinear, not an nn.Linear
+    assert [type(t) for t in llama.adapter.selective_recompute(layer)] == [SdpaCore, GatedActivation]

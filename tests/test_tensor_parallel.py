@@ -13,6 +13,7 @@ from parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParal
                              vocab_parallel_cross_entropy)
 from parallel.tensor_pass import apply_tensor_parallel, check_tp_divisibility
 from spawn import run_workers
+from tests.tp_style_cases import style_errors
 
 TP = 2
 
@@ -77,6 +78,7 @@ def _tp_worker(rank: int, world_size: int, use_moe: bool) -> dict:
         "types": {n: type(m).__name__ for n, m in model.named_modules()},
         "logits": full_logits,
         **_pruned_last_stage(grid, use_moe),
+        "styles": style_errors(grid) if not use_moe else {},  # every style of the table, in this spawn
     }
 
 
@@ -124,6 +126,11 @@ def test_tp2_matches_single_process(use_moe: bool):
             for other in grads[1:]:
                 torch.testing.assert_close(other, grad, rtol=0, atol=0, msg=f"{name} differs across TP ranks")
         assert_close_scaled(grad, param.grad, 1e-5, f"grad of {name}")
+    from tests.tp_style_cases import STYLE_CASES
+
+    assert results[0]["styles"].keys() == (STYLE_CASES.keys() if not use_moe else set())
+    for style, error in results[0]["styles"].items():
+        assert error <= 1e-5, f"TP style {style}: relative error {error:.3g} against the whole module"
     expected_sharded = {n for n in types if n.endswith(("_proj", "embed_tokens"))}
     assert {n.rsplit(".", 1)[0] for n in dims} == expected_sharded - {"lm_head"}  # lm_head.weight is the tie
 
@@ -183,3 +190,18 @@ def test_tp1_is_identity():
     decoder = decoder_of(tiny_model(True))
     assert apply_tensor_parallel(decoder, ParallelGrid.single("cpu")) is decoder
     assert type(decoder.module.lm_head).__name__ == "Linear"
+
+
+def test_the_style_table_covers_every_style_the_installed_transformers_declares():
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    from parallel.tensor_styles import STYLES
+    from tests.tp_style_cases import STYLE_CASES
+
+    # The styles transformers' TP module registers (its expert-parallel module adds EP plans' styles to the same
+    # registry: `parallel.expert` handles those).
+    declared = {name for name in ALL_PARALLEL_STYLES.keys()
+                if type(ALL_PARALLEL_STYLES[name]).__module__ == "transformers.distributed.tensor_parallel"}
+    assert declared and declared <= set(STYLES), f"styles without a builder: {sorted(declared - set(STYLES))}"
+    tested = {style for styles in STYLE_CASES.values() for style in styles}
+    assert set(STYLES) <= tested, f"styles no tp2 case runs: {sorted(set(STYLES) - tested)}"

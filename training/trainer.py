@@ -24,6 +24,7 @@ from parallel.expert import expert_modules
 from parallel.expert_load import ExpertLoad
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
+from parallel.recompute import unknown_roles
 from training.config import model_config
 from training.console import resume_command
 from training.data import build_data, build_val_batches, run_data_spec
@@ -81,6 +82,8 @@ class Trainer:
         self.guard = guard if guard is not None else StepGuard(cfg, grid)  # faults, hang watch, non-finite policy
         seed_rng(cfg.train.seed, grid)
         decoder, weights = build_model(cfg)
+        for line in unknown_roles(decoder) if cfg.train.recompute == "selective" and grid.rank == 0 else ():
+            log.warning(line)  # a part selective recompute leaves saved: said at start, not a silent change
         config, moe = decoder.config, bool(expert_modules(decoder))  # the whole model's, before any pass prunes it
         self.engine = build_engine(with_teacher(engine_spec(cfg, grid.device), cfg, grid), decoder, grid, weights)
         self.compile_mode = compile_mode(cfg.train.compile, grid.device)
