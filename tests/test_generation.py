@@ -242,7 +242,9 @@ def _layouts_worker(rank: int, world_size: int) -> dict:
         engine = engine_of(model, grid, **changes)
         rows = slice(grid.dp_rank * 2, grid.dp_rank * 2 + 2) if dp > 1 else slice(None)
         for sampling in (Sampling(NEW, temperature=0, eos_token_id=eos), Sampling(NEW, eos_token_id=eos, **SAMPLED)):
-            ours = engine.generate(prompts[rows], mask[rows], sampling)
+            # Sampled: rounds of 3 ticks (the round-end broadcast carries each round's first tokens).
+            ours = (generate_in_layout(engine, prompts[rows], mask[rows], sampling, ticks_per_round=3)
+                    if sampling.temperature else engine.generate(prompts[rows], mask[rows], sampling))
             out[name, sampling.temperature] = (ours, one.generate(prompts, mask, sampling), rows)
     return out
 

@@ -78,8 +78,8 @@ class GenerationStage:
 
     def forward(self, unit: int, inputs: torch.Tensor, labels: torch.Tensor | None, loss_scale: float,
                 aux_scale: float, extra: dict | None = None) -> torch.Tensor | None:
-        """Tick `unit // M` of micro-batch `unit % M`: the stage's output (hidden states, or the sampled token
-        [b, 1] to send to the first stage), or None where nothing leaves the rank."""
+        """Tick `unit // M` of micro-batch `active[unit % M]` (M active micro-batches): the stage's output (hidden
+        states, or the sampled token [b, 1] to send to the first stage), or None where nothing leaves the rank."""
         m = len(self.round.active)
         tick, j = divmod(unit, m)
         seqs = self.sequences[self.round.active[j]]
