@@ -65,9 +65,9 @@ def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refus
     assert log_lines and all(s.startswith("[") for s in log_lines)  # each log line a line of its own
     text = [s.split(" - ", 1)[1] for s in log_lines]
     # One plain line per logged step, written by rank 0 alone.
-    assert [t.split()[1] for t in text if t.startswith("step ")] == ["1", "2", "3"], text
+    assert [t.split()[1] for t in text if t.startswith("step ")] == ["1/3", "2/3", "3/3"], text
     assert text[0] == f"run directory: {run_dir}"
-    assert text.index(f"run directory: {run_dir}") < text.index(next(t for t in text if t.startswith("step 1 ")))
+    assert text.index(f"run directory: {run_dir}") < text.index(next(t for t in text if t.startswith("step 1/3 ")))
     done = next(t for t in text if t.startswith("done: "))
     assert re.match(r"done: 3 steps in [\d.]+ s, final loss \d+\.\d{4}, mean \d+ tokens/s$", done)
     assert text.index(done) > max(i for i, t in enumerate(text) if t.startswith("step "))
@@ -78,3 +78,16 @@ def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refus
     lines = again.stderr.strip().splitlines()
     assert len(lines) == 1 and "already holds metrics.jsonl" in lines[0] and "hydra.run.dir" in lines[0]
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3  # nothing appended
+
+
+def test_a_step_line_says_where_the_run_is_in_plain_numbers_with_each_objectives_terms():
+    """What a Slurm log shows per logged step: `step N/total`, the objective's own terms (here distillation's CE and
+    KL), numbers without exponents where they are large, the time taken and the time left at this pace."""
+    from training.metrics import step_line
+
+    record = {"loss": 7.593151, "aux_loss": 0.0, "lr": 3e-05, "grad_norm": 1.25, "tokens": 4096,
+              "tokens_per_s": 12650.3, "step_time_s": 0.3, "ce_loss": 2.5, "distill_loss": 0.75,
+              "peak_mem_bytes": 10**9, "expert_imbalance_by_layer": {"0": 1.1}}
+    assert step_line(35, 200, record, 70.0, 35) == ("step 35/200 loss 7.593 lr 3e-05 grad_norm 1.25 tokens_per_s 12650 "
+                                                    "ce_loss 2.5 distill_loss 0.75 elapsed 1m10s eta 5m30s")
+    assert step_line(3, 3, {"loss": 1.0, "aux_loss": 0.01}, 7200.0, 1).endswith("aux_loss 0.01 elapsed 2h00m eta 0s")

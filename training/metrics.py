@@ -73,10 +73,8 @@ class MetricsLogger:
         self.records.append({"step": step, **record})
         for sink in self.sinks:
             sink.write(step, record)
-        log.info("step %d %s", step, " ".join(f"{k} {_short(v)}" for k, v in record.items()
-                                              if k in ("loss", "val_loss", "reward_margin", "reward_accuracy",
-                                                       "val_reward_accuracy", "lr", "grad_norm", "tokens_per_s",
-                                                       "tflops", "mfu")))
+        log.info(step_line(step, self.cfg.train.steps, record, time.perf_counter() - self.started,
+                           step - self.start_step))
 
     def advance(self, steps: int, postfix: dict[str, Any]) -> None:
         """Move the console progress bar."""
@@ -129,8 +127,34 @@ def drop_rows_after(path: Path, step: int) -> int:
     return dropped
 
 
+# What the console line leaves to metrics.jsonl: counters and bookkeeping, not a training signal.
+OFF_CONSOLE = ("tokens", "step_time_s", "padded_tokens_per_s", "peak_mem_bytes", "peak_mem_rank")
+
+
+def step_line(step: int, total: int, record: dict[str, Any], elapsed_s: float, done: int) -> str:
+    """One logged step as a plain line a Slurm log reads well: `step 35/200`, every scalar the objective and the
+    step logged (a distillation's CE and KL, DPO's rewards, GRPO's reward and KL: each objective's own terms), and the
+    time this run has taken and the time it will still take at its pace so far (`done` of its steps in `elapsed_s`)."""
+    terms = [f"{key} {_short(value)}" for key, value in record.items()
+             if key not in OFF_CONSOLE and isinstance(value, (int, float)) and not (key == "aux_loss" and not value)]
+    eta = elapsed_s / done * (total - step) if done > 0 else None
+    times = [f"elapsed {_duration(elapsed_s)}"] + ([f"eta {_duration(eta)}"] if eta is not None else [])
+    return " ".join([f"step {step}/{total}", *terms, *times])
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as `45s`, `12m05s` or `3h02m`."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _short(value: Any) -> str:
-    """A metric value as a short token for the log line."""
+    """A metric value as a short plain token for the log line: 4 significant digits, but no exponent on a large
+    number (12650 tokens/s, not 1.265e+04); a small one keeps its exponent (a learning rate of 3e-05)."""
     if isinstance(value, float) and math.isfinite(value):
-        return f"{value:.4g}"
+        return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
     return str(value)
