@@ -174,7 +174,8 @@ def test_group_advantages_of_equal_rewards_are_zero_not_nan():
 @pytest.mark.parametrize("text", [
     "short", "a reply of well over twenty characters.", "  padded  ", "x" * 801,
     "thinking about it carefully here </think> the answer is four.", "tiny</think>ok", "a</think>b</think>c d e f g h",
-    "the cat sat. the cat sat. the cat sat. the cat sat.", "<think>\nlet me think about the sum\n</think>\n\n3 plus 4 is 7.",
+    "the cat sat. the cat sat. the cat sat. the cat sat.",
+    "<think>\nlet me think about the sum\n</think>\n\n3 plus 4 is 7.",
 ])
 def test_rule_rewards_equal_minimind(text):
     assert rule_reward(text) == pytest.approx(plain_rule_reward(text), abs=1e-12)
@@ -233,7 +234,9 @@ def letters(prompts, completions, scale=1.0):
     return [scale * len({ch for ch in c if ch.isalpha()}) for c in completions]
 
 
-LAYOUT_RUN = ["train.task=grpo", "train.steps=2", "grpo.rewards=[minimind_rules,{_target_:tests.test_grpo.letters,scale:0.1}]", "train.seq_len=32", "grpo.max_new_tokens=8", "grpo.num_generations=2",
+LETTERS = "{_target_:tests.test_grpo.letters,scale:0.1}"
+LAYOUT_RUN = ["train.task=grpo", "train.steps=2", f"grpo.rewards=[minimind_rules,{LETTERS}]", "train.seq_len=32",
+              "grpo.max_new_tokens=8", "grpo.num_generations=2",
               "train.micro_batch_size=4", "schedule.n_microbatches=2", "grpo.sample_every=1",
               "grpo.beta=0.5", "data.num_docs=300", "optim.lr=3e-3"]
 DENSE, MOE = ["model=tiny"], ["model=tiny-moe", "model.num_experts_per_tok=2"]

@@ -39,9 +39,11 @@ class Scorer:
         self.texts: tuple[list[str], list[str]] = ([], [])  # the last step's (prompts, completions), on the lead
         if grid.rank == self.lead:
             self.functions = {reward_name(e): reward_function(e) for e in entries}
-            if reward_model is not None:
-                from training.grpo.reward_model import RewardModel
+            if reward_model is not None:  # checked again here: before launch the embedded tokenizer may not exist
+                from training.grpo.reward_model import RewardModel, reward_model_problem
 
+                if problem := reward_model_problem(reward_model, tokenizer):
+                    raise RewardError(problem)
                 self.functions["grpo.reward_model"] = RewardModel(reward_model, tokenizer, grid.device)
 
     def decode(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, completions: torch.Tensor,

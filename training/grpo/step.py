@@ -61,7 +61,8 @@ class GrpoStep:
 
     def __init__(self, cfg: DictConfig, engine: Engine, grid: ParallelGrid, tokenizer: PreTrainedTokenizerBase,
                  run_dir: Path):
-        self.spec, self.engine, self.grid, self.tokenizer, self.run_dir = GrpoSpec.of(cfg), engine, grid, tokenizer, run_dir
+        self.spec, self.engine, self.grid = GrpoSpec.of(cfg), engine, grid
+        self.tokenizer, self.run_dir = tokenizer, run_dir
         self.reference = StartingWeights(engine)  # before any step or resume moves the weights
         self.scorer = Scorer(list(cfg.grpo.rewards), cfg.grpo.reward_model, tokenizer, grid)
         self.rollout_s = self.reference_s = 0.0
