@@ -347,3 +347,21 @@ if __name__ == "__main__":  # python -m tests.test_lora [model preset]
     import sys
 
     report(*sys.argv[1:])
+
+
+def test_lora_b_of_a_packed_shard_takes_each_parts_block_as_its_base_does():
+    """Phi-3's qkv_proj at tp2 holds [q_r | k_r | v_r] (parts of 64, 32, 32 rows): lora_B's rows are this rank's of
+    each part too, marked so that checkpoints join them by part."""
+    from types import SimpleNamespace
+
+    from parallel.blocks import local_block
+    from training.lora import _adapter_weight
+
+    base = torch.nn.Parameter(torch.empty(64, 64))
+    base.tensor_parallel, base.partition_dim, base.tp_packed = True, 0, (64, 32, 32)
+    dense = torch.arange(128 * 4, dtype=torch.float32).view(128, 4)
+    grid = SimpleNamespace(tp_rank=1, tp=2, device=torch.device("cpu"))
+    weight = _adapter_weight(dense, 0, base, grid)
+    assert torch.equal(weight, torch.cat([dense[32:64], dense[80:96], dense[112:128]]))
+    assert torch.equal(weight, local_block(dense, 1, 2, 0, (64, 32, 32))) and weight.tp_packed == (64, 32, 32)
+    assert not hasattr(_adapter_weight(dense.T.contiguous(), 1, base, grid), "tp_packed")  # lora_A: its input dim

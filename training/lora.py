@@ -196,12 +196,16 @@ def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid,
 
 def _adapter_weight(dense: torch.Tensor, dim: int | None, base: nn.Parameter, grid: ParallelGrid) -> nn.Parameter:
     """This rank's block of one adapter weight, from its dense initial value (on the compute device beside a meta base:
-    no weight source holds it); TP-marked when sliced, EP-marked beside an EP-split expert."""
-    tensor = local_block(dense, grid.tp_rank, grid.tp, dim) if dim is not None else dense
+    no weight source holds it); TP-marked when sliced (lora_B by its base's packed parts: Phi-3's [q | k | v] rows),
+    EP-marked beside an EP-split expert."""
+    packed = getattr(base, "tp_packed", 1) if dim == 0 else 1
+    tensor = local_block(dense, grid.tp_rank, grid.tp, dim, packed) if dim is not None else dense
     device = grid.device if base.is_meta else base.device
     weight = nn.Parameter(tensor.to(device=device, dtype=base.dtype, copy=tensor is not dense).contiguous())
     if dim is not None:
         weight.tensor_parallel, weight.partition_dim = True, dim
+        if packed != 1:
+            weight.tp_packed = packed
     if is_expert(base):
         weight.expert_parallel = True
     return weight
