@@ -305,6 +305,8 @@ def test_generate_script_takes_a_checkpoint_and_a_layout(trained, capsys):
     assert capsys.readouterr().out == one and one.strip()
     assert generate.main([*argv, "--layout", "parallel.pp=two"]) == 2
     assert "--layout parallel.pp=two: parallel.pp is a positive whole number" in capsys.readouterr().err
+    assert generate.main([*argv, "--layout", "parallel.tp=3"]) == 2  # refused before any worker starts
+    assert "--layout parallel.tp=3 does not divide the model's num_attention_heads=4" in capsys.readouterr().err
 
 
 def test_a_checkpoints_greedy_completion_equals_transformers_on_its_weights(trained):

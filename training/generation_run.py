@@ -14,8 +14,10 @@ from checkpoint.export import build_model as dense_model, read_training_weights
 from checkpoint.lora_merge import merge_adapters
 from models import build_model, config_from_record, decoder_of
 from parallel.engine import build_engine
+from parallel.expert import check_expert_parallel
 from parallel.generation import Rollout, Sampling
 from parallel.grid import ParallelGrid
+from parallel.pipeline.lowered import lower_pipeline
 from parallel.spec import PipelineSpec
 from training.specs import default_engine_spec
 
@@ -63,6 +65,18 @@ def parse_layout(items: list[str]) -> Layout:
     if layout.dp % layout.ep:
         raise ValueError(f"--layout: parallel.ep={layout.ep} does not divide parallel.dp={layout.dp}")
     return layout
+
+
+def check_layout(meta: dict, layout: Layout) -> None:
+    """ValueError in one line, before any worker starts, where the layout cannot split the checkpoint's model: its
+    pipeline (partition, schedule), a size TP does not divide, experts EP cannot split."""
+    decoder = decoder_of(build_model(config_from_record(meta["model"])))  # the meta device: shapes only
+    spec = PipelineSpec(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, n_microbatches=layout.pp * layout.vpp)
+    lower_pipeline(spec, decoder.config.num_hidden_layers)
+    for key, size in decoder.adapter.tp_sizes().items():
+        if size % layout.tp:
+            raise ValueError(f"--layout parallel.tp={layout.tp} does not divide the model's {key}={size}")
+    check_expert_parallel(decoder, layout.dp, layout.ep)
 
 
 def checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
