@@ -35,7 +35,7 @@ class Sampling:
 
 @dataclass
 class Rollout:
-    """Prompts and their completions, with what a policy-gradient step needs of them."""
+    """Prompts and their completions, with what a policy-gradient step needs of them (CPU tensors)."""
 
     tokens: torch.Tensor  # [B, P + N] long: the left-padded prompts then the completions; after EOS: pad
     prompt_mask: torch.Tensor  # [B, P] bool: real prompt tokens (False on left padding)
@@ -158,7 +158,9 @@ def check_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sa
     if prompts.shape != prompt_mask.shape or prompts.dim() != 2:
         raise ValueError(f"prompts {tuple(prompts.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be the "
                          "same [B, P]")
-    if prompts.shape[1] and not bool(prompt_mask[:, -1].all()):
+    if prompts.shape[1] == 0 or len(prompts) == 0:
+        raise ValueError(f"prompts {tuple(prompts.shape)}: give at least one row of at least one token")
+    if not bool(prompt_mask[:, -1].all()):
         raise ValueError("prompts must be left-padded: every row's last prompt position is a real token")
     if sampling.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens}: generate at least one token")

@@ -125,6 +125,17 @@ def test_sampling_is_per_row_and_step():
     assert torch.equal(greedy, logits.argmax(-1))
 
 
+def test_bad_prompts_are_refused_in_one_line():
+    engine = engine_of(family_model("tiny"))
+    ids, mask = torch.ones(2, 3, dtype=torch.long), torch.tensor([[True, True, True], [True, True, False]])
+    with pytest.raises(ValueError, match="must be left-padded"):
+        engine.generate(ids, mask, Sampling(2))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate(ids[:, :0], mask[:, :0], Sampling(2))
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        engine.generate(ids, mask | True, Sampling(0))
+
+
 def test_positions_and_mask_follow_generate():
     mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
     assert prompt_positions(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
