@@ -165,6 +165,14 @@ BAD = [
     (["checkpoint.dir={tmp}/file/ckpt"], "checkpoint.dir={tmp}/file/ckpt cannot be created: {tmp}/file is a file"),
     (["data.cache_dir={tmp}/file/cache"], "data.cache_dir={tmp}/file/cache cannot be created: {tmp}/file is a file"),
     (["-m", "train.steps=1,0"], "train.steps=0 must be positive"),
+    # MiniMind's `--flag value` arguments: the override that means the same (docs/configuration.md#from-minimind)
+    (["--epochs", "2"], "--epochs 2 is MiniMind's argument; train.py takes key=value overrides: train.steps=<epochs x"),
+    (["model=tiny", "--batch_size", "32"], "--batch_size 32 is MiniMind's argument; train.py takes key=value "
+                                           "overrides: train.micro_batch_size=32"),
+    (["--learning_rate=5e-4"], "--learning_rate=5e-4 is MiniMind's argument; train.py takes key=value overrides: "
+                               "optim.lr=5e-4"),
+    (["--from_weight", "pretrain"], "checkpoint.load_dense=<the weights file or folder, e.g. pretrain_768.pth>"),
+    (["--steps", "5"], "--steps 5: train.py has no option --steps; it takes key=value overrides"),
 ]
 
 

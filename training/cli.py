@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config import CONF_DIR, ConfigError, register_schema, validate
 from training.config.presets import group_presets
 from training.config.schema import compose_config
+from training.config.minimind_args import minimind_flag_problem
 from training.config.unknown_keys import check_override_keys
 from training.output_paths import output_dir_problem
 
@@ -23,6 +24,7 @@ VALUE_FLAGS = {"-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-
 # Informational flags: Hydra answers them itself, nothing to validate.
 INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc"}
 MULTIRUN_FLAGS = {"-m", "--multirun"}
+HYDRA_FLAGS = VALUE_FLAGS | INFO_FLAGS | MULTIRUN_FLAGS | {"--run", "-r", "--resolve", "--version"}
 
 __all__ = ["CONF_DIR", "explain_compose_error", "fail", "main", "preflight"]
 
@@ -141,6 +143,8 @@ def preflight(argv: list[str]) -> None:
     """Compose and validate every job of this command line; exit 2 with one line on the first problem.
 
     Every job of a sweep is checked before Hydra starts the first one, so a bad value never runs half a sweep."""
+    if problem := minimind_flag_problem(argv, HYDRA_FLAGS):  # `--epochs 2`: MiniMind's habit, not Hydra's grammar
+        fail(problem)
     flags, overrides = split_argv(argv)
     if INFO_FLAGS & set(flags):
         return

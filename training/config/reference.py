@@ -5,12 +5,15 @@ import re
 import textwrap
 from typing import Any
 
+from training.config.minimind_args import minimind_table
 from training.config.presets import group_presets
 from training.config.schema import CONF_DIR, SchemaKey, compose_config, schema_keys, schema_sections
 
 BEGIN = "<!-- keys: {section} (written by scripts/config_docs.py from the schema; do not edit) -->"
 END = "<!-- end of keys -->"
 BLOCK = re.compile(r"<!-- keys: (\w+) .*?-->\n.*?<!-- end of keys -->", re.DOTALL)
+MINIMIND_BEGIN = "<!-- keys of MiniMind's arguments (written by scripts/config_docs.py; do not edit) -->"
+MINIMIND_BLOCK = re.compile(re.escape(MINIMIND_BEGIN) + r"\n.*?<!-- end of keys -->", re.DOTALL)
 
 HEADER = """\
 Sluice trains MiniMind language models on one process or many, with data (DP), tensor (TP) and
@@ -72,11 +75,13 @@ def key_table(section: str, defaults: dict[str, Any]) -> str:
 
 
 def write_tables(markdown: str, defaults: dict[str, Any]) -> str:
-    """`markdown` with every generated key block replaced by the schema's current table."""
+    """`markdown` with every generated key block replaced by the schema's current table, and the MiniMind
+    arguments' block by their table."""
     def table(match: re.Match) -> str:
         section = match.group(1)
         return f"{BEGIN.format(section=section)}\n{key_table(section, defaults)}\n{END}"
-    return BLOCK.sub(table, markdown)
+    minimind = f"{MINIMIND_BEGIN}\n{minimind_table()}\n{END}"
+    return MINIMIND_BLOCK.sub(lambda _: minimind, BLOCK.sub(table, markdown))
 
 
 def plain(meaning: str) -> str:
