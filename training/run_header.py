@@ -190,12 +190,18 @@ def run_header(cfg: DictConfig, data: StepBatches, dp: int, processes: int, firs
     """The header's lines: model, data, steps and epochs, layout, partition, tokens per step, and where a resumed run
     resumed from. `data` is the training stream (at its resume position), `first_step` the step it resumed at."""
     spec, steps = run_data_spec(cfg), cfg.train.steps
-    unit = "pairs" if spec.preference else "samples"
+    grpo = spec.train_task == "grpo"
+    unit = "pairs" if spec.preference else "prompts" if grpo else "samples"
     size = model_size(cfg)
     lines = [("model", model_line(size)), ("data", data_line(data, spec.format, spec.preference)),
              ("steps", steps_line(data, steps, unit)), ("layout", layout_line(cfg, dp, processes, size.moe)),
              ("partition", partition_line(cfg, size.num_layers))]
-    if steps > first_step:
+    if grpo:  # the label tokens are generated each step: say what a step generates instead
+        g = cfg.grpo
+        lines.append(("grpo", f"{data.global_batch_size} prompts x {g.num_generations} completions per step, up to "
+                              f"{g.max_new_tokens} new tokens each after a prompt of up to {data.seq_len}; "
+                              f"{g.loss_type} loss, beta {g.beta}"))
+    elif steps > first_step:
         lines.append(("tokens", tokens_line(data, steps - first_step)))
     if first_step:
         lines.append(("resumed", resumed_line(first_step, steps, resumed_from, data.position, unit)))
