@@ -153,8 +153,10 @@ def rollout(prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tens
                    log_probs.masked_fill(~completion, 0.0))
 
 
-def check_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> None:
-    """Refuse what would generate garbage silently: shapes that differ, right padding, nothing to generate."""
+def check_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+                  context: int | None = None) -> None:
+    """Refuse what would generate garbage silently: shapes that differ, right padding, nothing to generate, more
+    positions than the model's `context` (its rotary tables end there)."""
     if prompts.shape != prompt_mask.shape or prompts.dim() != 2:
         raise ValueError(f"prompts {tuple(prompts.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be the "
                          "same [B, P]")
@@ -164,6 +166,9 @@ def check_prompts(prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sa
         raise ValueError("prompts must be left-padded: every row's last prompt position is a real token")
     if sampling.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens}: generate at least one token")
+    if context is not None and prompts.shape[1] + sampling.max_new_tokens > context:
+        raise ValueError(f"prompts of {prompts.shape[1]} tokens and max_new_tokens={sampling.max_new_tokens} are over "
+                         f"the model's {context} positions (max_position_embeddings)")
 
 
 @contextmanager

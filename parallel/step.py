@@ -163,7 +163,7 @@ class LocalEngine:
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
                  first_row: int | None = None) -> Rollout:
         """Prefill, then one token per step over the family's key/value cache, every row in one batch."""
-        check_prompts(prompts, prompt_mask, sampling)
+        check_prompts(prompts, prompt_mask, sampling, getattr(self.decoder.config, "max_position_embeddings", None))
         ids, first = prompts.to(self.device), first_row or 0
         seqs = Sequences(prompt_mask.to(self.device).bool(), list(range(first, first + len(prompts))),
                          self.decoder.adapter.new_cache())

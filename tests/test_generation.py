@@ -134,6 +134,9 @@ def test_bad_prompts_are_refused_in_one_line():
         engine.generate(ids[:, :0], mask[:, :0], Sampling(2))
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         engine.generate(ids, mask | True, Sampling(0))
+    context = engine.chunks()[0].config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"over the model's {context} positions"):
+        engine.generate(ids, mask | True, Sampling(context))
 
 
 def test_positions_and_mask_follow_generate():

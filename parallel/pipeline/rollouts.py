@@ -52,7 +52,8 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
                        first_row: int | None = None, ticks_per_round: int = TICKS_PER_ROUND) -> Rollout:
     """This replica's completions; rows are numbered (for sampling) from `first_row`, by default as if the replicas'
     prompts were stacked in DP-rank order."""
-    check_prompts(prompts, prompt_mask, sampling)
+    config = next(iter(engine.stages.values())).chunk.config
+    check_prompts(prompts, prompt_mask, sampling, getattr(config, "max_position_embeddings", None))
     grid, pipeline, spec = engine.grid, engine.pipeline, engine.spec
     n_stages, device = pipeline.n_stages, grid.device
     batch = len(prompts)
@@ -95,7 +96,7 @@ def _run_round(engine: LayoutEngine, stages: dict[int, dict[int, GenerationStage
     pp, n_stages, placement = pipeline.spec.pp, pipeline.n_stages, pipeline.placement
     lists = generation_lists(pp, n_stages, placement, m, ticks)
     rows = [len(x) for x in inputs]
-    hidden = next(iter(engine.stages.values())).chunk.config.hidden_size
+    hidden = next(iter(engine.stages.values())).chunk.config.hidden_size  # the boundary's last dim
     boundary = GenerationBoundary(rows, inputs[0].shape[1], hidden)
     peer = functools.partial(generation_peer, n_microbatches=m, n_stages=n_stages, placement=placement, pp=pp)
     if engine.emulated:
