@@ -22,7 +22,6 @@ from .simulate import SimResult
 from .static_rules import ScheduleError
 
 F = Kind.F
-GENERATION = "generate"  # the name `scripts/plan.py` draws it under; no training run can pick it (not in SCHEDULES)
 
 
 def generation_compute(pp: int, n_stages: int, placement: str, n_microbatches: int, ticks: int) -> Schedule:
