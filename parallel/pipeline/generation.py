@@ -5,8 +5,8 @@ A unit u = tick * M + m is micro-batch m's forward at that tick (the prompt at a
 round, prefill; one token otherwise), so a unit is what a micro-batch is to a training schedule and F(u, s) is
 stage s's forward of it (no backward). Every rank runs its stages' forwards tick by tick, micro-batch by micro-batch:
 with M >= pp micro-batches, micro-batch m's token is back at the first stage by the time the first stage has run the
-other M - 1 micro-batches of the tick, so no stage waits after the first pp - 1 ticks (the fill) until the last
-pp - 1 (the drain). The token's hop (SEND_T on the last stage, RECV_T on the first) is in the lists like every
+other M - 1 micro-batches of the tick, so a stage waits only while the pipeline fills (pp - 1 forwards at the start)
+and drains (pp - 1 at the end). The token's hop (SEND_T on the last stage, RECV_T on the first) is in the lists like every
 other message, so the verifier sees the cycle tick -> token -> next tick and refuses an ordering that deadlocks.
 """
 
