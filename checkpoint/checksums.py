@@ -70,10 +70,7 @@ def mismatch(folder: Path, sums: dict[str, str], names: Iterable[str]) -> str | 
 def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """This rank's share (rank, world) of `folder`'s recorded files checked against SHA256SUMS: one line, or None
     (also for a checkpoint saved without checksums)."""
-    try:
-        sums = read_sums(folder)
-    except CheckpointError as error:  # a line that is no checksum: said, as every other problem here is
-        return str(error)
+    sums = read_sums(folder)  # raises, in one line, for a SUMS that is not a regular file or not checksums
     if sums is None:
         return None
     missing = [name for name in dcp_files(folder) if name not in sums]

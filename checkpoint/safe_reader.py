@@ -71,8 +71,8 @@ def load_metadata(path: Path) -> Metadata:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError,
             OverflowError, MemoryError, RecursionError) as error:  # a cut or flipped file: what the pickle VM says
-        raise CheckpointError(f"checkpoint {path} is not readable DCP metadata ({type(error).__name__}); the "
-                              "checkpoint is corrupt or truncated: resume from another one") from None
+        raise CheckpointError(f"checkpoint {path}: unreadable metadata ({type(error).__name__}); the checkpoint is "
+                              "corrupt or truncated: resume from another one") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {path} holds a {type(metadata).__name__}, not DCP metadata; the "
                               "checkpoint is corrupt or not a Sluice checkpoint")

@@ -48,7 +48,9 @@ def at_least(low: int) -> Rule:
 
 def seed_value(key: str, value: Any) -> str | None:
     """A seed: 0 to 2**32 - 1 (what every generator takes; seed * 1_000_003 + a name's crc32 stays in 64 bits)."""
-    return None if 0 <= value < 2**32 else f"{key}={value} must be between 0 and {2**32 - 1} (a 32-bit seed)"
+    if value < 0:
+        return f"{key}={value} must be >= 0"
+    return None if value < 2**32 else f"{key}={value} must be between 0 and {2**32 - 1} (a 32-bit seed)"
 
 
 def fraction(closed_top: bool = False) -> Rule:
