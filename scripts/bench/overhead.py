@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LoopStep, bench_parser, init_gloo, run_workers, take_turns, update_results  # noqa: E402
+from common import LoopStep, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
+from turns import take_turns  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402

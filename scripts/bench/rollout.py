@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (Times, bench_parser, init_gloo, ratio_and_spread, run_workers, take_turns, timed,  # noqa: E402
-                    update_results)
+from common import Times, bench_parser, init_gloo, ratio_and_spread, run_workers, timed, update_results  # noqa: E402
+from turns import take_turns  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
