@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from checkpoint.errors import CheckpointError
 
-# Steps and sample positions become int64 tensor indices (`torch.arange(position, position + batch)`): room is left
-# above the largest so that the next batch cannot overflow.
-MAX_COUNT = 2**62
+# Steps and sample positions become int64 tensor indices (`torch.arange(position, position + batch)`) and token
+# counts (samples x seq_len): 2**48 samples (3e14, far past any run) of up to 2**15 tokens stay inside int64.
+MAX_COUNT = 2**48
 FORMAT = 1  # meta.json's layout version (the manager writes it)
 
 
