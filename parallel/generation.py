@@ -40,7 +40,7 @@ class Rollout:
     tokens: torch.Tensor  # [B, P + N] long: the left-padded prompts then the completions; after EOS: pad
     prompt_mask: torch.Tensor  # [B, P] bool: real prompt tokens (False on left padding)
     completion_mask: torch.Tensor  # [B, N] bool: generated tokens up to and including EOS
-    logps: torch.Tensor  # [B, N] float32: log-softmax of the raw logits at each generated token, 0 where masked
+    log_probs: torch.Tensor  # [B, N] float32: log-softmax of the raw logits at each generated token, 0 where masked
 
 
 def _row_seed(seed: int, row: int, step: int) -> int:

@@ -165,9 +165,7 @@ def flagged_lines(tmp_path: Path, lines: list[str], words: re.Pattern) -> list[i
 def test_parallel_names_no_objective():
     """The LM loss, DPO and the reference pass live in training/objectives/ and reach the last stage as an Objective
     with the micro-batch's payload; no module of parallel/ names one of them."""
-    # The one exception: a Rollout's `logps` field, the sampled tokens' log-probabilities a generation returns.
-    offenders = [hit for hit in parallel_namings(OBJECTIVE_WORDS)
-                 if not hit.startswith("parallel/generation.py:") or not hit.split(": ", 1)[1].startswith("logps: ")]
+    offenders = parallel_namings(OBJECTIVE_WORDS)
     assert not offenders, offenders
 
 

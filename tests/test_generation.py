@@ -64,7 +64,7 @@ def assert_same(a: Rollout, b: Rollout) -> None:
     """Token for token, the same masks; log-probs within float32 reordering."""
     assert torch.equal(a.tokens, b.tokens), (a.tokens, b.tokens)
     assert torch.equal(a.completion_mask, b.completion_mask) and torch.equal(a.prompt_mask, b.prompt_mask)
-    torch.testing.assert_close(a.logps, b.logps, rtol=0, atol=1e-4)
+    torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=1e-4)
 
 
 # --- one process against transformers ---------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def test_greedy_equals_transformers_generate(preset):
                                 pad_token_id=0, eos_token_id=eos_id, **moe)
         assert torch.equal(ours.tokens, theirs), (preset, eos_id, ours.tokens, theirs)
     assert not ours.completion_mask.all()  # EOS stopped a row early (pad after it, as generate pads)
-    assert (ours.logps[~ours.completion_mask] == 0).all() and (ours.logps[ours.completion_mask] < 0).all()
+    assert (ours.log_probs[~ours.completion_mask] == 0).all() and (ours.log_probs[ours.completion_mask] < 0).all()
     assert model.training is False and all(not m.training for m in model.modules())
 
 
@@ -269,10 +269,10 @@ def test_world2_layouts_equal_one_process():
     results = run_workers(_layouts_worker, 2, timeout=300)
     for rank, result in enumerate(results):
         for (name, temperature), (ours, one, rows) in result.items():
-            expected = Rollout(one.tokens[rows], one.prompt_mask[rows], one.completion_mask[rows], one.logps[rows])
+            expected = Rollout(one.tokens[rows], one.prompt_mask[rows], one.completion_mask[rows], one.log_probs[rows])
             n = int(expected.completion_mask.sum(1).max())  # a replica stops when its own rows did
             expected = Rollout(expected.tokens[:, :PROMPT + n], expected.prompt_mask, expected.completion_mask[:, :n],
-                               expected.logps[:, :n])
+                               expected.log_probs[:, :n])
             try:
                 assert_same(ours, expected)
             except AssertionError as error:

@@ -95,7 +95,7 @@ class GrpoStep:
         start = time.perf_counter()
         reference = self.reference.token_logps(micro_batches, width)
         self.reference_s = time.perf_counter() - start
-        old = padded(rollout.logps.float(), width)
+        old = padded(rollout.log_probs.float(), width)
         for i, mb in zip(range(0, len(ids), rows), micro_batches):
             part = slice(i, i + rows)
             mb.extra.update({ADVANTAGES: advantages[part], OLD_LOGPS: old[part], REF_LOGPS: reference[part],
