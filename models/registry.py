@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from models.gemma3 import Gemma3Adapter
 from models.minimind import MiniMindAdapter
+from models.phi3 import Phi3Adapter
 from models.transformers_decoder import TransformersDecoderAdapter
 from parallel.decoder import FamilyAdapter
 from parallel.tensor_styles import unknown_styles
@@ -104,5 +105,7 @@ FAMILIES = registry(
     Family("qwen3_moe", "Qwen3-MoE", TransformersDecoderAdapter, ("qwen3-moe-tiny",)),
     Family("mistral", "Mistral", TransformersDecoderAdapter, ("mistral-tiny",)),
     Family("gemma3_text", "Gemma3 (text)", Gemma3Adapter, ("gemma3-tiny",)),
+    Family("phi3", "Phi-3", Phi3Adapter, ("phi3-tiny",)),
+    Family("olmo2", "OLMo2", TransformersDecoderAdapter, ("olmo2-tiny",)),
 )
 ADAPTERS = MappingProxyType({model_type: family.adapter for model_type, family in FAMILIES.items()})

@@ -14,6 +14,7 @@ The three silent Gemma3 mistakes of issue 36 are kept as mutants (each reverts o
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from models import build_model, decoder_of
 from models.gemma3 import Gemma3Adapter
+from models.phi3 import Phi3Adapter
 from models.registry import FAMILIES, Family, RegistryError, registry
 from models.transformers_decoder import TransformersDecoderAdapter
 from parallel import materialize, tensor_pass
@@ -104,12 +106,13 @@ def sluice_run(preset: str, grid: ParallelGrid) -> dict:
     pipeline, decoder = lower_pipeline(spec.pipeline, config.num_hidden_layers), decoder_of(build_model(config))
     passes = chunk_passes(spec, lambda name, shape: weights[name].clone())
     first, last = (rank_chunks(pipeline, decoder, grid, rank, passes)[rank] for rank in (0, 1))
-    hidden, _ = first(input_ids=ids)
-    logits, _ = last(hidden=hidden)
-    width = logits.shape[-1]
-    losses = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], grid.tp_group, grid.tp_rank * width)
-    loss = losses.mean()
-    loss.backward()
+    with counted_gathers() as gathers:
+        hidden, _ = first(input_ids=ids)
+        logits, _ = last(hidden=hidden)
+        width = logits.shape[-1]
+        losses = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], grid.tp_group, grid.tp_rank * width)
+        loss = losses.mean()
+        loss.backward()
     grads: dict[str, torch.Tensor] = {}
     for chunk in (first, last):
         for name, param in chunk.module.named_parameters():
@@ -118,7 +121,20 @@ def sluice_run(preset: str, grid: ParallelGrid) -> dict:
             grads[name] = grads[name] + grad if name in grads else grad
     full = all_gather_cat(logits.detach(), grid.tp_group, dim=-1)
     buffers = {n: b.clone() for chunk in (first, last) for n, b in chunk.module.named_buffers()}
-    return {"logits": full.detach(), "loss": loss.detach(), "grads": grads, "buffers": buffers}
+    return {"logits": full.detach(), "loss": loss.detach(), "grads": grads, "buffers": buffers,
+            "gathers": sum(gathers)}
+
+
+@contextmanager
+def counted_gathers():
+    """Count the all-gathers torch.distributed runs inside the block (forward and backward): yields a list that
+    gets a 1 per call."""
+    calls: list[int] = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("all_gather", "all_gather_into_tensor"):
+            real = getattr(dist, name)
+            mp.setattr(dist, name, lambda *args, _real=real, **kwargs: calls.append(1) or _real(*args, **kwargs))
+        yield calls
 
 
 def _scaled_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-12) -> float:
@@ -212,6 +228,9 @@ def conformance_worker(rank: int, world_size: int, presets: list[str], mutated: 
     with pytest.MonkeyPatch.context() as mp:
         tp_plain_embedding(mp)
         runs.update({f"mutant-{preset}": sluice_run(preset, grid) for preset in mutated})
+    with pytest.MonkeyPatch.context() as mp:  # Phi-3 under the plan transformers declares (gathered fused outputs)
+        mp.setattr(Phi3Adapter, "tp_plan", classmethod(lambda cls, declared: declared))
+        runs["declared-phi3-tiny"] = sluice_run("phi3-tiny", grid)
     return runs
 
 
@@ -252,6 +271,15 @@ def test_initial_values_follow_the_family_init_weights(preset):
 def test_tp_that_drops_the_embedding_scale_fails_the_conformance(references, tp2):
     found = problems(tp2["mutant-gemma3-tiny"], _reference(references, "gemma3-tiny"), tp=2)
     assert any(p.startswith("logits: ") for p in found) and any(p.startswith("loss: ") for p in found), found
+
+
+def test_phi3_at_tp2_gathers_no_fused_projections_output(references, tp2):
+    """Split by heads, Phi-3's step (forward and backward, both pipeline chunks) runs no all-gather at all; under the
+    plan transformers declares the same step gathers qkv_proj and gate_up_proj's outputs in each of its 4 layers (and
+    the split inputs' gradients of o_proj and down_proj), and equals transformers too."""
+    assert tp2["phi3-tiny"]["gathers"] == 0
+    assert tp2["declared-phi3-tiny"]["gathers"] == 4 * 2 * 2
+    assert problems(tp2["declared-phi3-tiny"], _reference(references, "phi3-tiny"), tp=2) == []
 
 
 def test_unset_buffers_fail_the_conformance(references, monkeypatch):

@@ -1,6 +1,7 @@
 """transformers' own families (every registered one: Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on,
-Mistral, Gemma3), unmodified, trained by the plans their classes declare: every layout equals one process in loss,
-aux loss, grad norm, gradients and parameters.
+Mistral, Gemma3, Phi-3, OLMo2), unmodified, trained by the plans their classes declare (Phi-3's fused projections
+split by heads, as its adapter plans them): every layout equals one process in loss, aux loss, grad norm, gradients
+and parameters.
 
 Every registered family runs the acceptance layouts (tp2 x pp2 with selective recompute, dp2 x pp2 ZB-V); the first
 three also every layout of the original list. The world-2 layouts of all families share one spawn; the world-1 ones
@@ -159,7 +160,8 @@ def test_a_verdict_does_not_depend_on_the_adamw_kernel_or_the_threads(workspace,
 
 
 def test_the_presets_are_the_families_the_acceptance_names():
-    """Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on, Mistral, Gemma3 text: transformers' own classes."""
+    """Llama untied, Qwen3 tied, Qwen3-MoE with its aux loss on, Mistral, Gemma3 text, Phi-3 (fused projections),
+    OLMo2 (norms over the whole q and k): transformers' own classes."""
     classes = {}
     for family in FAMILIES:
         config = model_config({"hf_config": f"models/configs/{family}"})
@@ -169,7 +171,9 @@ def test_the_presets_are_the_families_the_acceptance_names():
                        "qwen3-tiny": (["transformers", "models"], "Qwen3ForCausalLM", True),
                        "qwen3-moe-tiny": (["transformers", "models"], "Qwen3MoeForCausalLM", False),
                        "mistral-tiny": (["transformers", "models"], "MistralForCausalLM", False),
-                       "gemma3-tiny": (["transformers", "models"], "Gemma3ForCausalLM", True)}
+                       "gemma3-tiny": (["transformers", "models"], "Gemma3ForCausalLM", True),
+                       "phi3-tiny": (["transformers", "models"], "Phi3ForCausalLM", False),
+                       "olmo2-tiny": (["transformers", "models"], "Olmo2ForCausalLM", False)}
     assert model_config({"hf_config": "models/configs/qwen3-moe-tiny"}).output_router_logits
 
 
@@ -194,8 +198,8 @@ BAD = [
     (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'gpt2')}"],
      "model_type 'gpt2' declares no pipeline plan (base_model_pp_plan) and has no Sluice adapter; "
      f"Sluice trains {SUPPORTED}"),
-    (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'phi3')}"],
-     f"model_type 'phi3' declares a pipeline plan and has no Sluice adapter; Sluice trains {SUPPORTED}"),
+    (lambda tmp: [f"model.hf_config={_folder_with(tmp, 'starcoder2')}"],
+     f"model_type 'starcoder2' declares a pipeline plan and has no Sluice adapter; Sluice trains {SUPPORTED}"),
     (lambda tmp: [f"model.hf_config={tmp}"], "has no config.json; give a folder written by save_pretrained"),
     (lambda tmp: ["model=llama-tiny", "parallel.tp=3"],
      "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
@@ -206,7 +210,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("args, expected", BAD, ids=["gpt2", "phi3", "no-config", "llama-tp3", "moe-tp2",
+@pytest.mark.parametrize("args, expected", BAD, ids=["gpt2", "starcoder2", "no-config", "llama-tp3", "moe-tp2",
                                                      "llama-use-moe"])
 def test_an_uncovered_architecture_or_bad_split_is_one_line_before_launch(args, expected, tmp_path, capsys):
     from tests.test_config_catalogue import run_preflight

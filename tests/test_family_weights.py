@@ -1,6 +1,7 @@
 """transformers' families in and out: a sharded `save_pretrained` folder loads into a pp2 x tp2 run whose first
 step's loss is the one transformers' own forward computes; its checkpoints resume bit for bit and reshard to one
-process (packed experts included); the exported folder (no custom code) gives the trained model's logits."""
+process (packed experts included); the exported folder (no custom code, Phi-3's as `Phi3ForCausalLM` after its fused
+projections trained split by heads) gives the trained model's logits."""
 
 import json
 from pathlib import Path
@@ -20,7 +21,8 @@ from training.data import build_data
 # per-test bound is the whole module's, not pytest.ini's 600 s for one test.
 pytestmark = pytest.mark.timeout(1800)
 
-PRESETS = {"qwen3": "qwen3-tiny", "qwen3-moe": "qwen3-moe-tiny"}  # tied (stored once); packed experts under TP
+# tied (stored once); packed experts under TP; Phi-3's fused [q|k|v] and [gate|up] split by heads (packed by parts)
+PRESETS = {"qwen3": "qwen3-tiny", "qwen3-moe": "qwen3-moe-tiny", "phi3": "phi3-tiny"}
 LAYOUT = ["parallel.pp=2", "parallel.tp=2", "schedule=1f1b", "schedule.n_microbatches=4", "train.steps=4",
           "checkpoint.every=2"]
 STEP2 = "checkpoints/step_00000002"
@@ -38,7 +40,7 @@ def saved_folder(root: Path, preset: str) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Both presets loaded from their folders and trained two steps at pp2 x tp2 (one spawn of four processes)."""
+    """Every preset loaded from its folder and trained at pp2 x tp2 (one spawn of four processes)."""
     def compute(root: Path) -> dict:
         folders = {family: saved_folder(root, preset) for family, preset in PRESETS.items()}
         runs = [([*LAYOUT, f"model={preset}", f"checkpoint.load_dense={folders[family]}"], str(root / f"run-{family}"))
@@ -105,6 +107,7 @@ def test_exported_folder_loads_without_custom_code_and_gives_the_trained_logits(
     assert (out / "tokenizer.json").exists()
     exported = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="sdpa").eval()
     trained_model = build_model(model_config({"hf_config": f"models/configs/{PRESETS[family]}"}), "cpu").eval()
+    assert type(exported) is type(trained_model)  # transformers' own class: Phi3ForCausalLM for phi3
     weights = dense_params(trained["results"][family], tied=exported.config.tie_word_embeddings)
     trained_model.load_state_dict(weights, strict=not exported.config.tie_word_embeddings)
     ids = torch.randint(0, exported.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))

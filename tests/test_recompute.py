@@ -359,3 +359,41 @@ def test_a_part_whose_role_the_adapter_cannot_name_is_one_line_at_start_and_tp_l
     layer = llama.blocks()[0][1]
     layer.mlp.gate_proj = nn.Identity()  # as the TP pass leaves it: a ColumnParallelLinear, not an nn.Linear
     assert [type(t) for t in llama.adapter.selective_recompute(layer)] == [SdpaCore, GatedActivation]
+
+
+class _Counted(nn.Module):
+    """An activation function that counts its calls."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.act, self.calls = act, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.act(x)
+
+
+def test_a_packed_gate_up_mlp_recomputes_its_activation_with_the_same_gradients():
+    """Phi-3's MLP packs [gate | up] in one projection: selective recompute runs its activation again in backward (once
+    per layer in forward, once more in backward) and every gradient is what no recompute gives, bit for bit."""
+    from models.family import build_model as build_module, model_config
+    from parallel.recompute import PackedGatedActivation
+
+    torch.manual_seed(0)
+    dense = decoder_of(build_module(model_config({"hf_config": "models/configs/phi3-tiny"}), "cpu"))
+    assert [type(t) for t in dense.adapter.selective_recompute(dense.blocks()[0][1])][-1] is PackedGatedActivation
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(1))
+    found = {}
+    for mode in ("none", "selective"):
+        decoder = Decoder(copy.deepcopy(dense.module), dense.plan, dense.adapter)
+        counters = []
+        for _, layer in decoder.blocks():
+            layer.mlp.activation_fn = _Counted(layer.mlp.activation_fn)
+            counters.append(layer.mlp.activation_fn)
+        apply_recompute(decoder, mode)
+        logits, _ = decoder(input_ids=ids)
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        found[mode] = ([c.calls for c in counters], {n: p.grad for n, p in decoder.module.named_parameters()})
+    assert found["none"][0] == [1] * 4 and found["selective"][0] == [2] * 4
+    for name, grad in found["none"][1].items():
+        assert torch.equal(found["selective"][1][name], grad), name
