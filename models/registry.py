@@ -64,7 +64,10 @@ def _preset_model_type(preset: str) -> str:
 def declared_tp_plans(model_type: str) -> dict[str, dict[str, str]]:
     """The TP plans a model_type's classes declare, read from the classes (no model built): where -> plan."""
     config_class = type(AutoConfig.for_model(model_type))
-    lm_class = AutoModelForCausalLM._model_mapping[config_class]  # transformers' own lookup, registered ones too
+    if config_class not in AutoModelForCausalLM._model_mapping:  # transformers' own lookup, registered ones too
+        raise RegistryError(f"family {model_type!r}: transformers has no causal-LM class for it; register one with "
+                            "AutoModelForCausalLM")
+    lm_class = AutoModelForCausalLM._model_mapping[config_class]
     return {"base_model_tp_plan": dict(getattr(config_class, "base_model_tp_plan", None) or {}),
             "_tp_plan": dict(getattr(lm_class, "_tp_plan", None) or {})}
 

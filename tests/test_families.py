@@ -233,3 +233,16 @@ def test_matmul_weights_per_token_are_the_linears_a_token_meets(preset):
     routers = sum(p.numel() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))  # h x E each
     share = config.num_experts_per_tok / config.num_experts if experts else 0.0
     assert decoder_of(model).adapter.matmul_params_per_token() == linears + routers + int(experts * share)
+
+
+def test_tp_need_divide_only_what_the_plan_splits():
+    """OLMo2 gathers q, k and v (every rank computes every head): tp=4 divides their widths though not its 2
+    key/value heads; Phi-3 splits its fused [q|k|v] by heads, so there tp must divide the head counts."""
+    from parallel.tensor_pass import check_tp_divisibility
+
+    olmo2 = decoder_of(build_model(model_config({"hf_config": "models/configs/olmo2-tiny"}))).adapter.tp_sizes()
+    assert "num_key_value_heads" not in olmo2 and olmo2["num_key_value_heads*head_dim"] == 32
+    check_tp_divisibility(olmo2, 4)
+    phi3 = decoder_of(build_model(model_config({"hf_config": "models/configs/phi3-tiny"}))).adapter.tp_sizes()
+    with pytest.raises(ValueError, match=r"parallel.tp=4 does not divide num_key_value_heads=2; choose tp in \{1, 2\}"):
+        check_tp_divisibility(phi3, 4)
