@@ -9,9 +9,9 @@ say something, its adapter.
 Registering checks only what costs nothing (this module loads in every process): the adapter implements every hook
 of `parallel.decoder.FamilyAdapter`, each preset exists and names the entry's model_type, and every TP style the
 family's plans name (its config class's `base_model_tp_plan`, its LM class's `_tp_plan`, and the plan its adapter
-chooses instead) is an entry of `parallel.tensor_styles.STYLES`: read from the classes, no model built. Whatever needs a built
-model (its plans, buffers, TP subclasses, numbers) is the conformance test's, generated from this table: a family
-that fails it fails the suite, not a user's run.
+chooses instead) is an entry of `parallel.tensor_styles.STYLES`: read from the classes, no model built. Whatever
+needs a built model (its plans, buffers, TP subclasses, numbers) is the conformance test's, generated from this
+table: a family that fails it fails the suite, not a user's run.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 `full` recomputes each decoder layer's forward in its backward, keeping only the layer's input. `selective`
 (Megatron style) recomputes only cheap, memory-heavy parts, which the family's adapter names per layer: an
 attention core (its norms and the SDPA kernel; RoPE between them saves nothing) and a gated activation
-act(gate) * up (from two projections, or from one packing [gate | up]); every linear layer's input stays saved, so no linear layer runs twice. The pass patches instance
-`forward`s from outside, so the model file stays single-device code and every parameter keeps its dense name.
+act(gate) * up (from two projections, or from one packing [gate | up]); every linear layer's input stays saved, so
+no linear layer runs twice. The pass patches instance `forward`s from outside, so the model file stays single-device
+code and every parameter keeps its dense name.
 
 Under the I/W split the recomputation runs inside I under the forward's `SplitLinears`, so the recomputed
 linears still defer their weight gradients to W (whose held inputs recomputation does not shrink).

@@ -239,25 +239,25 @@ def mla_kv_a_proj(site: Site) -> None:
     module.forward = _Wrapped(module.forward, leave=_RopeGradSum(rope_dim, site.grid.tp_group))
 
 
-STYLES: MappingProxyType[str, Builder] = MappingProxyType({
-    "colwise": colwise,
-    "colwise_gather_output": colwise_gather_output,
+STYLES: MappingProxyType[str, Builder] = MappingProxyType({  # style -> builder: how it maps onto replicated activations
+    "colwise": colwise,  # output rows split, output stays sharded (a region's start)
+    "colwise_gather_output": colwise_gather_output,  # output rows split, output gathered whole
     "colwise_rep": colwise_gather_output,  # transformers: input and output Replicate, i.e. gathered
-    "rowwise": rowwise,
-    "rowwise_split_input": rowwise_split_input,
+    "rowwise": rowwise,  # input columns split, sharded input, output summed (a region's end)
+    "rowwise_split_input": rowwise_split_input,  # whole input sliced to this rank's block, then rowwise
     "rowwise_rep": rowwise_split_input,  # transformers: input Replicate -> Shard(-1), output Replicate
-    "packed_colwise": packed_colwise,
-    "packed_rowwise": packed_rowwise,
-    "embedding_rowwise": embedding_rowwise,
-    "embedding_colwise": embedding_colwise,
-    "sequence_parallel": kept_whole,
-    "replicated_with_grad_allreduce": kept_whole,
-    "replicate": kept_whole,
-    "local_params": kept_whole,
-    "moe_tp_experts": moe_tp_experts,
-    "moe_identity_expert": moe_identity_expert,
-    "all_reduce": all_reduce,
-    "mla_kv_a_proj": mla_kv_a_proj,
+    "packed_colwise": packed_colwise,  # colwise within each packed part (sizes from the adapter's tp_parts)
+    "packed_rowwise": packed_rowwise,  # rowwise within each packed part
+    "embedding_rowwise": embedding_rowwise,  # vocabulary rows split, lookups summed
+    "embedding_colwise": embedding_colwise,  # hidden columns split, lookups gathered
+    "sequence_parallel": kept_whole,  # sees the whole sequence here: whole gradient, nothing to do
+    "replicated_with_grad_allreduce": kept_whole,  # kept whole; its gradient summed by a hook (GRAD_SUMMED)
+    "replicate": kept_whole,  # every rank keeps the full parameter
+    "local_params": kept_whole,  # Sluice's shards are local tensors already
+    "moe_tp_experts": moe_tp_experts,  # inputs enter the region, partial outputs summed
+    "moe_identity_expert": moe_identity_expert,  # input divided by tp before the experts' sum
+    "all_reduce": all_reduce,  # partial output summed
+    "mla_kv_a_proj": mla_kv_a_proj,  # kept whole; the rope part's gradient summed
 })
 GRAD_SUMMED = ("replicated_with_grad_allreduce",)  # styles whose kept parameters sum their gradient over TP
 

@@ -1,5 +1,6 @@
-"""Each TP style of `parallel.tensor_styles.STYLES` on a toy module, run inside a TP worker (tests/test_tensor_parallel.py's
-tp2 spawn) against the same module whole: output, input gradient and the parameters' gradients (joined over TP)."""
+"""Each TP style of `parallel.tensor_styles.STYLES` on a toy module, run inside a TP worker (the tp2 spawn of
+tests/test_tensor_parallel.py) against the same module whole: output, input gradient and the parameters' gradients
+(joined over TP)."""
 
 from __future__ import annotations
 
