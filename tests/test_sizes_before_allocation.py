@@ -108,3 +108,18 @@ def test_generate_checks_the_folder_size_before_loading(exported, tmp_path, caps
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 2**20, "intermediate_size": 2**20}))
     line = one_line_failure(script("generate"), [str(folder), "hi"], capsys)
     assert "more than this host's" in line
+
+
+def test_a_teacher_shard_linked_to_a_device_is_refused_before_launch(checkpoint, tmp_path):
+    from omegaconf import OmegaConf
+
+    from training.distill import teacher_problem
+
+    copy = tmp_path / "step_00000001"
+    shutil.copytree(checkpoint, copy)
+    shard = next(copy.glob("*.distcp"))
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    cfg = OmegaConf.create({"train": {"task": "distill"}, "distill": {"teacher": str(copy)}})
+    problem = teacher_problem(cfg, 300)
+    assert problem.startswith(f"distill.teacher={copy}") and "leads outside" in problem and "/dev/zero" in problem

@@ -66,6 +66,11 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
             from checkpoint.dense import check_dense_files
 
             check_dense_files(path)  # inside its folder, regular files: a FIFO would block every rank
+        else:
+            from checkpoint.distributed import read_metadata
+            from checkpoint.export import locate
+
+            read_metadata(locate(path))  # its shards inside it, regular files (a link to /dev/zero), before launch
         vocab = teacher_config(path).vocab_size
     except (CheckpointError, ModelError) as error:
         line = str(error).strip().splitlines()[0].replace("checkpoint.load_dense=", "distill.teacher=")
