@@ -24,6 +24,7 @@ import minimind
 from checkpoint.adapters import save_adapters, save_minimind_lora
 from checkpoint.atomic_write import copy_file, output_folder, replace_folder, save_torch
 from checkpoint.checksums import check as verify_checksums
+from checkpoint.compat import make_portable
 from checkpoint.confine import files_inside
 from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
@@ -143,6 +144,7 @@ def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | P
             for name in MODELING_FILES:
                 copy_file(source / name, new / name, "export")
         copy_tokenizer(tokenizer, new)
+        make_portable(new)  # loads on transformers 4.x (MiniMind's pin) as on 5.x: rope_theta, tokenizer class
 
     replace_folder(out_dir, build, "export")  # renamed into place whole: a failed export leaves nothing
     return out_dir

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from checkpoint.compat import keep_written_config
 from checkpoint.confine import inside
 from checkpoint.checksums import SUMS, digest, sums_text
 from checkpoint.dense import CheckpointError
@@ -294,7 +295,10 @@ class CheckpointManager:
                 log.info("checkpoint.dir %s: this run continues %s's checkpoints (it resumed from %s) and owns the "
                          "folder from now on", directory, previous.run_dir, self.resumed_from)
             for stale in directory.glob(".step_*.tmp"):  # this run's folder: a save of its own killed earlier
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale.is_symlink():
+                    stale.unlink()  # a link where a save goes: removed, never written through (nor its target)
+                else:
+                    shutil.rmtree(stale, ignore_errors=True)
             return space_problem(directory, needed, what)
         except CheckpointError as error:
             return str(error)
@@ -309,6 +313,7 @@ class CheckpointManager:
         _fsync_write(tmp / META, json.dumps(meta, indent=1))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(tmp / TOKENIZER))
+            keep_written_config(self.tokenizer, tmp / TOKENIZER)  # MiniMind's config as written, not 5.x's rewrite
         _fsync_write(tmp / SUMS, sums_text({**sums, META: digest(tmp / META)}))
         if not os.path.lexists(self.spec.dir / OWNER):  # lost since the claim: rewritten (with a warning), not fatal
             claim(self.spec.dir, self._me(), complete_checkpoints(self.spec.dir), self.resumed_from,

@@ -45,6 +45,8 @@ def config_values_problem(data: dict[str, Any], where: str) -> str | None:
     for name in ROPE_KEYS:
         if data.get(name) is not None and (problem := _rope_problem(name, data[name])):
             return f"{where} {problem}"
+    if problem := _rope_disagreement(data):
+        return f"{where} {problem}"
     return size_problem(data, where)  # before a config object is built: some make a list per layer
 
 
@@ -76,3 +78,15 @@ def _rope_problem(name: str, value: Any) -> str | None:
         if "rope_theta" in params and (type(theta) not in (int, float) or not math.isfinite(theta) or theta <= 0):
             return f"{label}: rope_theta={theta!r} must be a finite number > 0"
     return None
+
+
+def _rope_disagreement(data: dict[str, Any]) -> str | None:
+    """A top-level rope_theta (what transformers 4 reads) that differs from rope_parameters' (what 5 reads)."""
+    rope, theta = data.get("rope_parameters"), data.get("rope_theta")
+    numbers = (int, float)
+    if not isinstance(rope, dict) or type(theta) not in numbers or type(rope.get("rope_theta")) not in numbers:
+        return None
+    if math.isclose(theta, rope["rope_theta"], rel_tol=1e-9):
+        return None
+    return (f"rope_theta={theta!r} and rope_parameters.rope_theta={rope['rope_theta']!r} disagree (transformers 4 "
+            "reads the first, 5 the second: one of them would run a wrong RoPE); set both to the trained value")
