@@ -182,3 +182,17 @@ def test_generate_refuses_weights_linked_out_of_the_folder(exported, tmp_path, c
     (folder / "model.safetensors").symlink_to(outside)
     line = one_line_failure(script("generate"), [str(folder), "the cat", "--max-new-tokens", "2"], capsys)
     assert "leads outside" in line and "model.safetensors" in line
+
+
+def test_a_save_never_writes_through_a_link_planted_as_its_temporary_folder(tmp_path):
+    from tests.test_checkpoint_ownership import train
+
+    target = tmp_path / "victim"
+    target.mkdir()
+    (target / "kept").write_text("precious")
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / ".step_00000001.tmp").symlink_to(target, target_is_directory=True)
+    train(tmp_path, tmp_path / "run", folder, steps=1)
+    assert sorted(p.name for p in target.iterdir()) == ["kept"] and (target / "kept").read_text() == "precious"
+    assert (folder / "step_00000001" / "meta.json").is_file()
