@@ -67,7 +67,8 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
         raise ModelError(problem)
     if model_type == "minimind":  # MiniMindConfig writes every MoE field: only the overrides are checked
         _check_minimind_fields(given, bool({**data, **given}.get("use_moe", False)))
-        return _built(f"model.hf_config={folder}: config.json's", lambda: MiniMindConfig(**{**_plain(data), **given}))
+        return _built(f"model.hf_config={folder}: config.json's", lambda: MiniMindConfig(**{**_plain(data), **given}),
+                      "config.json")
     default = AutoConfig.for_model(model_type)
     for key in given:
         if key in MINIMIND_ONLY or not hasattr(default, key):
@@ -76,18 +77,19 @@ def model_config(section: dict[str, Any]) -> PretrainedConfig:
     if "rope_theta" in given and isinstance(data.get("rope_parameters"), dict):
         data["rope_parameters"] = {**data["rope_parameters"], "rope_theta": given.pop("rope_theta")}
     return _built(f"model.hf_config={folder}: config.json's",
-                  lambda: AutoConfig.for_model(model_type, **{**_plain(data), **given}))
+                  lambda: AutoConfig.for_model(model_type, **{**_plain(data), **given}), "config.json")
 
 
-def _built(where: str, make):
+def _built(where: str, make, file: str):
     """`make()`, a config object; what its constructor refuses (transformers' own checks of the fields config_values
-    leaves alone: layer_types, a rope field's type) is one ModelError line naming `where`."""
+    leaves alone: layer_types, a rope field's type) is one ModelError line naming `where` and the `file` to fix."""
     try:
         return make()
     except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        detail = lines[-1].partition(": ")[2] or lines[-1] if isinstance(error, StrictDataclassError) else lines[0]
-        raise ModelError(f"{where} {detail[:300]}; fix it in the file") from None
+        detail = (lines[-1].partition(": ")[2] or lines[-1]).lower() if isinstance(error, StrictDataclassError) \
+            else lines[0]
+        raise ModelError(f"{where} {detail[:300]}; fix it in {file}") from None
 
 
 def _plain(data: dict) -> dict:
@@ -137,10 +139,10 @@ def config_from_record(record: dict[str, Any], where: str = "a checkpoint's meta
     fields = {k: v for k, v in record.items() if k != "model_type"}
     model_type = record.get("model_type", "minimind")
     if model_type == "minimind":
-        return _built(where, lambda: MiniMindConfig(**fields))
+        return _built(where, lambda: MiniMindConfig(**fields), "meta.json")
     if not isinstance(model_type, str) or model_type not in ADAPTERS:
         raise ModelError(_unsupported(where, model_type if isinstance(model_type, str) else None))
-    return _built(where, lambda: AutoConfig.for_model(model_type, **fields))
+    return _built(where, lambda: AutoConfig.for_model(model_type, **fields), "meta.json")
 
 
 def family_of(config: PretrainedConfig) -> str:
