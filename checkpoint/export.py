@@ -29,6 +29,7 @@ from checkpoint.confine import files_inside
 from checkpoint.dense import CheckpointError, fill_ties
 from checkpoint.distributed import OPTIM, RNG, quiet_dcp, read_metadata
 from checkpoint.safe_reader import SafeReader
+from checkpoint.stage_names import DEFAULT_STAGE, stage_file, stage_name
 from checkpoint.stock import stock_model
 from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta
 from models import ModelError, build_model as build_module, config_from_record, native
@@ -150,18 +151,15 @@ def save_hf_folder(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | P
     return out_dir
 
 
-def pth_path(model: nn.Module, out: str | Path) -> Path:
-    """`out` itself when it names a .pth file, else MiniMind's `pretrain_<hidden>[_moe].pth` inside it."""
+def pth_path(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE) -> Path:
+    """`out` itself when it names a .pth file, else MiniMind's `<stage>_<hidden>[_moe].pth` inside it."""
     out = Path(out)
-    if out.suffix == ".pth":
-        return out
-    suffix = "_moe" if getattr(model.config, "use_moe", getattr(model.config, "num_experts", 0)) else ""
-    return out / f"pretrain_{model.config.hidden_size}{suffix}.pth"
+    return out if out.suffix == ".pth" else out / stage_file(stage, model.config)
 
 
-def save_pth(model: nn.Module, out: str | Path) -> Path:
+def save_pth(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE) -> Path:
     """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects."""
-    path = pth_path(model, out)
+    path = pth_path(model, out, stage)
     output_folder(path.parent, "export")
     save_torch({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path, "export")
     return path
@@ -190,6 +188,6 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapte
         state = merge_adapters(state, lora["alpha"] / lora["rank"])
     model = build_model(meta["model"], state)
     if fmt == "pth":
-        return save_pth(model, out)
+        return save_pth(model, out, stage_name(meta))  # named by the run's task: full_sft_<hidden>.pth after SFT
     folder = locate(path)
     return save_hf_folder(model, out, folder / TOKENIZER, root=folder, fmt=fmt)  # a tokenizer link stays inside

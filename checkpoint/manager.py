@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -191,8 +192,9 @@ class CheckpointManager:
     prunes and cleans only in a checkpoint.dir this run owns (checkpoint.ownership)."""
 
     def __init__(self, spec: CheckpointSpec, state: TrainingState, data: Stateful, meta: dict[str, Any],
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, on_saved: Callable[[Path], Any] | None = None):
         self.spec, self.state, self.data, self.meta, self.tokenizer = spec, state, data, meta, tokenizer
+        self.on_saved = on_saved  # rank 0, given each complete checkpoint (checkpoint.export_pth's stage weights)
         self.rank0 = state.grid.rank == 0
         self.last_saved: int | None = None
         self.resumed_from: Path | None = None
@@ -270,6 +272,8 @@ class CheckpointManager:
             try:
                 self._complete(tmp, final, step, sums, what)
                 self._prune()
+                if self.on_saved is not None:
+                    self.on_saved(final)
             except CheckpointError as error:
                 problem = str(error)
             except OSError as error:

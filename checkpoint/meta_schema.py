@@ -55,6 +55,7 @@ class CheckpointMeta(_Schema):
     layout: dict[str, Any] = {}
     lora: LoraRecord | None = None
     run_id: str | None = Field(default=None, pattern=r"^[0-9A-Za-z]{1,64}$")  # the run that saved it (ownership)
+    task: str | None = Field(default=None, pattern=r"^[a-z_]{1,32}$")  # train.task: names the stage's .pth
 
     @model_validator(mode="after")
     def _position_follows_step(self) -> CheckpointMeta:

@@ -6,11 +6,13 @@ Usage:
 [model=...]
 
 A training checkpoint (a run directory, its checkpoints/ folder or one step_<N>/) carries its model config and
-tokenizer. A dense file does not: give the model with Hydra overrides (e.g. model=tiny) and --tokenizer.
+tokenizer. A dense file does not: give the model with Hydra overrides (e.g. model=tiny) and --tokenizer; an HF folder's
+own config.json gives it (model.hf_config=HF_DIR, unless model overrides are given).
 --format hf (default) writes the stock transformers family that computes the model: a MiniMind model as Qwen3 or
 Qwen3-MoE (checked on the weights: same keys, same logits), so `AutoModelForCausalLM.from_pretrained(OUT)` and
 `AutoTokenizer.from_pretrained(OUT)` load it without custom code; --format minimind writes MiniMind's own classes
-(load with trust_remote_code=True); --format pth a MiniMind state_dict (pretrain_<hidden>.pth).
+(load with trust_remote_code=True); --format pth a MiniMind state_dict named as MiniMind names the run's stage
+(pretrain_<hidden>.pth, full_sft_<hidden>.pth, dpo_..., grpo_..., full_dist_...; a dense source: pretrain_...).
 A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone: a PEFT
 folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`, or with
 --format pth MiniMind's LoRA .pth for its `apply_lora(model)` then `load_lora(model, OUT)`.
@@ -45,6 +47,8 @@ def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrid
     from training.config import model_config, register_schema
 
     register_schema()
+    if (Path(source) / "config.json").is_file() and not any(o.lstrip("+").startswith("model") for o in overrides):
+        overrides = [f"model.hf_config={Path(source).resolve()}", *overrides]  # an HF folder says what model it is
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             cfg = compose(config_name="config", overrides=overrides)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +113,15 @@ def checkpoint_meta(cfg: DictConfig, grid) -> dict:
     p = cfg.parallel
     layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "vpp": p.vpp, "schedule": cfg.schedule.name,
               "n_microbatches": cfg.schedule.n_microbatches, "micro_batch_size": cfg.train.micro_batch_size}
-    meta = {"model": model, "layout": layout}
+    meta = {"model": model, "layout": layout, "task": str(cfg.train.task)}
     if (lora := lora_record(cfg)) is not None:
         meta["lora"] = lora
     return meta
+
+
+def stage_weights(cfg: DictConfig, run_dir: Path) -> Callable[[Path], Path] | None:
+    """What a run with checkpoint.export_pth=true calls after each save: MiniMind's stage weights into
+    `<run dir>/out/` (checkpoint.stage_weights), else None."""
+    from checkpoint.stage_weights import OUT, write_stage_weights
+
+    return partial(write_stage_weights, out_dir=Path(run_dir) / OUT) if cfg.checkpoint.export_pth else None

@@ -34,7 +34,7 @@ from training.reliability.guard import StepGuard
 from training.reliability.watchdog import Interrupted, exit_code
 from training.metrics import MetricsLogger
 from training.run_header import run_header
-from training.specs import checkpoint_meta, checkpoint_spec, engine_spec
+from training.specs import checkpoint_meta, checkpoint_spec, engine_spec, stage_weights
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 log = logging.getLogger("sluice")
@@ -115,7 +115,8 @@ class Trainer:
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
         state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
         self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,
-                                             checkpoint_meta(cfg, grid), self.tokenizer)
+                                             checkpoint_meta(cfg, grid), self.tokenizer,
+                                             stage_weights(cfg, self.run_dir))
 
     def evaluate(self) -> dict[str, float]:
         """`val_loss` (token-weighted over the held-out batches, forward only) and `val_ppl`; under DPO the DPO loss

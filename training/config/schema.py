@@ -21,7 +21,6 @@ from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, b
 
 MIB = 1 << 20
 
-
 SYNTHETIC_ONLY = ReadWhen("data.name", ("synthetic",), refuse=False)
 JSONL_ONLY = ReadWhen("data.name", ("jsonl",), refuse=True)
 
@@ -246,6 +245,7 @@ class CheckpointSchema:
     resume: Optional[str] = key(None, "a training checkpoint to resume from (a checkpoint, a checkpoints folder, a "
                                       "run directory, `auto` or `none`)", optional(text))
     save_final: bool = key(True, "save a training checkpoint at the end")
+    export_pth: bool = key(False, "each save also writes MiniMind's fp16 `<run>/out/<stage>_<hidden>.pth`")
     load_dense: Optional[str] = key(
         None, "initial weights: an HF folder, a `.safetensors` file or a MiniMind `.pth`", existing_path)
 
