@@ -65,6 +65,20 @@ def _tied(site: Site, dim: int) -> nn.Parameter | None:
     return None if made is None else made[1]
 
 
+def _untied(site: Site) -> None:
+    """Refuse a style whose shard cannot stand for a tie partner's (it slices the input dim, or packed parts) when
+    a partner has already sharded this weight: making a second shard would untie the pair silently."""
+    if id(site.target.weight) in site.ties:
+        raise site.refuse("shards a tied weight in a way its tie partner's shard cannot share; plan both alike")
+
+
+def _untied_linear(site: Site) -> nn.Linear:
+    """The target as an nn.Linear whose weight no tie partner has sharded yet (`_untied`)."""
+    linear = _linear(site)
+    _untied(site)
+    return linear
+
+
 def _sharded_parameter(site: Site, dim_from_end: int, packed: Parts = 1) -> nn.Parameter:
     """This rank's block of a planned parameter (its last dim is `in`, the one before it `out`): no collective of its
     own, the owner's style (`moe_tp_experts`) runs it."""
@@ -96,7 +110,7 @@ def rowwise(site: Site):
     """Input columns split: the input is this rank's shard of the region, the output is summed (all-reduce)."""
     if isinstance(site.target, nn.Parameter):
         return _sharded_parameter(site, 1)
-    return RowParallelLinear.from_dense(_linear(site), site.grid)
+    return RowParallelLinear.from_dense(_untied_linear(site), site.grid)
 
 
 def rowwise_split_input(site: Site):
@@ -104,7 +118,7 @@ def rowwise_split_input(site: Site):
     its block of it (backward: the gradient's blocks all-gathered), then a row-parallel layer sums the output."""
     if isinstance(site.target, nn.Parameter):
         raise site.refuse("splits a module's input; a bare parameter has none (plan its owner)")
-    return RowParallelLinear.from_dense(_linear(site), site.grid, split_input=True)
+    return RowParallelLinear.from_dense(_untied_linear(site), site.grid, split_input=True)
 
 
 def packed_colwise(site: Site):
@@ -112,14 +126,14 @@ def packed_colwise(site: Site):
     [part_0 block | part_1 block | ...], so the module's own split of its output works on it, and nothing gathers."""
     if isinstance(site.target, nn.Parameter):
         return _sharded_parameter(site, 2, site.packed())
-    return ColumnParallelLinear.from_dense(_linear(site), site.grid, packed=site.packed())
+    return ColumnParallelLinear.from_dense(_untied_linear(site), site.grid, packed=site.packed())
 
 
 def packed_rowwise(site: Site):
     """Input columns split within each packed part: the input is a packed colwise layer's local output."""
     if isinstance(site.target, nn.Parameter):
         return _sharded_parameter(site, 1, site.packed())
-    return RowParallelLinear.from_dense(_linear(site), site.grid, packed=site.packed())
+    return RowParallelLinear.from_dense(_untied_linear(site), site.grid, packed=site.packed())
 
 
 def embedding_rowwise(site: Site):
@@ -133,7 +147,7 @@ def embedding_colwise(site: Site):
     """Hidden columns split; each rank looks up its slice of every vector, the slices are gathered whole."""
     if not isinstance(site.target, nn.Embedding):
         raise site.refuse(f"applies to an nn.Embedding, not a {type(site.target).__name__}")
-    _tied(site, 1)
+    _untied(site)
     return HiddenParallelEmbedding.from_dense(site.target, site.grid)
 
 

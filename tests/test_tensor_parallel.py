@@ -205,3 +205,30 @@ def test_the_style_table_covers_every_style_the_installed_transformers_declares(
     assert declared and declared <= set(STYLES), f"styles without a builder: {sorted(declared - set(STYLES))}"
     tested = {style for styles in STYLE_CASES.values() for style in styles}
     assert set(STYLES) <= tested, f"styles no tp2 case runs: {sorted(set(STYLES) - tested)}"
+
+
+def test_a_tied_pair_planned_to_shard_alike_shares_one_shard_and_otherwise_is_refused():
+    """A tie partner reuses the shard its pair made along the same dim; along another dim (or packed, or by input
+    columns) it is one line naming family, module and style, never a silent second shard."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from parallel.decoder import ContractError
+    from parallel.tensor_styles import STYLES, Site
+
+    grid, config = SimpleNamespace(tp_rank=0, tp=2, tp_group=None), SimpleNamespace(model_type="toy")
+    for embedding_style, head_style, shared in (("embedding_rowwise", "colwise", True),
+                                                ("embedding_colwise", "colwise", False),
+                                                ("embedding_rowwise", "rowwise", False)):
+        embed, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+        head.weight = embed.weight
+        ties: dict = {}
+        built = STYLES[embedding_style](Site("embed", embed, embedding_style, grid, None, config, ties))
+        ties[id(embed.weight)] = (built.weight.partition_dim, built.weight)  # what the TP pass records
+        site = Site("lm_head", head, head_style, grid, None, config, ties)
+        if shared:
+            assert STYLES[head_style](site).weight is built.weight
+            continue
+        with pytest.raises(ContractError, match=rf"^family 'toy': lm_head declares TP style '{head_style}', which "):
+            STYLES[head_style](site)
