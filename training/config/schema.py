@@ -233,6 +233,7 @@ class DataSchema:
         "`pre_processing_chat`; drawn per row from `data.seed`); `null` = none added")
     system_ratio: float = key(0.2, "share of the SFT conversations without a system message that get one of "
                                    "`data.system_prompts` (MiniMind: 0.2)", fraction(closed_top=True))
+    open_thinking: bool = key(False, "the chat template's `open_thinking` (MiniMind's switch: an open `<think>`)")
 
 
 @dataclass

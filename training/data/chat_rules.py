@@ -24,6 +24,7 @@ class Conversation(list):
     """A conversation's messages with what to do to its rendered text: drop the empty think block or not."""
 
     drop_think: bool = False
+    open_thinking: bool = False  # the template's `open_thinking` variable (MiniMind's switch)
 
 
 def finish(conversation: Any, text: str) -> str:
@@ -39,17 +40,18 @@ class ChatRules:
     system_prompts: tuple[str, ...]
     system_ratio: float
     seed: int
+    open_thinking: bool = False  # data.open_thinking, handed to the chat template of every conversation
 
     @property
     def active(self) -> bool:
-        return self.think != "keep" or bool(self.system_prompts)
+        return self.think != "keep" or bool(self.system_prompts) or self.open_thinking
 
     def identity(self) -> dict[str, Any]:
         """What the token cache's key adds (nothing for the defaults, so existing caches keep their keys)."""
         if not self.active:
             return {}
         return {"think": self.think, "system_prompts": list(self.system_prompts), "system_ratio": self.system_ratio,
-                "rules_seed": self.seed}
+                "rules_seed": self.seed, **({"open_thinking": True} if self.open_thinking else {})}
 
     def _draw(self, row: int, side: int, what: str) -> random.Random:
         return random.Random(f"{self.seed}:{row}:{side}:{what}")  # str seeds hash stably (sha512)
@@ -57,6 +59,7 @@ class ChatRules:
     def conversation(self, row: int, turns: list[dict[str, Any]], side: int = 0, system: bool = True) -> Conversation:
         """One conversation of row `row` (`side` 1: a DPO pair's rejected one) with its system prompt and think rule."""
         out = Conversation(turns)
+        out.open_thinking = self.open_thinking
         if system and self.system_prompts and (not turns or turns[0].get("role") != "system"):
             draw = self._draw(row, side, "system")
             if draw.random() < self.system_ratio:

@@ -3,6 +3,7 @@ and an assistant-only label mask. Token ids are stored per document, independent
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -117,13 +118,53 @@ class TemplateFailure(ValueError):
     """The tokenizer's chat template raised on a conversation; the message is the error it raised, in one line."""
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, Any]]) -> str:
-    """The conversation as the tokenizer's chat template renders it; a template that raises -> TemplateFailure."""
+def _decoded(value: Any) -> Any:
+    """A `tools` / `tool_calls` value as the template reads it: MiniMind's rows hold JSON text (json.loads'ed)."""
+    if not isinstance(value, str):
+        return value
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False)
+        return json.loads(value)
+    except ValueError as error:
+        raise TemplateFailure(f"not JSON: {value[:40]!r} ({str(error).splitlines()[0]})") from None
+
+
+def chat_messages(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """(messages, tools) as MiniMind's SFTDataset hands them to the template: `tool_calls` decoded, the system
+    message's `tools` passed as the template's tools, an assistant's missing content (a tool call alone) empty."""
+    messages, tools = [], None
+    for turn in conversation:
+        turn = dict(turn)
+        if turn.get("role") == "system" and turn.get("tools"):
+            tools = _decoded(turn["tools"])
+        if turn.get("tool_calls"):
+            turn["tool_calls"] = _decoded(turn["tool_calls"])
+        if turn.get("content") is None:
+            turn["content"] = ""
+        messages.append(turn)
+    return messages, tools
+
+
+def _call_names(messages: list[dict[str, Any]]) -> list[str]:
+    """The function names of the conversation's tool calls (OpenAI's {function: {...}} form or MiniMind's flat one)."""
+    calls = [c for m in messages for c in (m.get("tool_calls") or []) if isinstance(c, dict)]
+    return [str(c.get("function", c).get("name")) for c in calls if isinstance(c.get("function", c), dict)]
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str, Any]]) -> str:
+    """The conversation as the tokenizer's chat template renders it (tools and tool calls as MiniMind passes them,
+    `open_thinking` from the row's rules); a template that raises, or drops a tool call -> TemplateFailure."""
+    messages, tools = chat_messages(conversation)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             open_thinking=getattr(conversation, "open_thinking", None) is True)
     except Exception as error:  # the template is the tokenizer folder's own Jinja program: it may raise anything
-        text = (str(error).strip().splitlines() or [""])[0]
-        raise TemplateFailure(f"{type(error).__name__}{': ' + text if text else ''}") from None
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise TemplateFailure(f"{type(error).__name__}{': ' + first if first else ''}") from None
+    if dropped := [name for name in _call_names(messages) if name not in text]:
+        raise TemplateFailure(f"it renders no tool calls (the call to {dropped[0]!r} is missing from the text, so it "
+                              "would not be learned); use a tokenizer whose chat template renders tool_calls, as "
+                              "MiniMind's does")
+    return text
 
 
 def encode_conversations(tokenizer: PreTrainedTokenizerBase,

@@ -8,6 +8,7 @@ table, 0-based as `dataset[N]` and pandas count), the payload is what the task e
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from training.data.spec import DataError
 
 log = logging.getLogger("sluice")
 ROLES = ("system", "user", "assistant")
+CHAT_ROLES = (*ROLES, "tool")  # MiniMind's SFT rows: tool results answer an assistant's tool calls
 
 
 def _text_problem(record: Any) -> str | None:
@@ -38,7 +40,7 @@ def _chat_problem(record: Any) -> str | None:
     """Why a chat row is not a usable MiniMind conversation, or None."""
     if not isinstance(record, dict) or "conversations" not in record:
         return "no \"conversations\" key"
-    return _conversation_problem(record["conversations"], "conversations")
+    return _conversation_problem(record["conversations"], "conversations", CHAT_ROLES)
 
 
 def _pair_problem(record: Any) -> str | None:
@@ -67,18 +69,37 @@ def _prompt_problem(record: Any) -> str | None:
     return None
 
 
-def _conversation_problem(turns: Any, column: str) -> str | None:
-    """Why a list of {role, content} messages is not a conversation to learn from, or None."""
+def _json_problem(turn: dict[str, Any], field: str, i: int) -> str | None:
+    """Why a message's `tools` / `tool_calls` (a list, or MiniMind's JSON text of one) is unusable, or None."""
+    value = turn.get(field)
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            return f"message {i}: \"{field}\" is not JSON ({str(error).splitlines()[0]})"
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        return f"message {i}: \"{field}\" is not a list of objects (or the JSON text of one)"
+    return None
+
+
+def _conversation_problem(turns: Any, column: str, roles: tuple[str, ...] = ROLES) -> str | None:
+    """Why a list of {role, content} messages (MiniMind's tool rows too: role `tool`, `tools`, `tool_calls`) is not
+    a conversation to learn from, or None."""
     if not isinstance(turns, list) or not turns:
         return f"\"{column}\" is not a non-empty list"
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+        if not isinstance(turn, dict) or turn.get("role") not in roles:
             role = turn.get("role") if isinstance(turn, dict) else None
-            return f"message {i} has role {role!r}; use one of {', '.join(ROLES)}"
-        if not isinstance(turn.get("content"), str):
+            return f"message {i} has role {role!r}; use one of {', '.join(roles)}"
+        calls = turn.get("tool_calls")
+        if not isinstance(turn.get("content"), str) and not (calls and turn.get("content") is None):
             return f"message {i} has no string \"content\""
-    if not any(t["role"] == "assistant" and t["content"] for t in turns):
-        return "no assistant message with content (nothing to learn)"
+        if problem := _json_problem(turn, "tools", i) or _json_problem(turn, "tool_calls", i):
+            return problem
+    if not any(t["role"] == "assistant" and (t.get("content") or t.get("tool_calls")) for t in turns):
+        return "no assistant message with content or tool calls (nothing to learn)"
     return None
 
 

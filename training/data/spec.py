@@ -39,6 +39,7 @@ class DataSpec:
     think: str  # the empty think block of chat rows (training.data.chat_rules)
     system_prompts: tuple[str, ...]
     system_ratio: float
+    open_thinking: bool = False  # the chat template's `open_thinking` (MiniMind's switch)
     train_task: str = "pretrain"  # train.task: "dpo" reads preference pairs
 
     @property
@@ -49,7 +50,7 @@ class DataSpec:
     @property
     def chat_rules(self) -> ChatRules:
         """How chat rows are prepared before tokenising (think block, system prompts), seeded by data.seed."""
-        return ChatRules(self.think, self.system_prompts, self.system_ratio, self.seed)
+        return ChatRules(self.think, self.system_prompts, self.system_ratio, self.seed, self.open_thinking)
 
     @property
     def preference(self) -> bool:
@@ -121,7 +122,7 @@ def data_spec(node: Any, train_task: str = "pretrain") -> DataSpec:
         return node
     from training.config.schema import DataSchema  # the home of the chat keys' defaults
 
-    optional = {"think", "system_prompts", "system_ratio"}  # a section without them (an older run's) takes defaults
+    optional = {"think", "system_prompts", "system_ratio", "open_thinking"}  # a section without them (an older run's) takes defaults
     values = {f.name: _field(node, f.name, "data") for f in fields(DataSpec)
               if f.name != "train_task" and f.name not in optional}
     for name in optional:
