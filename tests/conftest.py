@@ -44,6 +44,26 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
+@pytest.fixture(autouse=True)
+def no_traceback_reaches_the_user(monkeypatch):
+    """Every train.py / export_hf.py / generate.py process a test starts with subprocess.run ends without a Python
+    traceback in its output (tests/user_output.py): an error is one line, whatever the test asserts."""
+    import subprocess
+
+    from tests.user_output import traceback_in, user_facing
+
+    original = subprocess.run
+
+    def run(*args, **kwargs):
+        result = original(*args, **kwargs)
+        command = args[0] if args else kwargs.get("args")
+        if user_facing(command) and (found := traceback_in(result.stdout, result.stderr)):
+            pytest.fail(f"a traceback reached the user of {' '.join(map(str, command))[:300]}:\n{found}")
+        return result
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The session's pooled worker processes leave with it (tests/spawn.py)."""
     from tests.spawn import close_pools
