@@ -195,8 +195,9 @@ def test_an_unfit_teacher_is_refused_in_one_line(workspace, tmp_path):
             f"distill.teacher={tmp_path / 'missing'} does not exist; give an HF folder (save_pretrained, "
             "scripts/export_hf.py) or a Sluice run directory or checkpoint",
         (f"distill.teacher={tmp_path / 'empty'}",):
-            f"distill.teacher={tmp_path / 'empty'} is neither an HF folder (no config.json) nor a Sluice training "
-            "checkpoint; give a folder written by save_pretrained or scripts/export_hf.py, or a run directory",
+            f"distill.teacher={tmp_path / 'empty'} is neither an HF folder (no config.json), a MiniMind .pth nor a "
+            "Sluice training checkpoint; give a folder written by save_pretrained or scripts/export_hf.py, a .pth or "
+            "a run directory",
         (f"distill.teacher={small}",):
             f"distill.teacher={small} has a vocabulary of 1024 tokens, the student 2048; the teacher's logits must "
             "cover the student's vocabulary (a teacher of the same tokenizer)",

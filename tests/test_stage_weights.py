@@ -59,3 +59,16 @@ def test_export_names_the_pth_by_the_run_task(stages, tmp_path, capsys):
     again = torch.load(tmp_path / "again.pth", weights_only=True)
     state, _ = read_training_weights(stages / "sft")
     assert set(again) == set(state) and all(torch.equal(again[k], state[k]) for k in state)
+
+
+def test_a_stage_pth_is_a_teacher_its_config_read_from_its_shapes(stages, data_cache):
+    from training.distill import load_teacher, teacher_problem
+
+    pth = stages / "sft" / "out" / "full_sft_64.pth"
+    cfg = compose_run_config(["model=tiny", "train.task=distill", "data.format=chat", f"distill.teacher={pth}"],
+                             data_cache)
+    assert teacher_problem(cfg, cfg.model.vocab_size) is None
+    teacher = load_teacher(str(pth), torch.device("cpu"))
+    weights = torch.load(pth, weights_only=True)
+    assert teacher.config.num_hidden_layers == 4 and teacher.config.num_key_value_heads == 2
+    assert all(torch.equal(p, weights[k].float()) for k, p in teacher.module.state_dict().items())

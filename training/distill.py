@@ -1,7 +1,8 @@
 """Distillation's teacher (`distill.teacher`): found, checked and loaded whole on a rank, frozen, forward only.
 
-The teacher is an HF folder (a config.json beside its weights: save_pretrained, `scripts/export_hf.py`) or a Sluice
-training checkpoint (a checkpoint, a checkpoints folder or a run directory, LoRA adapters merged); it may have
+The teacher is an HF folder (a config.json beside its weights: save_pretrained, `scripts/export_hf.py`), a MiniMind
+`.pth` (its config read from its shapes, `checkpoint.pth_config`) or a Sluice training checkpoint (a checkpoint, a
+checkpoints folder or a run directory, LoRA adapters merged); it may have
 another size than the student, and at least the student's vocabulary (MiniMind cuts its logits to the student's).
 """
 
@@ -24,6 +25,11 @@ from training.objectives.distill import TOKENS, DistillLoss
 log = logging.getLogger("sluice")
 
 
+def is_pth(path: str) -> bool:
+    """A MiniMind .pth file (`checkpoint.export_pth`'s `full_sft_768.pth`, MiniMind's own): its config is inferred."""
+    return Path(path).suffix == ".pth" and Path(path).is_file()
+
+
 def teacher_config(path: str):
     """The teacher's transformers config: its folder's config.json, or its training checkpoint's model record."""
     from models import ModelError, config_from_record, model_config
@@ -31,6 +37,11 @@ def teacher_config(path: str):
 
     if (Path(path) / "config.json").is_file():
         config = model_config({"hf_config": path})  # its values and dimensions checked before it is built
+    elif is_pth(path):
+        from checkpoint.dense import read_dense_state_dict
+        from checkpoint.pth_config import pth_config
+
+        config = pth_config(read_dense_state_dict(path), f"distill.teacher={path}")  # sizes from the shapes
     else:
         from checkpoint.export import locate
         from checkpoint.manager import read_meta
@@ -58,11 +69,13 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
     if not folder.exists():
         return (f"distill.teacher={path} does not exist; give an HF folder (save_pretrained, scripts/export_hf.py) or "
                 "a Sluice run directory or checkpoint")
-    if not (folder / "config.json").is_file() and (not folder.is_dir() or find_checkpoint(folder) is None):
-        return (f"distill.teacher={path} is neither an HF folder (no config.json) nor a Sluice training checkpoint; "
-                "give a folder written by save_pretrained or scripts/export_hf.py, or a run directory")
+    if not (folder / "config.json").is_file() and not is_pth(path) and \
+            (not folder.is_dir() or find_checkpoint(folder) is None):
+        return (f"distill.teacher={path} is neither an HF folder (no config.json), a MiniMind .pth nor a Sluice "
+                "training checkpoint; give a folder written by save_pretrained or scripts/export_hf.py, a .pth or a "
+                "run directory")
     try:
-        if (folder / "config.json").is_file():
+        if (folder / "config.json").is_file() or is_pth(path):
             from checkpoint.dense import check_dense_files
 
             check_dense_files(path)  # inside its folder, regular files: a FIFO would block every rank
@@ -92,7 +105,7 @@ def load_teacher(path: str, device: torch.device) -> Decoder:
     """The teacher, whole on `device`, in eval mode with no parameter requiring a gradient."""
     from models import build_model, decoder_of
 
-    if (Path(path) / "config.json").is_file():
+    if (Path(path) / "config.json").is_file() or is_pth(path):
         from checkpoint.dense_source import dense_source
         from parallel.materialize import materialize_
 
