@@ -30,7 +30,8 @@ RUN_ROOT = "runs/recipe"
 # logged, a smaller embedded corpus (one value for every step, so one tokenizer), the worker's shared data cache.
 SMALL = {"train.steps": None, "train.log_every": "1", "optim.warmup_steps": "1", "data.num_docs": "400",
          "logger": "none"}
-STEPS = {"pretrain": "8", "sft": "4", "lora": "2", "dpo": "2", "distill": "4", "distill-ce": "4"}  # by run directory
+STEPS = {"pretrain": "8", "sft": "4", "lora": "2", "dpo": "2", "distill": "4", "distill-ce": "4",
+         "grpo": "2"}  # by run directory
 CHAIN = ["pretrain", "sft", "lora", "dpo"]  # each starts from the export of the one before
 STUDENTS = ["distill", "distill-ce"]  # distill.alpha 0.5 and 1 (CE only): the teacher is SFT's export for both
 pytestmark = pytest.mark.timeout(600)  # 12 commands, three of them launching their workers; slow under a loaded CPU
@@ -82,7 +83,7 @@ def test_the_page_chains_pretrain_sft_lora_dpo_export_generate_distill():
     assert all(words[0] == ".venv/bin/python" for words in commands)
     scripts = [Path(words[1]).name for words in commands]
     assert scripts == ["train.py", "export_hf.py", "train.py", "export_hf.py", "train.py", "export_hf.py",
-                       "export_hf.py", "train.py", "export_hf.py", "generate.py", "train.py", "train.py"]
+                       "export_hf.py", "train.py", "export_hf.py", "generate.py", "train.py", "train.py", "train.py"]
     trains = [words for words in commands if words[1] == "train.py"]
     runs = [override(words, "hydra.run.dir") for words in trains]
     assert runs == [f"{RUN_ROOT}/{name}" for name in STEPS]
@@ -92,7 +93,8 @@ def test_the_page_chains_pretrain_sft_lora_dpo_export_generate_distill():
     generate = commands[scripts.index("generate.py")]
     assert generate[2] == exports[runs[3]] and "--chat" in generate
     assert "parallel.pp=2" in trains[2] and "lora=minimind" in trains[2]
-    distill, plain = trains[len(CHAIN):]
+    distill, plain, grpo = trains[len(CHAIN):]
+    assert override(grpo, "checkpoint.load_dense") == exports[f"{RUN_ROOT}/dpo"] and "experiment=grpo" in grpo
     assert override(distill, "distill.teacher") == override(plain, "distill.teacher") == exports[f"{RUN_ROOT}/sft"]
     assert override(distill, "distill.alpha") is None and override(plain, "distill.alpha") == "1"  # 0.5 against CE
     alike = [[w for w in words if not w.startswith(("hydra.", "distill.alpha"))] for words in (distill, plain)]
@@ -152,4 +154,7 @@ def test_the_recipe_runs_and_its_final_model_answers_a_chat_prompt(tmp_path, dat
     adapters = json.loads((root / "lora-adapters" / "adapter_config.json").read_text())
     assert adapters["base_model_name_or_path"] == str(root / "sft-hf") and adapters["r"] == 16  # lora=minimind: MiniMind's rank
     assert (root / "final" / "model.safetensors").is_file()
+    grpo = metrics(root / "grpo")  # step 8 from the final model: rollouts, rule rewards, CISPO (its rise: test_grpo_demo)
+    assert all({"reward_mean", "kl_ref", "completion_len", "rollout_tokens_per_s"} <= set(row) for row in grpo)
+    assert grpo[0]["kl_ref"] == 0.0  # step 1's policy is its reference
     assert answer, "generate.py --chat printed no answer"
