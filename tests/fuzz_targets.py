@@ -1,6 +1,7 @@
 """What the fuzzer feeds and to which reader: mutated files a folder brings (meta.json, config.json, SHA256SUMS,
-`.metadata`, safetensors headers, PEFT configs, LoRA .pth files, JSONL rows) handed in-process to the function that
-reads them. Each target returns normally (accepted) or raises one of the readers' own errors in one line; anything
+`.metadata`, safetensors headers, PEFT configs, LoRA .pth files, JSONL rows) and train.py's command-line values,
+handed in-process to the function that reads them. Each target returns normally (accepted) or raises one of the
+readers' own errors in one line; anything
 else (a traceback the user would see) fails the property. tests/test_fuzz.py runs each with a small fixed budget,
 scripts/fuzz.py for as long as asked."""
 
@@ -213,18 +214,46 @@ def target_jsonl(folder: Path, data: st.DataObject) -> None:
         parse_row(line, task)
 
 
+CLI_KEYS = ["train.steps", "train.seed", "train.micro_batch_size", "train.seq_len", "train.grad_clip",
+            "model.hidden_size", "model.num_hidden_layers", "model.vocab_size", "model.num_attention_heads",
+            "optim.lr", "optim.warmup_steps", "checkpoint.every", "checkpoint.keep_last", "parallel.tp", "parallel.pp",
+            "data.seed", "lora.rank", "lora.alpha", "schedule.n_microbatches"]
+CLI_VALUES = st.one_of(st.sampled_from(["1e9", "-1", "0", "inf", "nan", "-inf", str(2**70), str(-(2**63)), "abc",
+                                        "null", "[1,2]", "{a:1}", "''", "true", "1.5", "10000", "2147483648"]),
+                       st.integers(-(2**65), 2**65).map(str))
+
+
+def target_cli(folder: Path, data: st.DataObject) -> None:
+    """A train.py command line with one odd value: the pre-launch check passes, or exits 2 with one `sluice:` line."""
+    import contextlib
+
+    from training.cli import preflight
+
+    key, value = data.draw(st.sampled_from(CLI_KEYS)), data.draw(CLI_VALUES)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            preflight(["model=tiny", "logger=none", f"data.cache_dir={folder}", f"{key}={value}"])
+        except SystemExit as leave:
+            lines = [line for line in err.getvalue().splitlines() if not line.startswith("sluice: config warning")]
+            assert leave.code == 2 and len(lines) == 1 and lines[0].startswith("sluice: "), (key, value, lines)
+
+
 @dataclass(frozen=True)
 class Target:
     """A reader under fuzz: a name and the function that feeds it one example in a fresh folder."""
 
     name: str
     run: Callable[[Path, st.DataObject], None]
+    examples: int = 100  # the suite's budget (tests/test_fuzz.py): a few ms an example; less for slow readers
 
 
-TARGETS = [Target("meta.json", target_meta), Target("config.json", target_config), Target("SHA256SUMS", target_sums),
+TARGETS = [Target("meta.json", target_meta, examples=40),  # 0.1 s an example: the export's config is built
+           Target("config.json", target_config), Target("SHA256SUMS", target_sums),
            Target(".metadata", target_metadata), Target("safetensors", target_safetensors),
            Target("adapter_config.json", target_peft), Target("lora.pth", target_lora_pth),
-           Target("jsonl", target_jsonl)]
+           Target("jsonl", target_jsonl),
+           Target("train.py overrides", target_cli, examples=12)]  # Hydra composes each: 0.2 s an example
 
 
 def in_fresh_folder(target: Target, data: st.DataObject) -> None:
