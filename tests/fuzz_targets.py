@@ -1,9 +1,8 @@
 """What the fuzzer feeds and to which reader: mutated files a folder brings (meta.json, config.json, SHA256SUMS,
 `.metadata`, safetensors headers, PEFT configs, LoRA .pth files, JSONL rows) and train.py's command-line values,
 handed in-process to the function that reads them. Each target returns normally (accepted) or raises one of the
-readers' own errors in one line; anything
-else (a traceback the user would see) fails the property. tests/test_fuzz.py runs each with a small fixed budget,
-scripts/fuzz.py for as long as asked."""
+readers' own errors in one line; anything else (a traceback the user would see) fails the property.
+tests/test_fuzz.py runs each with a small fixed budget, scripts/fuzz.py for as long as asked."""
 
 from __future__ import annotations
 
