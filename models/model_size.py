@@ -24,10 +24,12 @@ QK_NORM = {"minimind", "qwen3", "qwen3_moe", "gemma3", "gemma3_text"}  # a norm 
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Parameters of a config's model, and the largest single weight's elements."""
+    """Parameters of a config's model, the largest single weight's elements and its widest dimension (derived
+    widths included: MiniMind's MLP width follows hidden_size)."""
 
     parameters: int
     largest: int
+    widest: int
 
     def bytes(self, per_parameter: int = FP32) -> int:
         return self.parameters * per_parameter
@@ -61,7 +63,8 @@ def model_size(data: dict[str, Any]) -> ModelSize:
     embedding = vocab * hidden
     head = 0 if data.get("tie_word_embeddings", True) else embedding
     return ModelSize(parameters=embedding + head + layers * (attention + mlp + 2 * hidden) + hidden,
-                     largest=max(embedding, hidden * heads * head_dim, hidden * width, hidden * expert_width))
+                     largest=max(embedding, hidden * heads * head_dim, hidden * width, hidden * expert_width),
+                     widest=max(vocab, hidden, width, expert_width, heads * head_dim))
 
 
 def size_problem(data: dict[str, Any], where: str, memory: int | None = None,
@@ -79,8 +82,12 @@ def size_problem(data: dict[str, Any], where: str, memory: int | None = None,
         return (f"{where} num_hidden_layers={layers} is more than {MAX_LAYERS} layers, beyond any model Sluice "
                 "builds; fix num_hidden_layers")
     size = model_size(data)
-    if size.largest > MAX_NUMEL:
-        return f"{where} sizes make a weight of {size.largest} elements, beyond int64; fix hidden_size or vocab_size"
+    if size.widest > MAX_DIM:  # a width derived from the fields set (MiniMind's MLP width from hidden_size)
+        return (f"{where} sizes make a dimension of {size.widest}, beyond what torch can index (at most {MAX_DIM}); "
+                f"fix {_size_fields(data)}")
+    if size.largest * 8 > MAX_NUMEL:  # its bytes, at up to 8 a value, are an int64 too
+        return (f"{where} sizes make a weight of {size.largest} elements, beyond what torch can allocate; fix "
+                f"{_size_fields(data)}")
     if memory is not None and size.bytes(per_parameter) > memory:
         gib = size.bytes(per_parameter) / 2**30
         return (f"{where} sizes make a model of {size.parameters / 1e9:.3g}B parameters ({gib:.1f} GiB of weights), "

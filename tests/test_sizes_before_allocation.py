@@ -123,3 +123,10 @@ def test_a_teacher_shard_linked_to_a_device_is_refused_before_launch(checkpoint,
     cfg = OmegaConf.create({"train": {"task": "distill"}, "distill": {"teacher": str(copy)}})
     problem = teacher_problem(cfg, 300)
     assert problem.startswith(f"distill.teacher={copy}") and "leads outside" in problem and "/dev/zero" in problem
+
+
+def test_a_derived_width_beyond_torch_is_named():
+    """MiniMind's MLP width follows hidden_size: 1e9 makes it 3.1e9 and the weight's bytes overflow int64."""
+    problem = size_problem({**TINY, "hidden_size": 10**9}, "model:")
+    assert problem.startswith("model: sizes make a dimension of 3141592704, beyond what torch can index")
+    assert "hidden_size=1000000000" in problem
