@@ -116,3 +116,41 @@ def test_the_reward_model_scores_prompt_and_answer_clipped_to_three(tmp_path):
     with torch.no_grad():
         model.model.score.weight.mul_(1e4)
     assert all(abs(s) == 3.0 for s in model(prompts, completions))
+
+
+def broken_judge(prompts, completions):
+    """A reward by `_target_` that raises (tests)."""
+    raise ConnectionError("the judge is down")
+
+
+def test_a_reward_that_raises_at_run_time_stops_the_step_naming_reward_and_step():
+    from parallel.grid import ParallelGrid
+    from training.data.tokenizer import train_bpe_tokenizer
+    from training.grpo.rewards import RewardError
+    from training.grpo.scoring import Scorer
+
+    tokenizer = train_bpe_tokenizer(["what is one plus two? one plus two is three."] * 20, 300)
+    scorer = Scorer(["minimind_rules", {"_target_": "tests.test_grpo_inputs.broken_judge"}], None, tokenizer,
+                    ParallelGrid.single(CPU))
+    ids = torch.tensor([tokenizer("one plus two", add_special_tokens=False).input_ids] * 2)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with pytest.raises(RewardError, match=r"^grpo.rewards: tests.test_grpo_inputs.broken_judge raised ConnectionError "
+                                          r"at step 7: the judge is down$"):
+        scorer(7, ids, mask, ids, mask)
+
+
+def test_a_group_of_equal_rewards_is_said_in_the_log(caplog):
+    """Zero spread: the advantages are 0 (tests/test_grpo.py), and rank 0 says how many groups taught nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from parallel.step import StepResult
+    from training.grpo.step import GrpoStep
+
+    step = GrpoStep.__new__(GrpoStep)  # only what after_step reads
+    step.grid, step.spec, step.samples = SimpleNamespace(rank=0), SimpleNamespace(num_generations=6), []
+    step.rollout_s = step.reference_s = 1.0
+    with caplog.at_level(logging.INFO, logger="sluice"):
+        record = step.after_step(3, StepResult(0.0, 0.0, 24, metrics={"flat_groups": 2, "completion_len": 5.0}))
+    assert "grpo: step 3: 2 of 4 groups had equal rewards (zero spread): their advantages are 0" in caplog.text
+    assert record["rollout_tokens_per_s"] == 120.0
