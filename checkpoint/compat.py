@@ -17,6 +17,7 @@ from checkpoint.atomic_write import copy_file, write_text
 
 BOTH_CLASS = "PreTrainedTokenizerFast"  # a class name both versions resolve (4.57 tokenization_auto.py:808)
 FIVE_ONLY_CLASSES = ("TokenizersBackend",)  # what 5.x writes for a fast tokenizer; 4.57 raises "does not exist"
+TOP_LEVEL = ("rope_theta", "partial_rotary_factor")  # 5.x moved these into rope_parameters; 4.x reads them on top
 SPECIALS = ("bos_token", "eos_token", "pad_token")  # named in the config itself (none added at load)
 
 
@@ -28,9 +29,9 @@ def rope_fields(rope: dict[str, Any]) -> dict[str, Any]:
         if "rope_theta" in rope.get("sliding_attention", {}):
             out["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
         return out
-    out: dict[str, Any] = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope else {}
+    out = {k: rope[k] for k in TOP_LEVEL if k in rope}
     scaled = rope.get("rope_type", "default") != "default"
-    out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"} if scaled else None
+    out["rope_scaling"] = {k: v for k, v in rope.items() if k not in TOP_LEVEL} if scaled else None
     return out
 
 

@@ -129,3 +129,19 @@ def test_the_second_transformers_check_runs_both_loads(tokenizer_5x, tmp_path, r
     assert capsys.readouterr().out.strip().endswith("same answer")
     assert check.main([str(tmp_path), "--python", sys.executable]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "phi3-tiny", "gemma3-tiny", "qwen3-moe-tiny"])
+def test_a_transformers_family_exports_its_rope_both_ways(preset, tmp_path):
+    from transformers import AutoConfig
+
+    from tests.conftest import ROOT
+
+    config = AutoConfig.from_pretrained(str(ROOT / "models" / "configs" / preset))
+    folder = save_hf_folder(AutoModelForCausalLM.from_config(config), tmp_path / "out")
+    written = json.loads((folder / "config.json").read_text())
+    rope = written["rope_parameters"]
+    full = rope.get("full_attention", rope)  # Gemma 3: per attention type; 4.57 reads the full one as rope_theta
+    assert written["rope_theta"] == full["rope_theta"]
+    assert written.get("partial_rotary_factor", 1.0) == rope.get("partial_rotary_factor", 1.0)
+    assert AutoConfig.from_pretrained(str(folder)).rope_parameters == config.rope_parameters  # 5.x reads as before
