@@ -273,7 +273,7 @@ class CheckpointManager:
                 self._complete(tmp, final, step, sums, what)
                 self._prune()
                 if self.on_saved is not None:
-                    self.on_saved(final)
+                    self._say(f"wrote {self.on_saved(final)} (the next stage's checkpoint.load_dense)")
             except CheckpointError as error:
                 problem = str(error)
             except OSError as error:
