@@ -196,3 +196,17 @@ def test_a_save_never_writes_through_a_link_planted_as_its_temporary_folder(tmp_
     train(tmp_path, tmp_path / "run", folder, steps=1)
     assert sorted(p.name for p in target.iterdir()) == ["kept"] and (target / "kept").read_text() == "precious"
     assert (folder / "step_00000001" / "meta.json").is_file()
+
+
+def test_run_records_are_read_as_checked_files(tmp_path):
+    """A FIFO or a link to a device among failures/ and hang/ is skipped, never opened (the launcher would block)."""
+    from training.reliability.failures import read_failures
+    from training.reliability.hang import read_dumps
+
+    for folder, good in (("failures", '{"rank": 0, "time": 1.0, "message": "m"}'), ("hang", '{"rank": 0}')):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "rank0.json").write_text(good)
+        os.mkfifo(tmp_path / folder / "rank1.json")
+        (tmp_path / folder / "rank2.json").symlink_to("/dev/zero")
+        (tmp_path / folder / "rank3.json").write_text('["not a record"]')
+    assert [r["rank"] for r in read_failures(tmp_path)] == [0] and [d["rank"] for d in read_dumps(tmp_path)] == [0]

@@ -15,7 +15,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from checkpoint.atomic_write import open_append, write_text
+from checkpoint.confine import read_small
 from checkpoint.errors import CheckpointError
+from training.reliability.hang import RECORD_LIMIT
 
 # The project's own error classes (ConfigError, CheckpointError, DataError, TransportTimeout, BoundaryMismatch,
 # ScheduleError, InjectedCrash, NonFiniteError, ...) exist to carry a message that says what is wrong and how to
@@ -69,10 +71,12 @@ def read_failures(run_dir: Path) -> list[dict]:
     """Every failure record the ranks left, earliest first."""
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+        try:  # a regular file of bounded size: a FIFO planted there would block the launcher's report
+            record = json.loads(read_small(path, "failure record", RECORD_LIMIT))
+        except (CheckpointError, ValueError, RecursionError):
             continue
+        if isinstance(record, dict) and type(record.get("time")) in (int, float):
+            records.append(record)
     return sorted(records, key=lambda r: r["time"])
 
 

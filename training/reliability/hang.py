@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.atomic_write import write_text
+from checkpoint.confine import read_small
 from checkpoint.errors import CheckpointError
 from parallel.pipeline.actions import Action
 from parallel.pipeline.transport import SENDS, Message, Pending, describe
 
 DUMP_DIR = "hang"
+RECORD_LIMIT = 1 << 20  # a dump or failure record is a few KB; larger is not one of ours
 
 
 @dataclass
@@ -241,10 +243,12 @@ def read_dumps(run_dir: Path) -> list[dict]:
     """Every rank's dump in the run directory, by rank."""
     dumps = []
     for path in sorted((Path(run_dir) / DUMP_DIR).glob("rank*.json")):
-        try:
-            dumps.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+        try:  # a regular file of bounded size: a FIFO planted there would block the launcher's report
+            dump = json.loads(read_small(path, "hang dump", RECORD_LIMIT))
+        except (CheckpointError, ValueError, RecursionError):
             continue
+        if isinstance(dump, dict) and type(dump.get("rank")) is int:
+            dumps.append(dump)
     return sorted(dumps, key=lambda d: d["rank"])
 
 
