@@ -126,3 +126,18 @@ def test_open_thinking_reaches_the_template(tool_data):
     rules = ChatRules("keep", (), 0.2, 0, open_thinking=True)
     assert render_chat(tokenizer, rules.conversation(0, PLAIN)) == "open" and rules.identity()["open_thinking"]
     assert render_chat(tokenizer, PLAIN) == "shut"
+
+
+def test_a_tool_row_past_the_head_is_named_before_launch(tool_data, tmp_path):
+    chatml = tokenizer_folder(tmp_path / "chatml", None)
+    path = tmp_path / "late_tools.jsonl"
+    path.write_text("".join(json.dumps({"conversations": PLAIN}) + "\n" for _ in range(150)) +
+                    json.dumps({"conversations": ROW}) + "\n")
+    cfg = make_cfg(data_section(name="jsonl", path=str(path), tokenizer=str(chatml), format="chat",
+                                cache_dir=str(tmp_path / "cache")), seq_len=128)
+    assert data_problem(cfg).startswith(f"data.path: {path}:151: the chat template of data.tokenizer fails on it ")
+    bad = tmp_path / "bad_tools.jsonl"
+    bad.write_text(path.read_text().replace(json.dumps(ROW[2]["tool_calls"]), json.dumps("[{oops")))
+    cfg = make_cfg(data_section(name="jsonl", path=str(bad), tokenizer=str(tool_data[1]), format="chat",
+                                cache_dir=str(tmp_path / "cache")), seq_len=128)
+    assert data_problem(cfg).startswith(f'data.path: {bad}:151: message 2: "tool_calls" is not JSON')

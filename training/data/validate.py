@@ -25,6 +25,7 @@ from training.data.spec import (FORMATS, NAMES, PACKED_FORMATS, DataError, DataS
 from training.data.split import split_documents, val_count
 from training.data.tables import table_bytes
 from training.data.tokenizer import EMBEDDED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer, synthetic_tokenizer_dir
+from training.data.tool_rows import tool_row_problem
 
 HEAD_LINES = 100  # rows read to catch a wrong file early; the loader checks every row
 SCAN_BLOCK = 1 << 20
@@ -95,6 +96,9 @@ def _head_problem(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase |
             whole = not rows.cut
     except DataError as error:
         return str(error)
+    if source.kind == "jsonl" and spec.task == "chat" and tokenizer is not None and \
+            (problem := tool_row_problem(rows, tokenizer, spec.max_line_bytes)):
+        return problem  # a tool-use row further down, named before launch
     if whole and usable == 0:
         return f"{key}: no usable text in '{source.path}' (every row is blank or bad); give a file with usable rows"
     if docs is None or usable == 0:
