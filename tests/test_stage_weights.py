@@ -21,11 +21,13 @@ def train(overrides: list[str], run_dir: Path, cache: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory, data_cache) -> Path:
-    """A pretrain of two steps writing its .pth, then an SFT started from that file, writing its own."""
+    """Pretrain -> SFT -> DPO, each of two steps started from the .pth the stage before wrote, writing its own."""
     root = tmp_path_factory.mktemp("stages")
     train(TINY, root / "pretrain", data_cache)
     pth = root / "pretrain" / "out" / "pretrain_64.pth"
     train([*TINY, "train.task=sft", "data.format=chat", f"checkpoint.load_dense={pth}"], root / "sft", data_cache)
+    sft = root / "sft" / "out" / "full_sft_64.pth"
+    train([*TINY, "train.task=dpo", "data.format=chat", f"checkpoint.load_dense={sft}"], root / "dpo", data_cache)
     return root
 
 
@@ -40,6 +42,7 @@ def test_a_run_writes_minimind_stage_weights_at_each_save(stages):
 
 def test_the_next_stage_starts_from_the_file_the_run_wrote(stages, data_cache, tmp_path):
     assert sorted(p.name for p in (stages / "sft" / "out").iterdir()) == ["full_sft_64.pth"]
+    assert sorted(p.name for p in (stages / "dpo" / "out").iterdir()) == ["dpo_64.pth"]
     start = torch.load(stages / "pretrain" / "out" / "pretrain_64.pth", weights_only=True)
     no_steps = train([*TINY, "train.task=sft", "data.format=chat", "optim.lr=0", "optim.weight_decay=0",
                       f"checkpoint.load_dense={stages / 'pretrain' / 'out' / 'pretrain_64.pth'}"], tmp_path, data_cache)
