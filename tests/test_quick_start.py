@@ -41,7 +41,7 @@ def steps_in(run: Path) -> list[int]:
 def test_the_quick_start_then_continue_training_then_export_and_generate(tmp_path, data_cache, capsys):
     quick = block_after(ROOT / "README.md", "Train, export, generate:")
     continued = block_after(ROOT / "docs" / "checkpoints.md", "## Continue training")
-    assert [Path(w[1]).name for w in quick] == ["train.py", "export_hf.py", "generate.py"]
+    assert [Path(w[1]).name for w in quick] == ["train.py", "export_hf.py", "generate.py", "generate.py"]
     assert [Path(w[1]).name for w in continued] == ["train.py", "train.py"]
     # The page's totals (200, then 400, then the first run's own) scaled to 2, 3 and 3: each run goes on from the last.
     trains = [(quick[0], "2"), (continued[0], "3"), (continued[1], "3")]
@@ -63,3 +63,10 @@ def test_the_quick_start_then_continue_training_then_export_and_generate(tmp_pat
     capsys.readouterr()
     assert generate.main(localised(quick[2], tmp_path)[2:]) == 0
     assert capsys.readouterr().out.strip(), "generate.py printed nothing"
+    # The run's own checkpoint in the page's layout, emulated here (the same lists and stages in this process; the
+    # launched workers' path is tests/test_generation.py's): greedy, so the same text as one process.
+    greedy = ["--temperature", "0", "--max-new-tokens", "8"]
+    assert generate.main([*localised(quick[3], tmp_path)[2:], "parallel.emulate=true", *greedy]) == 0
+    laid_out = capsys.readouterr().out
+    assert generate.main([*localised(quick[3], tmp_path)[2:4], *greedy]) == 0
+    assert laid_out.strip() and laid_out == capsys.readouterr().out
