@@ -6,7 +6,7 @@ Usage:
 OTHER_PYTHON is the interpreter of another environment that has torch and the other transformers installed (e.g.
 `python -m venv ../tf4 && ../tf4/bin/pip install torch transformers==4.57.6`). Both this environment and that
 one load FOLDER with AutoTokenizer and AutoModelForCausalLM (no custom code), read the prompt's greedy continuation
-and the RoPE base each version runs; they must agree. Exit 0 when they do, 1 when they differ, 2 when a side cannot
+the RoPE base each version runs and the logits of the prompt and answer; they must agree (logits within 1e-4). Exit 0 when they do, 1 when they differ, 2 when a side cannot
 load the folder (one line each).
 """
 
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+LOGITS_ATOL = 1e-4  # fp32 kernels of two versions round apart by ~1e-6; a wrong RoPE base is O(1)
 # Runs in either environment: only torch and transformers, whatever their versions.
 PROBE = r"""
 import json, sys, torch, transformers
@@ -30,9 +32,18 @@ theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) o
 ids = tok(prompt, return_tensors="pt").input_ids
 with torch.no_grad():
     out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    logits = model(input_ids=out).logits[0].float()
 print(json.dumps({"version": transformers.__version__, "tokenizer": type(tok).__name__, "rope_theta": theta,
-                  "prompt_ids": ids[0].tolist(), "answer": out[0, ids.shape[1]:].tolist()}))
+                  "prompt_ids": ids[0].tolist(), "answer": out[0, ids.shape[1]:].tolist(),
+                  "logits": logits.tolist()}))
 """
+
+
+def logits_gap(a: list, b: list) -> float:
+    """The largest absolute difference of two [positions, vocab] logit lists (inf when their shapes differ)."""
+    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
+        return math.inf
+    return max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y)), default=0.0)
 
 
 def probe(python: str, folder: Path, prompt: str, tokens: int) -> dict:
@@ -61,10 +72,12 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
         print(f"check_other_transformers: {error}", file=sys.stderr)
         return 2
-    same = all(here[k] == there[k] for k in ("rope_theta", "prompt_ids", "answer"))
+    gap = logits_gap(here["logits"], there["logits"])
+    same = all(here[k] == there[k] for k in ("rope_theta", "prompt_ids", "answer")) and gap <= LOGITS_ATOL
     for side in (here, there):
         print(f"transformers {side['version']}: {side['tokenizer']}, rope_theta {side['rope_theta']}, "
               f"answer {side['answer']}")
+    print(f"logits of the prompt and answer differ by at most {gap:.3g}")
     print("same answer" if same else "DIFFERENT: the folder does not load alike on both versions")
     return 0 if same else 1
 
