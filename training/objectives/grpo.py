@@ -70,14 +70,15 @@ class GroupPolicyLoss:
 
     Sums per micro-batch (float64): the loss, the rewards and their squares, the advantages and their squares, the
     reference KL `q - p` over completion tokens (MiniMind's logged `kl_ref`), the completion tokens, the clipped
-    tokens, and the rows of zero-spread groups."""
+    tokens, the rows of zero-spread groups, and the rows' absolute losses (the loss is a sum of terms that cancel
+    within a group, whose advantages sum to 0: their size, not the loss's, says how near two layouts' losses are)."""
 
     loss_type: str
     beta: float
     epsilon: float
     epsilon_high: float
     num_generations: int
-    width: ClassVar[int] = 9
+    width: ClassVar[int] = 10
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor],
                  token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +100,8 @@ class GroupPolicyLoss:
             sums = torch.stack([loss_sum.to(d), rewards.sum().to(d), rewards.square().sum().to(d),
                                 advantages.sum().to(d), advantages.square().sum().to(d),
                                 ((ref - logps) * weights).sum().to(d), weights.sum().to(d),
-                                (clipped & mask).sum().to(d), extra[FLAT].to(device).sum().to(d)])
+                                (clipped & mask).sum().to(d), extra[FLAT].to(device).sum().to(d),
+                                per_row.abs().sum().to(d)])
         return loss_sum, sums
 
     def count(self, micro_batch: MicroBatch) -> torch.Tensor:
@@ -108,10 +110,11 @@ class GroupPolicyLoss:
 
     def metrics(self, sums: list[float], count: int) -> dict[str, float]:
         """Reward mean and spread, advantage mean and spread, KL to the reference per completion token, completion
-        length, the share of completion tokens clipped, and the groups of equal rewards."""
+        length, the share of completion tokens clipped, the groups of equal rewards, and the mean absolute loss of a
+        completion (`loss_magnitude`: the scale of the terms the near-zero loss is a sum of)."""
         n, tokens = max(count, 1), max(sums[6], 1.0)
         reward, advantage = sums[1] / n, sums[3] / n
         return {"reward_mean": reward, "reward_std": math.sqrt(max(sums[2] / n - reward ** 2, 0.0)),
                 "advantage_mean": advantage, "advantage_std": math.sqrt(max(sums[4] / n - advantage ** 2, 0.0)),
                 "kl_ref": sums[5] / tokens, "completion_len": sums[6] / n, "clip_fraction": sums[7] / tokens,
-                "flat_groups": round(sums[8] / self.num_generations)}
+                "flat_groups": round(sums[8] / self.num_generations), "loss_magnitude": sums[9] / n}
