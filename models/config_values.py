@@ -71,7 +71,7 @@ def _rope_problem(name: str, value: Any) -> str | None:
     nested = value and all(isinstance(v, dict) for v in value.values())  # per attention type (Gemma 3)
     for label, params in (((f"{name}.{k}", v) for k, v in value.items()) if nested else [(name, value)]):
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        if rope_type != "default" and (not isinstance(rope_type, str) or rope_type not in ROPE_INIT_FUNCTIONS):
             choices = ", ".join(["default", *sorted(ROPE_INIT_FUNCTIONS)])
             return f"{label}: rope_type {rope_type!r} is not one transformers implements; use one of {choices}"
         theta = params.get("rope_theta")

@@ -36,6 +36,9 @@ BAD_HF_CONFIGS = [
      f"config.json's rope_parameters: rope_type 'bogus' is not one transformers implements; {ROPE_TYPES}"),
     (LLAMA, {"rope_scaling": {"type": "bogus", "factor": 2.0}}, "config.json's rope_scaling: rope_type 'bogus'"),
     (LLAMA, {"rope_parameters": "default"}, "config.json's rope_parameters='default' must be an object such as"),
+    # Found by scripts/fuzz.py's soak: a rope_type that is not a string was a TypeError (unhashable) traceback.
+    (MINIMIND, {"rope_parameters": {"type": []}}, "config.json's rope_parameters: rope_type [] is not one transformers "
+                                                  "implements"),
     (LLAMA, {"hidden_act": "swishy"}, "config.json's hidden_act='swishy' is not an activation transformers knows; "
                                       "use one of gelu,"),
     (LLAMA, {"rms_norm_eps": -1e-6}, "config.json's rms_norm_eps=-1e-06 must be a finite number > 0"),
