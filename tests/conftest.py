@@ -46,11 +46,12 @@ def data_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def no_traceback_reaches_the_user(monkeypatch):
-    """Every train.py / export_hf.py / generate.py process a test starts with subprocess.run ends without a Python
-    traceback in its output (tests/user_output.py): an error is one line, whatever the test asserts."""
+    """Every train.py / export_hf.py / generate.py process a test starts (subprocess.run, or Popen whose output the
+    test reads through a pipe) shows no Python traceback in that output (tests/user_output.py): an error is one line,
+    whatever the test asserts."""
     import subprocess
 
-    from tests.user_output import traceback_in, user_facing
+    from tests.user_output import traceback_in, user_facing, watched_popen
 
     original = subprocess.run
 
@@ -62,6 +63,12 @@ def no_traceback_reaches_the_user(monkeypatch):
         return result
 
     monkeypatch.setattr(subprocess, "run", run)
+    started: list = []  # the user-facing processes the test started with Popen
+    monkeypatch.setattr(subprocess, "Popen", watched_popen(subprocess.Popen, started))
+    yield
+    for proc in started:
+        if found := proc.traceback():
+            pytest.fail(f"a traceback reached the user of {' '.join(map(str, proc.args))[:300]}:\n{found}")
 
 
 def pytest_sessionfinish(session, exitstatus):
