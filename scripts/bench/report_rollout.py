@@ -53,6 +53,8 @@ def _layouts(o: dict) -> list[str]:
             "forward of the other micro-batch it runs meanwhile. At decode a forward is one token per row, well under "
             "a millisecond at this size, about what a gloo hop between two processes costs, so the hops are not "
             "hidden; prefill and longer rows (more work per forward) or more micro-batches in flight hide them, and "
-            "NCCL's hops are tens of microseconds. tp2 has no bubble (the idle share is only the time outside "
+            "NCCL's hops are tens of microseconds. Generation sends its messages over torch.distributed P2P even on "
+            "one CPU host, where training takes the shared-memory transport and its shorter hop (the transport "
+            "section below): carrying generation's messages there is the next step for CPU rollouts. tp2 has no bubble (the idle share is only the time outside "
             "forwards) but each layer's two all-reduces and each token's logits all-gather over gloo cost more than "
             "the halved matmuls save at hidden 256; on GPUs TP decode is bound by those collectives' latency too.", ""]
