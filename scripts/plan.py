@@ -58,23 +58,23 @@ def split_args(argv: list[str]) -> tuple[list[str], Path]:
     return overrides, out
 
 
-def search_args(overrides: list[str]) -> tuple[list[str], int | None]:
-    """The search's own `world_size=N` taken out of the Hydra overrides."""
-    world, rest = None, []
+def count_arg(overrides: list[str], name: str, what: str) -> tuple[list[str], int | None]:
+    """The script's own `name=N` (a positive count of `what`) taken out of the Hydra overrides."""
+    found, rest = None, []
     for arg in overrides:
-        if arg.startswith("world_size="):
+        if arg.startswith(f"{name}="):
             value = arg.split("=", 1)[1]
             if not value.isdigit() or int(value) < 1:
-                fail(f"world_size={value} must be a positive number of processes")
-            world = int(value)
+                fail(f"{name}={value} must be a positive number of {what}")
+            found = int(value)
         else:
             rest.append(arg)
-    return rest, world
+    return rest, found
 
 
 def search_main(overrides: list[str], out: Path) -> int:
     """Rank every layout of the world size; print the table, the rejections, the best and its PNG."""
-    overrides, world = search_args(overrides)
+    overrides, world = count_arg(overrides, "world_size", "processes")
     cfg = compose_validated(overrides)
     world = world or layout_world_size(cfg)
     costs = measured_costs(cfg, world)
@@ -190,15 +190,8 @@ def main(argv: list[str]) -> int:
 
 def generation_main(overrides: list[str], out: Path) -> int:
     """Draw one round of the generation schedule of the config's pipeline: its verified lists, grid and timeline."""
-    ticks, rest = 3, []
-    for arg in overrides:
-        if arg.startswith("--ticks="):
-            value = arg.split("=", 1)[1]
-            if not value.isdigit() or int(value) < 1:
-                fail(f"--ticks={value} must be a positive number of ticks")
-            ticks = int(value)
-        else:
-            rest.append(arg)
+    rest, ticks = count_arg(overrides, "--ticks", "ticks")
+    ticks = ticks or 3  # the default round: fill, one steady tick, drain
     cfg = compose_validated(rest)
     try:
         pipeline = lower_pipeline(pipeline_spec(cfg), model_config(cfg).num_hidden_layers)
