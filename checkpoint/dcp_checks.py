@@ -10,6 +10,7 @@ into whatever DCP's load planner allocated, and a size of 10^12 elements would b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,14 @@ def check_metadata(metadata: Metadata, path: Path) -> None:
         return CheckpointError(f"checkpoint {path}: {what}; the checkpoint is corrupt or was crafted: resume from "
                                "another one")
 
+    try:
+        _check_tables(metadata, refuse)
+    except AttributeError as error:  # a flipped byte renamed a field of one of the pickled dataclasses
+        raise refuse(f"its metadata lacks the field {error.name!r}") from None
+
+
+def _check_tables(metadata: Metadata, refuse: Callable[[str], CheckpointError]) -> None:
+    """check_metadata's checks of the key -> tensor and chunk -> file tables."""
     tensors, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(tensors, dict) or not isinstance(storage, dict):
         raise refuse("its metadata holds no key -> tensor and chunk -> file tables")

@@ -96,6 +96,23 @@ def test_a_pickled_object_key_is_refused(saved, tmp_path):
         read_keys(folder)
 
 
+def test_a_metadata_field_renamed_by_a_flipped_byte_is_one_line(tmp_path):
+    """Found by scripts/fuzz.py's 30-minute soak: a `.metadata` whose pickled field name lost a byte unpickled to a
+    Metadata without `state_dict_metadata`, and the check raised AttributeError (a traceback) instead of refusing."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.safe_reader import load_metadata
+
+    folder = tmp_path / "flipped"
+    dcp.save({"w": torch.zeros(2)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    raw = (folder / METADATA_FILE).read_bytes()
+    assert raw.count(b"state_dict_metadata") == 1
+    (folder / METADATA_FILE).write_bytes(raw.replace(b"state_dict_metadata", b" tate_dict_metadata"))
+    with pytest.raises(CheckpointError, match="its metadata lacks the field 'state_dict_metadata'; the checkpoint is "
+                                              "corrupt or was crafted"):
+        load_metadata(folder / METADATA_FILE)
+
+
 def test_a_payload_in_the_tensor_data_is_refused_by_weights_only(saved, tmp_path):
     """The tensor files are pickles too: point the RNG state at a payload; loading refuses it, nothing runs."""
     run = tmp_path / "run"
