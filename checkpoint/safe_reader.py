@@ -57,7 +57,8 @@ class RestrictedUnpickler(pickle.Unpickler):
                 return value
         elif names and name in names:
             return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint {self.source} names {module}.{name}, which DCP checkpoint metadata never "
+        named = f"{module}.{name}".encode("unicode_escape").decode()  # a crafted name may hold a newline: one line
+        raise CheckpointError(f"checkpoint {self.source} names {named}, which DCP checkpoint metadata never "
                               "holds; refusing to unpickle it (the file may be crafted to run code): use a "
                               "checkpoint from a source you trust")
 
