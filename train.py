@@ -2,7 +2,7 @@
 
 import gc
 
-from training.cli import main
+from training.launch.cli import main
 
 if __name__ == "__main__":
     # torch's and Hydra's import-time objects live as long as the process: the collector skips them from here on

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.config.reference import run_defaults, write_tables  # noqa: E402
+from training.config.key_docs import run_defaults, write_tables  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

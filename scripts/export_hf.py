@@ -43,7 +43,7 @@ def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrid
     from hydra import compose, initialize_config_dir
 
     from models import build_model
-    from training.cli import CONF_DIR
+    from training.launch.cli import CONF_DIR
     from training.config import model_config, register_schema
 
     register_schema()
@@ -76,7 +76,7 @@ def written(out: Path, adapters_only: bool) -> str:
 
 def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
     """The source exists; OUT can be written and holds nothing an export would silently mix with."""
-    from training.output_paths import output_dir_problem, output_file_problem
+    from training.launch.output_paths import output_dir_problem, output_file_problem
 
     if not source.exists():
         raise CheckpointError(f"SOURCE={source} does not exist; give a run directory, a checkpoint or dense weights")

@@ -28,7 +28,7 @@ from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta  # noqa: E4
 from models.config_values import config_values_problem  # noqa: E402
 from models.model_size import host_memory, size_problem  # noqa: E402
 from parallel.generation import Sampling  # noqa: E402
-from training.generation_run import check_layout, generate_in_workers, parse_layout  # noqa: E402
+from training.launch.generation_run import check_layout, generate_in_workers, parse_layout  # noqa: E402
 
 
 class InputError(ValueError):

@@ -225,7 +225,7 @@ def dry_run(runs: list[Run], checks: list[Check]) -> int:
     """Compose and validate every run's config as train.py would, print the checks and their ranges."""
     from training.config import validate
     from training.config.schema import compose_config
-    from training.layout import layout_world_size
+    from training.launch.layout import layout_world_size
 
     failed = 0
     for run in runs:
@@ -252,7 +252,7 @@ def count_syncs(args: list[str]) -> None:
 
     from training.config import validate
     from training.config.schema import compose_config
-    from training.launch import run_worker
+    from training.launch.workers import run_worker
 
     cfg = compose_config([o for o in args if not o.startswith("hydra.")])
     validate(cfg, 1)

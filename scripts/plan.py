@@ -29,11 +29,11 @@ from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.render import step_text  # noqa: E402
 from parallel.pipeline.simulate import peak_live  # noqa: E402
 from parallel.pipeline.timeline import draw_timeline  # noqa: E402
-from training.cli import compose_validated, fail  # noqa: E402
+from training.launch.cli import compose_validated, fail  # noqa: E402
 from training.config import model_config  # noqa: E402
 from training.config.schema import model_decoder  # noqa: E402
-from training.layout import layout_world_size  # noqa: E402
-from training.output_paths import output_file_problem  # noqa: E402
+from training.launch.layout import layout_world_size  # noqa: E402
+from training.launch.output_paths import output_file_problem  # noqa: E402
 from training.layout_search.profile import measured_costs  # noqa: E402
 from training.layout_search.search import search  # noqa: E402
 from training.layout_search.search_report import chosen, no_fit_message, rejections, table  # noqa: E402

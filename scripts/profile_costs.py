@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omegaconf import DictConfig  # noqa: E402
 
-from training.cli import compose_validated  # noqa: E402
+from training.launch.cli import compose_validated  # noqa: E402
 from training.layout_search.costs import RECOMPUTE_MODES, MeasuredCosts, cache_path  # noqa: E402
 from training.layout_search.profile import measured_costs  # noqa: E402
 

@@ -226,7 +226,7 @@ def target_cli(folder: Path, data: st.DataObject) -> None:
     """A train.py command line with one odd value: the pre-launch check passes, or exits 2 with one `sluice:` line."""
     import contextlib
 
-    from training.cli import preflight
+    from training.launch.cli import preflight
 
     key, value = data.draw(st.sampled_from(CLI_KEYS)), data.draw(CLI_VALUES)
     err = io.StringIO()

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-JOINING = "start-up: joining the process group"  # rank 0's phase in its heartbeat (training/launch.py)
+JOINING = "start-up: joining the process group"  # rank 0's phase in its heartbeat (training/launch/workers.py)
 
 
 def rank_0_beat(store, restart: str) -> dict | None:

@@ -182,7 +182,7 @@ FINE_TUNING_WORDS = re.compile(r"(lora|peft|low[- ]rank|fine[- ]?tun|adapter_pai
 
 
 def test_parallel_names_no_fine_tuning_method():
-    """LoRA is a chunk pass of training/lora.py that the trainer hands the engine, its merge is checkpoint's; the
+    """LoRA is a chunk pass of training/methods/lora.py that the trainer hands the engine, its merge is checkpoint's; the
     TP layers offer a generic additive branch. No module of parallel/ names LoRA or any other fine-tuning method."""
     offenders = parallel_namings(FINE_TUNING_WORDS)
     assert not offenders, offenders

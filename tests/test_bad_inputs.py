@@ -1,8 +1,8 @@
 """Bad inputs end in exit 2 and one line naming the key or file and the fix (issue 35, item 9): a model.hf_config
 config.json with values no model builds from, a run directory name over NAME_MAX, a chat template that fails in
 scripts/generate.py, and a model that cannot fit this host's memory (the cost model's per-rank estimate, before
-launch). Most cases run the pre-launch check in-process (`training.cli.preflight`, what `python train.py` calls);
-two go through train.py's entry point (`training.cli.main`) in this process: they end before Hydra runs."""
+launch). Most cases run the pre-launch check in-process (`training.launch.cli.preflight`, what `python train.py` calls);
+two go through train.py's entry point (`training.launch.cli.main`) in this process: they end before Hydra runs."""
 
 import json
 from pathlib import Path
@@ -12,9 +12,9 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_config_errors import train_py_here
-from training.cli import compose_validated, preflight
+from training.launch.cli import compose_validated, preflight
 from training.config import register_schema
-from training.memory_fit import GIB, memory_problem, per_rank_bytes
+from training.launch.memory_fit import GIB, memory_problem, per_rank_bytes
 
 LLAMA = json.loads((ROOT / "models" / "configs" / "llama-tiny" / "config.json").read_text())
 GEMMA3 = json.loads((ROOT / "models" / "configs" / "gemma3-tiny" / "config.json").read_text())
@@ -218,7 +218,7 @@ def test_memory_budget_overrides_the_host_figure(monkeypatch):
 def test_a_gpu_smaller_than_a_rank_is_named(monkeypatch):
     import torch
 
-    import training.memory_fit as memory_fit
+    import training.launch.memory_fit as memory_fit
 
     monkeypatch.setattr(memory_fit, "_on_gpu", lambda cfg: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -248,7 +248,7 @@ def test_the_estimate_equals_the_cost_model_fed_with_measured_costs():
     counted inputs give the peaks the measured ones give, within 5% (the head's saved bytes are a formula)."""
     import torch
 
-    from training.memory_fit import estimated_costs
+    from training.launch.memory_fit import estimated_costs
     from training.layout_search.costs import Fit, MeasuredCosts
     from training.layout_search.predict import candidate_of, predict
     from training.layout_search.profile import measure_compute

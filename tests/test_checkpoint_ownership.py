@@ -154,7 +154,7 @@ def test_each_checkpoint_records_the_run_that_wrote_it(owned):
 
 
 def test_a_fresh_run_in_a_reused_run_directory_is_refused_without_metrics(tmp_path):
-    from training.console import check_run_dir
+    from training.report.console import check_run_dir
 
     run = tmp_path / "run"
     train(tmp_path, run, run / "checkpoints")

@@ -170,7 +170,7 @@ def test_a_half_pruned_checkpoint_is_finished_on_the_next_prune(tmp_path):
 
 
 def test_a_training_checkpoint_given_as_dense_weights_is_refused_before_launch(saved, capsys):
-    from training.cli import preflight
+    from training.launch.cli import preflight
     from training.config import register_schema
 
     register_schema()

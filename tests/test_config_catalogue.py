@@ -1,6 +1,6 @@
 """The validation catalogue, table-driven: every bad config exits 2 with one line naming the key, before launch.
 
-The table runs in-process through `training.cli.preflight` (the exact function `python train.py` calls before
+The table runs in-process through `training.launch.cli.preflight` (the exact function `python train.py` calls before
 Hydra starts anything): a `python train.py` subprocess costs ~10 s of imports on 2 cores, so only a
 representative subset runs end to end (tests/test_config_errors.py)."""
 
@@ -10,10 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from parallel.pipeline.schedules import SCHEDULES
-from training.cli import preflight
+from training.launch.cli import preflight
 from training.config import ConfigError, register_schema
 from training.reliability.faults import parse_fault
-from training.layout import layout_world_size, process_pp
+from training.launch.layout import layout_world_size, process_pp
 from training.config.unknown_keys import nearest_key
 
 TINY = ["model=tiny"]

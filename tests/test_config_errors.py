@@ -3,7 +3,7 @@
 Three representatives (a bad value, an unknown key added with `+`, an override Hydra itself refuses): the whole
 catalogue runs through the same pre-launch check in-process in tests/test_config_catalogue.py, since each
 `python train.py` pays seconds of imports on two cores. For the same reason a bad run directory, a bad sweep job
-and --help go through train.py's entry point (training.cli.main) in this process: they end before Hydra runs."""
+and --help go through train.py's entry point (training.launch.cli.main) in this process: they end before Hydra runs."""
 
 import logging
 import subprocess
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from training.cli import main, preflight
+from training.launch.cli import main, preflight
 
 BAD_CONFIGS = [
     (["model=tiny", "parallel.tp=3"], "parallel.tp=3 does not divide num_attention_heads=4; choose tp in {1, 2}"),
@@ -62,10 +62,10 @@ def train_py_here(args: list[str], monkeypatch, capsys) -> subprocess.CompletedP
 
 def launch_here(args: list[str], capsys) -> subprocess.CompletedProcess:
     """`python train.py args` in this process for commands refused after Hydra composed the run but before any worker
-    starts (a used run directory, no layout within the budget): the pre-launch check, then training.launch.run on
+    starts (a used run directory, no layout within the budget): the pre-launch check, then training.launch.workers.run on
     the composed config. Hydra's own part between them, making the run directory, is left out."""
     from training.config.schema import compose_config
-    from training.launch import run
+    from training.launch.workers import run
 
     run_dir = next(arg.partition("=")[2] for arg in args if arg.startswith("hydra.run.dir="))
     with pytest.raises(SystemExit) as leave:

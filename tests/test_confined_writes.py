@@ -130,7 +130,7 @@ def test_appending_never_follows_a_link(tmp_path):
 def test_train_log_is_never_written_through_a_link(tmp_path, capsys):
     import logging
 
-    from training.run_log import confine_log_files
+    from training.report.run_log import confine_log_files
 
     target = victim(tmp_path)
     (tmp_path / "train.log").symlink_to(target)
@@ -152,8 +152,8 @@ def test_train_log_is_never_written_through_a_link(tmp_path, capsys):
 
 
 def test_run_files_are_written_confined(tmp_path):
-    from training.loggers import JsonlSink
-    from training.metrics import drop_rows_after
+    from training.report.loggers import JsonlSink
+    from training.report.metrics import drop_rows_after
     from training.reliability.failures import record_failure
 
     target = victim(tmp_path)

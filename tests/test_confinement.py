@@ -245,7 +245,7 @@ def test_a_fifo_as_the_load_dense_file_is_refused_in_bounded_time(tmp_path, data
     os.mkfifo(fifo)
     for read in dense_reads(fifo):
         assert refused(read, fifo).startswith(f"checkpoint.load_dense: {fifo} is a FIFO")
-    from training.cli import preflight
+    from training.launch.cli import preflight
     from training.config import register_schema
 
     register_schema()
@@ -269,7 +269,7 @@ def test_a_fifo_as_a_shard_named_by_an_index_is_refused_in_bounded_time(tmp_path
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json"])
 def test_a_fifo_beside_the_weights_is_refused_before_launch(tmp_path, data_cache, name, capsys):
     """The weights' tokenizer check opens the folder's tokenizer (and config.json) before launch."""
-    from training.cli import preflight
+    from training.launch.cli import preflight
     from training.config import register_schema
     from training.data import synthetic_corpus, train_bpe_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_config_errors import launch_here
-from training.console import RunSummary, check_run_dir, format_summary, interpreter
+from training.report.console import RunSummary, check_run_dir, format_summary, interpreter
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
         "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.pp=2"]
@@ -59,7 +59,7 @@ def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refus
     assert result.returncode == 0, out[-3000:]
     assert not list(cwd.iterdir())  # rank 1 wrote no Hydra files of its own: rank 0's directory is the run's
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
-    # A pipe is no terminal: no bar and no carriage return, only log lines (training/console.py's progress_bar).
+    # A pipe is no terminal: no bar and no carriage return, only log lines (training/report/console.py's progress_bar).
     assert "\r" not in out and "train:   0%" not in out, out[-3000:]
     log_lines = [s for s in out.split("\n") if "][sluice][" in s]
     assert log_lines and all(s.startswith("[") for s in log_lines)  # each log line a line of its own
@@ -83,7 +83,7 @@ def test_torchrun_pp2_console_one_run_directory_then_a_second_fresh_run_is_refus
 def test_a_step_line_says_where_the_run_is_in_plain_numbers_with_each_objectives_terms():
     """What a Slurm log shows per logged step: `step N/total`, the objective's own terms (here distillation's CE and
     KL), numbers without exponents where they are large, the time taken and the time left at this pace."""
-    from training.metrics import step_line
+    from training.report.metrics import step_line
 
     record = {"loss": 7.593151, "aux_loss": 0.0, "lr": 3e-05, "grad_norm": 1.25, "tokens": 4096,
               "tokens_per_s": 12650.3, "step_time_s": 0.3, "ce_loss": 2.5, "distill_loss": 0.75,

@@ -108,7 +108,7 @@ def test_weights_trained_with_another_tokenizer_are_refused_in_one_line(tmp_path
     """The embedded tokenizer depends on data.num_docs and data.seed: fine-tuning an export under other values would
     read its token ids as other words, silently (the recipe's DPO step once did, and answered nonsense). Refused
     before launch."""
-    from training.cli import preflight
+    from training.launch.cli import preflight
     from training.config import register_schema
     from training.data import weights_tokenizer_problem
 

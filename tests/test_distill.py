@@ -163,7 +163,7 @@ def test_layout_equals_single_process(workspace, case):
 def test_a_sluice_run_teaches_with_its_trained_weights(workspace):
     """distill.teacher=<run directory>: its newest checkpoint, loaded whole and frozen, is the trained model."""
     from training.config import validate
-    from training.distill import load_teacher
+    from training.methods.distill.teacher import load_teacher
 
     result, run_dir = single_process(workspace)
     teacher = load_teacher(str(run_dir), torch.device("cpu"))

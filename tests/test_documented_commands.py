@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from training.cli import expand_jobs, split_argv
+from training.launch.cli import expand_jobs, split_argv
 from training.config import validate
 from training.config.schema import compose_config
 

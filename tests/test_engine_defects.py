@@ -97,7 +97,7 @@ def test_no_runtime_invariant_is_an_assert_statement_so_all_hold_under_python_da
 def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeypatch):
     from omegaconf import OmegaConf
 
-    from training import launch
+    from training.launch import workers as launch
     from tests.spawn import rendezvous_store
 
     store = rendezvous_store(60)  # held here: the process group joins it as a client, no port is re-bound

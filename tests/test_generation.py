@@ -325,7 +325,7 @@ def test_generate_script_takes_a_checkpoint_and_a_layout(trained, capsys):
 
 def test_a_checkpoints_greedy_completion_equals_transformers_on_its_weights(trained):
     from checkpoint.export import build_model
-    from training.generation_run import checkpoint_weights, generate_one_process
+    from training.launch.generation_run import checkpoint_weights, generate_one_process
 
     state, meta = checkpoint_weights(trained)
     model = build_model(meta["model"], state)

@@ -253,7 +253,7 @@ def test_a_logged_steps_gather_is_a_timed_wait_and_local_work_ends_once_a_peer_s
 def test_more_local_workers_than_visible_gpus_is_refused_before_launch_in_one_line(monkeypatch, tmp_path, capsys):
     from parallel.grid import local_device_problem
     from tests.equivalence import compose_run_config
-    from training import launch
+    from training.launch import workers as launch
 
     assert local_device_problem("auto", 4) is None  # no CUDA here: gloo on the CPU
     assert local_device_problem("gloo", 64) is None

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from models import decoder_of
 from parallel.step import LocalEngine, MicroBatch
-from training.grpo.reference import StartingWeights
-from training.grpo.rewards import RewardError, minimind_rules, rule_reward, score
-from training.grpo.rollouts import group_advantages, training_rows, write_samples
-from training.objectives.grpo import (ADVANTAGES, FLAT, OLD_LOGPS, REF_LOGPS, REWARDS, START, GroupPolicyLoss)
+from training.methods.grpo.reference import StartingWeights
+from training.methods.grpo.rewards import RewardError, minimind_rules, rule_reward, score
+from training.methods.grpo.rollouts import group_advantages, training_rows, write_samples
+from training.methods.grpo.objective import (ADVANTAGES, FLAT, OLD_LOGPS, REF_LOGPS, REWARDS, START, GroupPolicyLoss)
 
 CPU = torch.device("cpu")
 PAD, EOS, VOCAB = 0, 2, 96

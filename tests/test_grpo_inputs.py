@@ -75,7 +75,7 @@ def test_a_reward_model_with_another_tokenizer_is_refused(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from training.data.tokenizer import train_bpe_tokenizer
-    from training.grpo.reward_model import reward_model_problem
+    from training.methods.grpo.reward_model import reward_model_problem
 
     folder = tmp_path / "classifier"
     config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -95,7 +95,7 @@ def test_the_reward_model_scores_prompt_and_answer_clipped_to_three(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from training.data.tokenizer import train_bpe_tokenizer
-    from training.grpo.reward_model import RewardModel
+    from training.methods.grpo.reward_model import RewardModel
 
     tokenizer = train_bpe_tokenizer(["the cat sat on the mat and the dog ran"] * 20, 300)
     config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -126,8 +126,8 @@ def broken_judge(prompts, completions):
 def test_a_reward_that_raises_at_run_time_stops_the_step_naming_reward_and_step():
     from parallel.grid import ParallelGrid
     from training.data.tokenizer import train_bpe_tokenizer
-    from training.grpo.rewards import RewardError
-    from training.grpo.scoring import Scorer
+    from training.methods.grpo.rewards import RewardError
+    from training.methods.grpo.scoring import Scorer
 
     tokenizer = train_bpe_tokenizer(["what is one plus two? one plus two is three."] * 20, 300)
     scorer = Scorer(["minimind_rules", {"_target_": "tests.test_grpo_inputs.broken_judge"}], None, tokenizer,
@@ -145,7 +145,7 @@ def test_a_group_of_equal_rewards_is_said_in_the_log(caplog):
     from types import SimpleNamespace
 
     from parallel.step import StepResult
-    from training.grpo.step import GrpoStep
+    from training.methods.grpo.step import GrpoStep
 
     step = GrpoStep.__new__(GrpoStep)  # only what after_step reads
     step.grid, step.spec, step.samples = SimpleNamespace(rank=0), SimpleNamespace(num_generations=6), []

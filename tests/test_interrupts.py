@@ -19,8 +19,8 @@ from tests.test_config_errors import launch_here
 from tests.equivalence import layouts_worker
 from tests.spawn import run_workers
 from training.config.schema import compose_config
-from training.console import check_run_dir
-from training.metrics import drop_rows_after
+from training.report.console import check_run_dir
+from training.report.metrics import drop_rows_after
 from training.trainer import Trainer
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=2",

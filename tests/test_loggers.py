@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.equivalence import compose_run_config
-from training.loggers import check_logger, logger_backends
-from training.metrics import MetricsLogger
+from training.report.loggers import check_logger, logger_backends
+from training.report.metrics import MetricsLogger
 
 RECORD = {"loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": 0.1,
           "expert_imbalance": 1.25, "expert_imbalance_by_layer": {"layer0": 1.0, "layer1": 1.5}}

@@ -20,7 +20,7 @@ from tests.equivalence import (assert_bitwise_resume, assert_equivalent, baselin
 from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.config import model_config
-from training.lora import LoraSpec, apply_lora, lora_targets, matches
+from training.methods.lora import LoraSpec, apply_lora, lora_targets, matches
 from training.specs import lora_spec
 
 pytestmark = pytest.mark.timeout(1200)  # the module's shared spawn runs inside its first test
@@ -257,7 +257,7 @@ def test_adapters_ride_the_linears_branch_not_a_copy_of_their_forward():
     from parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from parallel.tensor_pass import shard_modules
     from tests.test_runtime import tiny
-    from training.lora import LowRank
+    from training.methods.lora import LowRank
 
     grid = ParallelGrid(tp=2)  # shapes and slices only: no forward, so no process group
     sharded = apply_lora(shard_modules(tiny(), grid), LoraSpec(rank=4, targets=("q_proj", "o_proj")), grid)
@@ -328,7 +328,7 @@ def report(model: str = "minimind3") -> None:
     (["lora.rank=4", "lora.targets=[]"], "lora.targets=[] matches no linear of the decoder layers"),
 ])
 def test_bad_lora_configs_fail_before_launch(overrides, message, capsys):
-    from training.cli import preflight
+    from training.launch.cli import preflight
 
     with pytest.raises(SystemExit) as exit_info:
         preflight(["model=tiny", *overrides])
@@ -337,7 +337,7 @@ def test_bad_lora_configs_fail_before_launch(overrides, message, capsys):
 
 
 def test_lora_keys_without_rank_are_ignored_with_a_warning(capsys):
-    from training.cli import preflight
+    from training.launch.cli import preflight
 
     preflight(["model=tiny", "lora.alpha=16"])
     assert "lora.alpha=16.0 is read only when lora.rank>0 (here lora.rank=0); it is ignored" in capsys.readouterr().err
@@ -355,7 +355,7 @@ def test_lora_b_of_a_packed_shard_takes_each_parts_block_as_its_base_does():
     from types import SimpleNamespace
 
     from parallel.blocks import local_block
-    from training.lora import _adapter_weight
+    from training.methods.lora import _adapter_weight
 
     base = torch.nn.Parameter(torch.empty(64, 64))
     base.tensor_parallel, base.partition_dim, base.tp_packed = True, 0, (64, 32, 32)

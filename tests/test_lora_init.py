@@ -17,7 +17,7 @@ from tests.equivalence import EMU, compose_run_config, run_training
 from tests.test_bad_inputs import run_preflight
 from tests.test_scripts import script
 from training.config import register_schema
-from training.lora import LoraSpec, apply_lora
+from training.methods.lora import LoraSpec, apply_lora
 from training.trainer import Trainer
 
 CPU = torch.device("cpu")

@@ -10,9 +10,9 @@ from models import build_model, decoder_of
 from parallel.decoder import Decoder
 from tests.equivalence import compose_run_config
 from tests.spawn import run_workers
-from training.flops import (device_peak_tflops, flops_per_token, peak_memory_record, process_peak_memory,
+from training.report.flops import (device_peak_tflops, flops_per_token, peak_memory_record, process_peak_memory,
                             throughput_record)
-from training.metrics import MetricsLogger
+from training.report.metrics import MetricsLogger
 
 
 def meta_decoder(config: MiniMindConfig) -> Decoder:

@@ -18,7 +18,7 @@ import torch
 from parallel.grid import ParallelGrid
 from tests.conftest import ROOT
 from tests.test_recipe import script
-from training.cli import preflight
+from training.launch.cli import preflight
 from training.config.schema import compose_config
 from training.trainer import Trainer
 

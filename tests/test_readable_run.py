@@ -21,7 +21,7 @@ from training.config.unknown_keys import unknown_key
 from training.data import build_data, build_tokenizer, run_data_spec
 from training.data.jsonl import parse_row
 from training.data.rows import TASKS
-from training.run_header import partition_line, run_header
+from training.report.header import partition_line, run_header
 
 
 def header_of(messages: list[str]) -> dict[str, str]:

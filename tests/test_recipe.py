@@ -3,7 +3,7 @@
 previous export, the final model answers a chat prompt, and a student distilled from the SFT export ends nearer the
 teacher's distribution than a CE-only student at the same steps.
 
-The one-process train.py lines run through train.py's entry point in this process (`training.cli.main`: the
+The one-process train.py lines run through train.py's entry point in this process (`training.launch.cli.main`: the
 pre-launch check, then Hydra, which writes the run's `.hydra/config.yaml` and train.log, then the launch), which saves
 a Python start-up of seconds each; the LoRA line runs as the reader runs it, a `python train.py` subprocess launching
 its two pipeline workers. export_hf.py and generate.py run in this process through their `main(argv)` with the

@@ -12,7 +12,7 @@ import yaml
 
 from minimind.config import MiniMindConfig
 from tests.conftest import ROOT
-from training.config.reference import key_table, run_defaults, write_tables
+from training.config.key_docs import key_table, run_defaults, write_tables
 from training.config.schema import CONF_DIR, schema_keys
 
 DOC = ROOT / "docs" / "configuration.md"
@@ -23,8 +23,8 @@ THROWAWAY = '    throwaway_knob: int = key(7, "a knob this test adds", positive)
 # Run inside the copy: the three readers of the schema, each asked about the new key.
 PROBE = r"""
 import contextlib, io, json, runpy
-from training.cli import preflight
-from training.config.reference import help_text
+from training.launch.cli import preflight
+from training.config.key_docs import help_text
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
     try:

@@ -90,7 +90,7 @@ def test_export_checks_meta_sizes_before_building(checkpoint, tmp_path, capsys, 
 
 
 def test_a_teacher_too_large_is_refused_before_launch(checkpoint, tmp_path):
-    from training.distill import teacher_config
+    from training.methods.distill.teacher import teacher_config
 
     copy = edited(checkpoint, tmp_path, "hidden_size", 2**40)
     with pytest.raises(ModelError, match=r"distill.teacher=.*: meta.json's model hidden_size=1099511627776 is beyond"):
@@ -113,7 +113,7 @@ def test_generate_checks_the_folder_size_before_loading(exported, tmp_path, caps
 def test_a_teacher_shard_linked_to_a_device_is_refused_before_launch(checkpoint, tmp_path):
     from omegaconf import OmegaConf
 
-    from training.distill import teacher_problem
+    from training.methods.distill.teacher import teacher_problem
 
     copy = tmp_path / "step_00000001"
     shutil.copytree(checkpoint, copy)

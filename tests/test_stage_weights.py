@@ -65,7 +65,7 @@ def test_export_names_the_pth_by_the_run_task(stages, tmp_path, capsys):
 
 
 def test_a_stage_pth_is_a_teacher_its_config_read_from_its_shapes(stages, data_cache):
-    from training.distill import load_teacher, teacher_problem
+    from training.methods.distill.teacher import load_teacher, teacher_problem
 
     pth = stages / "sft" / "out" / "full_sft_64.pth"
     cfg = compose_run_config(["model=tiny", "train.task=distill", "data.format=chat", f"distill.teacher={pth}"],

@@ -45,7 +45,7 @@ def test_a_bad_job_stops_the_sweep_before_anything_is_submitted(tmp_path, data_c
 
 
 def test_a_multi_node_submitit_task_starts_its_nodes_share(monkeypatch):
-    from training.cluster import is_launch_leader, node_launch
+    from training.launch.cluster import is_launch_leader, node_launch
 
     env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
            "SLURM_JOB_ID": "12345"}

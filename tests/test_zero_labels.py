@@ -75,7 +75,7 @@ def warnings_of(cfg, caplog) -> list[str]:
 
 def test_a_held_out_file_without_labels_is_refused_before_launch(tmp_path, tokenizer_dir, capsys):
     """Was: val_loss 0.0000, val_ppl 1.0. Now `train.py` exits 2 with one line before any worker starts."""
-    from training.launch import run
+    from training.launch.workers import run
 
     train, val = chats(tmp_path / "sft.jsonl", [ANSWER] * 16), chats(tmp_path / "val.jsonl", [CUT] * 8)
     expected = refusal("data.val_path", "chat samples", 8, held_out=True)

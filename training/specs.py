@@ -14,9 +14,9 @@ from checkpoint.manager import CheckpointSpec
 from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import Objective
 from training.config.schema import model_keys, schema_defaults
-from training.lora import LoraSpec
+from training.methods.lora import LoraSpec
 from training.objectives.dpo import PreferenceLoss
-from training.objectives.grpo import GroupPolicyLoss
+from training.methods.grpo.objective import GroupPolicyLoss
 from training.objectives.lm import LANGUAGE_MODEL
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

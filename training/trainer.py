@@ -26,14 +26,14 @@ from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from parallel.recompute import unknown_roles
 from training.config import model_config
-from training.console import resume_command
+from training.report.console import resume_command
 from training.data import build_data, build_val_batches, run_data_spec
-from training.distill import with_inputs, with_teacher
-from training.flops import peak_memory_record, world_group
+from training.methods.distill.teacher import with_inputs, with_teacher
+from training.report.flops import peak_memory_record, world_group
 from training.reliability.guard import StepGuard
 from training.reliability.watchdog import Interrupted, exit_code
-from training.metrics import MetricsLogger
-from training.run_header import run_header
+from training.report.metrics import MetricsLogger
+from training.report.header import run_header
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec, stage_weights
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -109,7 +109,7 @@ class Trainer:
             compute_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
         self.grpo = None
         if OmegaConf.select(cfg, "train.task") == "grpo":  # keeps the starting weights: before any step or resume
-            from training.grpo.step import GrpoStep
+            from training.methods.grpo.step import GrpoStep
 
             self.grpo = GrpoStep(cfg, self.engine, grid, self.tokenizer, self.run_dir)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len

@@ -11,8 +11,8 @@ from typing import Any, Optional, Union
 
 from omegaconf import MISSING
 
-from training.config.distill_schema import DistillSchema
-from training.config.grpo_schema import GrpoSchema
+from training.methods.distill.schema import DistillSchema
+from training.methods.grpo.schema import GrpoSchema
 from training.config.keys import ReadWhen, key
 from training.config.presets import CONF_DIR, store_presets
 from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,

@@ -11,8 +11,8 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config.schema import model_config, model_keys, schema_keys
 from training.config.unknown_keys import check_known_keys
 from training.config.values import ConfigError, shown
-from training.layout import layout_world_size, resolve_global_batch, resolved_dp
-from training.loggers import check_logger
+from training.launch.layout import layout_world_size, resolve_global_batch, resolved_dp
+from training.report.loggers import check_logger
 
 
 def check_resolvable(cfg: DictConfig) -> None:
@@ -165,7 +165,7 @@ def validate_experts(cfg: DictConfig, world_size: int | None = None) -> None:
 def validate_lora(cfg: DictConfig) -> list[str]:
     """lora.targets match at least one linear of the model's layers (the pass's own check, on the meta model);
     a warning for lora keys set while lora.rank=0 leaves them unread."""
-    from training.lora import lora_targets
+    from training.methods.lora import lora_targets
     from training.config.schema import model_decoder
     from training.specs import lora_spec
 
@@ -188,7 +188,7 @@ def validate_lora_init(cfg: DictConfig) -> None:
     from checkpoint.errors import CheckpointError
     from parallel.materialize import dense_shape
     from training.config.schema import model_decoder
-    from training.lora import file_adapters, layer_linears, lora_targets
+    from training.methods.lora import file_adapters, layer_linears, lora_targets
     from training.specs import lora_spec
 
     spec = lora_spec(cfg)
@@ -232,7 +232,7 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     teacher can teach it; LoRA's starting adapters (lora.init) fit; the folders the run writes (checkpoint.dir,
     data.cache_dir) can be created and written."""
     from checkpoint.manager import check_resume, find_checkpoint
-    from training.output_paths import output_dir_problem
+    from training.launch.output_paths import output_dir_problem
 
     dense = cfg.checkpoint.load_dense
     if dense and Path(dense).is_dir() and find_checkpoint(Path(dense)) is not None:
@@ -262,7 +262,7 @@ def validate_checkpoint(cfg: DictConfig) -> None:
                            cfg.train.steps)
     if problem:
         raise ConfigError(problem)
-    from training.distill import teacher_problem  # reads the teacher's config, under train.task=distill only
+    from training.methods.distill.teacher import teacher_problem  # reads the teacher's config, under train.task=distill only
 
     if problem := teacher_problem(cfg, model_config(cfg).vocab_size):
         raise ConfigError(problem)

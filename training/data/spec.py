@@ -147,7 +147,7 @@ def rows_per_sample(cfg: Any) -> int:
     """Sequences one sample stands for: a DPO pair's two, a GRPO prompt's group of completions, else one."""
     task = train_task(cfg)
     if task == "grpo":
-        from training.config.grpo_schema import GrpoSchema  # the home of its default
+        from training.methods.grpo.schema import GrpoSchema  # the home of its default
 
         value = optional_field(optional_field(cfg, "grpo"), "num_generations")
         return int(GrpoSchema().num_generations if value is None else value)

@@ -213,8 +213,8 @@ def data_problem(cfg: Any, dp: int | None = None) -> str | None:
     problem = spec_problem(spec)
     if problem is None and geo.seq_len < 2:
         problem = f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens"
-    if problem is None and spec.train_task == "grpo":  # prompts, groups, rewards: training/grpo/checks.py
-        from training.grpo.checks import grpo_problem
+    if problem is None and spec.train_task == "grpo":  # prompts, groups, rewards: training/methods/grpo/checks.py
+        from training.methods.grpo.checks import grpo_problem
 
         dp = dp or optional_field(optional_field(cfg, "parallel"), "dp") or 1
         return grpo_problem(cfg, spec, geo, int(dp))

@@ -27,7 +27,7 @@ def measured_weights(costs: MeasuredCosts, recompute: str) -> tuple[float, float
 
 
 def flop_weights(cfg: DictConfig) -> tuple[float, float]:
-    """The same from FLOPs (training/flops.py's count): the embedding is a lookup, the head a vocab-wide matmul."""
+    """The same from FLOPs (training/report/flops.py's count): the embedding is a lookup, the head a vocab-wide matmul."""
     decoder = model_decoder(cfg)
     c = decoder.config
     head = c.hidden_size * c.vocab_size

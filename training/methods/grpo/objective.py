@@ -10,7 +10,7 @@ own), `o` the rollout's ("old") and `q` the reference's, and the row's advantage
     cispo: l = -(min(r, epsilon_high).detach() A p - beta kl)
 
 and the row's loss is the mean of `l` over its completion tokens (at least one counted). A training row is the
-prompt's real tokens then the completion (training.grpo.rollouts); its labels are the completion tokens (-100
+prompt's real tokens then the completion (training.methods.grpo.rollouts); its labels are the completion tokens (-100
 elsewhere), and the payload says where among the shifted positions its completion starts (`START`), N the payload's
 width.
 """
@@ -84,7 +84,7 @@ class GroupPolicyLoss:
                  token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
         missing = [k for k in KEYS if k not in extra]
         if missing:
-            raise ValueError(f"a GRPO micro-batch carries no {', '.join(missing)}; build it with training.grpo.step")
+            raise ValueError(f"a GRPO micro-batch carries no {', '.join(missing)}; build it with training.methods.grpo.step")
         device = logits.device
         old, ref = (extra[k].to(device, torch.float32) for k in (OLD_LOGPS, REF_LOGPS))
         advantages, rewards = (extra[k].to(device, torch.float32) for k in (ADVANTAGES, REWARDS))

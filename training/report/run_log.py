@@ -3,7 +3,7 @@
 Hydra's own job logging opens `<run dir>/train.log` with `logging.FileHandler`, which appends through a link planted
 in a reused run directory (hydra.run.dir) to whatever file it names. Before anything is logged, the Hydra task swaps
 that handler for this one on the same file (`confine_log_files`); the self-launched workers' logging
-(training.launch) uses it from the start."""
+(training.launch.workers) uses it from the start."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from parallel.decoder import Decoder
 from parallel.grid import ParallelGrid
 from parallel.spec import EngineSpec
 from parallel.step import MicroBatch
-from training.objectives.distill import TOKENS, DistillLoss
+from training.methods.distill.objective import TOKENS, DistillLoss
 
 log = logging.getLogger("sluice")
 

@@ -22,10 +22,10 @@ from transformers import PreTrainedTokenizerBase
 
 from parallel.grid import ParallelGrid
 from parallel.step import IGNORE_INDEX, Engine, MicroBatch, StepResult
-from training.grpo.reference import StartingWeights
-from training.grpo.rollouts import group_advantages, padded, training_rows, write_samples
-from training.grpo.scoring import Scorer
-from training.objectives.grpo import ADVANTAGES, FLAT, OLD_LOGPS, REF_LOGPS, REWARDS, START
+from training.methods.grpo.reference import StartingWeights
+from training.methods.grpo.rollouts import group_advantages, padded, training_rows, write_samples
+from training.methods.grpo.scoring import Scorer
+from training.methods.grpo.objective import ADVANTAGES, FLAT, OLD_LOGPS, REF_LOGPS, REWARDS, START
 
 log = logging.getLogger("sluice")
 SAMPLE_GROUPS = 2  # groups of DP replica 0 written to rollouts.jsonl per sampled step

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.export import build_model as dense_model, read_training_weights
+from checkpoint.export import read_training_weights
 from checkpoint.lora_merge import merge_adapters
 from models import build_model, config_from_record, decoder_of
 from parallel.engine import build_engine

@@ -1,4 +1,4 @@
-"""A self-launched worker process: `python training/worker_entry.py CONFIG_JSON RUN_DIR`, started by the launcher.
+"""A self-launched worker process: `python training/launch/worker_entry.py CONFIG_JSON RUN_DIR`, started by the launcher.
 
 Self-launch starts its workers as plain subprocesses of this script rather than multiprocessing children of a
 Python function: multiprocessing (spawn) keeps named semaphores in /dev/shm for each worker's result queue,
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 if __name__ == "__main__":
     import gc
 
-    from training.launch import worker_main
+    from training.launch.workers import worker_main
 
     gc.freeze()  # as train.py: the imports' objects live as long as the process, so the collector skips them
     worker_main(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])

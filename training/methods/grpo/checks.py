@@ -27,8 +27,8 @@ def layout_problem(cfg: Any, geo: Geometry) -> str | None:
 
 def reward_problem(cfg: Any, spec: DataSpec) -> str | None:
     """A reward `_target_` that does not import, or a reward model folder that cannot score this run's text."""
-    from training.grpo.reward_model import reward_model_problem
-    from training.grpo.rewards import RewardError, reward_function
+    from training.methods.grpo.reward_model import reward_model_problem
+    from training.methods.grpo.rewards import RewardError, reward_function
 
     for entry in cfg.grpo.rewards:
         try:

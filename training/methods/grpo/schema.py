@@ -13,7 +13,7 @@ GRPO_SETTING = ReadWhen("train.task", ("grpo",), refuse=False)
 
 def reward_entries(key_name: str, value: Any) -> Optional[str]:
     """A non-empty list whose entries are reward names or `{_target_: module.function, ...}` mappings."""
-    from training.grpo.rewards import RULES
+    from training.methods.grpo.rewards import RULES
 
     entries = list(value or ())
     if not entries:

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.atomic_write import write_text
-from training.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
-from training.flops import device_peak_tflops, flops_per_token, throughput_record
+from training.report.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
+from training.report.flops import device_peak_tflops, flops_per_token, throughput_record
 from training.config.schema import model_decoder
-from training.loggers import open_sinks
+from training.report.loggers import open_sinks
 
 log = logging.getLogger("sluice")
 

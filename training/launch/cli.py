@@ -15,7 +15,7 @@ from training.config.presets import group_presets
 from training.config.schema import compose_config
 from training.config.minimind_args import minimind_flag_problem
 from training.config.unknown_keys import check_override_keys
-from training.output_paths import output_dir_problem
+from training.launch.output_paths import output_dir_problem
 
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra takes one value; the value is not an override.
@@ -132,7 +132,7 @@ def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[st
         check_output_dir(cfg.hydra, multirun)
         cfg.pop("hydra")
     warnings = validate(cfg, world_size)
-    from training.memory_fit import memory_problem  # the meta model and the cost model: after the cheap checks
+    from training.launch.memory_fit import memory_problem  # the meta model and the cost model: after the cheap checks
 
     if problem := memory_problem(cfg, world_size, this_host=not elsewhere):
         raise ConfigError(problem)
@@ -172,12 +172,12 @@ def main() -> None:
     register_schema()
     flags, overrides = split_argv(sys.argv[1:])
     if {"--help", "-h"} & set(flags):  # the key reference is read from the schema, not kept in a template
-        from training.config.reference import help_text
+        from training.config.key_docs import help_text
 
         print(help_text(tuple(overrides)))
         sys.exit(0)
     preflight(sys.argv[1:])
-    from training.launch import hydra_main, under_torchrun
+    from training.launch.workers import hydra_main, under_torchrun
 
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
         # Only rank 0 owns the run directory and its logs; the others learn its path from rank 0.

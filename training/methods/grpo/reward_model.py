@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from training.grpo.rewards import THINK_END
+from training.methods.grpo.rewards import THINK_END
 
 SCORE_CLIP = 3.0
 

@@ -21,7 +21,7 @@ from training.config import model_config
 from training.data import PackedSamples, PaddedSamples, StepBatches, run_data_spec
 from training.data.pairs import PairSamples
 from training.data.samples import Samples
-from training.lora import lora_targets
+from training.methods.lora import lora_targets
 from training.specs import lora_spec, pipeline_spec
 
 LABEL_WIDTH = 10

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from parallel.step import Engine, MicroBatch, TokenLoss
-from training.objectives.grpo import START, completion_logps
+from training.methods.grpo.objective import START, completion_logps
 
 ROW = "row"  # the payload key: each row's place among the pass's rows [B] long
 
