@@ -1,5 +1,6 @@
 """The pre-launch check of a lowered schedule (`verify`) and its predicted step (`simulate`): times, bubble,
-memory. The static rules live in `static_rules.py`, the two models of running a schedule in `replay.py`."""
+memory. Both refuse by one check (`check`: the static rules of `static_rules.py`, then `replay.run_strict`'s model of
+waiting), so they accept the same schedules and word a refusal alike; `replay.replay` only times what passed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .static_rules import ScheduleError, verify_static
 from .collector import collector_paused
 from .replay import replay, run_strict
 
-__all__ = ["Costs", "ScheduleError", "SimResult", "Verified", "peak_live", "predict", "simulate", "verify"]
+__all__ = ["Costs", "ScheduleError", "SimResult", "Verified", "check", "peak_live", "predict", "simulate", "verify"]
 
 
 @dataclass
@@ -36,12 +37,16 @@ class Verified(tuple):
     checked_for: tuple[int, int, int, str]
 
 
-@collector_paused
-def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> Verified:
-    """Raise ScheduleError for the first fault: wrong stage, missing/duplicate work, unmatched P2P, deadlock;
-    else return the schedule as `Verified` (hand that to `simulate`, which then skips the static check)."""
+def check(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> None:
+    """Raise ScheduleError for the first fault: wrong stage, missing/duplicate work, unmatched P2P, deadlock."""
     verify_static(lowered, pp, n_stages, n_microbatches, placement)
     run_strict(lowered, pp, placement)
+
+
+@collector_paused
+def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str) -> Verified:
+    """`check` the schedule and return it as `Verified` (hand that to `simulate`, which then skips the check)."""
+    check(lowered, pp, n_stages, n_microbatches, placement)
     verified = Verified(map(tuple, lowered))
     verified.checked_for = (pp, n_stages, n_microbatches, placement)
     return verified
@@ -51,17 +56,17 @@ def verify(lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placemen
 def simulate(
     lowered: Lists, pp: int, n_stages: int, n_microbatches: int, placement: str, costs: Costs | None = None
 ) -> SimResult:
-    """Check, then replay the schedule as the runtime runs it with `costs`: times, makespan, bubble, memory.
+    """`check`, then replay the schedule as the runtime runs it with `costs`: times, makespan, bubble, memory.
 
-    The check is the static one of `verify`, skipped for what `verify` returned for the same arguments."""
+    The check is skipped for what `verify` returned for the same arguments."""
     if not (isinstance(lowered, Verified) and lowered.checked_for == (pp, n_stages, n_microbatches, placement)):
-        verify_static(lowered, pp, n_stages, n_microbatches, placement)
+        check(lowered, pp, n_stages, n_microbatches, placement)
     return predict(lowered, pp, n_stages, placement, costs)
 
 
 @collector_paused
 def predict(lowered: Lists, pp: int, n_stages: int, placement: str, costs: Costs | None = None) -> SimResult:
-    """`simulate` without the static check, for a schedule that already passed it (a `LoweredPipeline`'s)."""
+    """`simulate` without the check, for a schedule that already passed it (a `LoweredPipeline`'s)."""
     start, end, busy = replay(lowered, pp, n_stages, placement, costs or Costs())
     makespan = max(map(max, filter(None, end)), default=0.0)  # in C: a generator is a tenth of predict at pp=64
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0

@@ -1,7 +1,6 @@
-"""The order in which the lowering visits ranks (and the replay, to name a deadlock): linear time, round-robin
-results.
+"""The order in which the lowering visits ranks: linear time, round-robin results.
 
-Each of them runs every rank as far as it can and repeats until nothing moves. A plain round-robin
+It runs every rank as far as it can and repeats until nothing moves. A plain round-robin
 (`while progress: for r in range(pp): run r until it blocks`) costs sweeps x ranks, superlinear at scale.
 `Sweeps` visits ranks in exactly the round-robin's order but skips those still blocked, which that loop
 would visit for nothing: a blocked rank is visited again only once an event has unblocked it (`wake`).
