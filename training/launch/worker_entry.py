@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, from any working directory
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, from any working directory
 
 if __name__ == "__main__":
     import gc

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from checkpoint.manager import complete_checkpoints
 
 log = logging.getLogger("sluice")
-TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 
 
 def check_run_dir(run_dir: Path, resume: str | None, checkpoints: Path | None = None) -> str | None:
