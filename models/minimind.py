@@ -174,19 +174,3 @@ def _moe_bytes(config: MiniMindConfig, tokens: int, a: int, tp: int, selective: 
     expert += a * h + f + f * h
     return tokens * (router + k * expert) + f * config.num_experts  # + the aux loss's expert load
 
-
-def deferred_weight_grad_bytes_per_layer(config: MiniMindConfig, micro_batch_size: int, seq_len: int,
-                                         dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes one MiniMind layer holds per micro-batch between I and W (the same under every recompute mode)."""
-    # Each linear's input (one cast per linear under autocast) and output gradient, in the compute dtype.
-    tokens, a, h = micro_batch_size * seq_len, dtype_bytes, config.hidden_size
-    casts = 1 if a < 4 else 0
-    heads, kv_heads = config.num_attention_heads // tp, max(config.num_key_value_heads // tp, 1)
-    q, kv = heads * config.head_dim, kv_heads * config.head_dim
-    attention = h * (1 + 2 * casts) + q + (q + 2 * kv + h)  # inputs of q/k/v and o, then their output grads
-    if not config.use_moe:
-        ffn = config.intermediate_size // tp  # inputs of gate/up and down, then their output grads
-        return tokens * a * (attention + h * (1 + casts) + ffn + (2 * ffn + h))
-    ffn, k = config.moe_intermediate_size // tp, config.num_experts_per_tok
-    router = h + config.num_experts  # the router's input and output grad
-    return tokens * a * (attention + router + k * (h * (1 + casts) + ffn + (2 * ffn + h)))

@@ -228,10 +228,6 @@ class Decoder:
         return self.module.config
 
     @property
-    def has_embedding(self) -> bool:
-        return submodule(self.module, self.plan.embedding) is not None
-
-    @property
     def has_head(self) -> bool:
         return submodule(self.module, self.plan.head) is not None
 

@@ -61,8 +61,3 @@ class EngineSpec:
     transport: str  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
     passes: tuple[Callable, ...]  # the caller's own chunk passes (`parallel.passes`), run after TP and EP
     objective: Objective  # what the last stage computes from the logits (the trainer chooses it)
-
-    @property
-    def pipeline_ranks_per_process(self) -> int:
-        """Pipeline ranks one process runs: all of them under emulation, else one."""
-        return self.pipeline.pp if self.emulate else 1

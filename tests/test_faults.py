@@ -13,7 +13,7 @@ import torch
 from training.reliability.hang import Watch, read_dumps, summarize
 from parallel.pipeline.actions import Action
 from training.reliability.faults import FaultInjector, InjectedCrash
-from training.reliability.nonfinite import NonFiniteError, SkipPolicy, nonfinite_vote
+from training.reliability.nonfinite import NonFiniteError, SkipPolicy, step_vote
 from tests.equivalence import compose_run_config
 from tests.spawn import run_workers
 
@@ -49,9 +49,9 @@ def test_stall_at_an_action_reports_itself_before_blocking(monkeypatch):
 
 def test_stop_names_the_step_and_what_was_non_finite():
     with pytest.raises(NonFiniteError, match="non-finite grad norm at step 7 .*train.on_nonfinite=stop"):
-        SkipPolicy("stop", 3).should_step(7, nonfinite_vote(1.0, math.inf, None, torch.device("cpu")), 1.0, math.inf)
-    assert nonfinite_vote(math.nan, math.nan, None, torch.device("cpu")) == "loss and grad norm"
-    assert nonfinite_vote(1.0, 2.0, None, torch.device("cpu")) is None
+        SkipPolicy("stop", 3).should_step(7, step_vote(1.0, math.inf, 0, None, torch.device("cpu"))[0], 1.0, math.inf)
+    assert step_vote(math.nan, math.nan, 0, None, torch.device("cpu"))[0] == "loss and grad norm"
+    assert step_vote(1.0, 2.0, 3, None, torch.device("cpu")) == (None, 3, 2.0)
 
 
 def test_skip_counts_and_stops_after_max_skipped_steps_in_a_row():

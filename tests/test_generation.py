@@ -325,12 +325,13 @@ def test_generate_script_takes_a_checkpoint_and_a_layout(trained, capsys):
 
 def test_a_checkpoints_greedy_completion_equals_transformers_on_its_weights(trained):
     from checkpoint.export import build_model
-    from training.launch.generation_run import checkpoint_weights, generate_one_process
+    from training.launch.generation_run import Layout, checkpoint_weights, layout_engine
 
     state, meta = checkpoint_weights(trained)
     model = build_model(meta["model"], state)
     prompts, mask = left_padded(model.config.vocab_size, rows=3)
-    ours = generate_one_process(trained, prompts, mask, Sampling(NEW, temperature=0))
+    engine = layout_engine(state, meta, Layout(), ParallelGrid.single(CPU), prompts.shape[1])
+    ours = engine.generate(prompts, mask, Sampling(NEW, temperature=0))
     theirs = model.generate(prompts, attention_mask=mask.long(), do_sample=False, max_new_tokens=NEW, pad_token_id=0,
                             eos_token_id=None)
     assert torch.equal(ours.tokens, theirs)

@@ -8,7 +8,7 @@ from torch import nn
 
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from models import decoder_of
-from models.minimind import deferred_weight_grad_bytes_per_layer, saved_activation_bytes_per_layer
+from models.minimind import saved_activation_bytes_per_layer
 from parallel.decoder import Decoder
 from parallel.engine import ParallelEngine
 from parallel.grid import ParallelGrid
@@ -276,24 +276,6 @@ def test_the_memory_model_is_what_the_hooks_count(moe, dtype):
         predicted = saved_activation_bytes_per_layer(cfg, 2, 48, dtype.itemsize, mode)
         assert measured_layer_bytes(cfg, mode, dtype) == predicted, (mode, dtype)
     assert saved_activation_bytes_per_layer(cfg, 2, 48, 2, "selective", tp=2) < predicted
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("moe", [False, True])
-def test_the_memory_model_of_what_waits_for_w_is_what_i_deferred(moe, dtype):
-    cfg = config(layers=1, moe=moe)
-    model = apply_recompute(decoder_of(MiniMindForCausalLM(cfg)), "full")
-    layer = {id(p) for p in model.module.model.layers["0"].parameters()}
-    stage = Stage(model, 0, 1, CPU, dtype, dense_token_loss, split_backward=True, objective=LANGUAGE_MODEL)
-    ids = batches(1, seq=48)[0].input_ids
-    stage.forward(0, ids, ids, 0.01, 0.5)
-    stage.backward_input(0, None)
-    held = {}
-    for work in stage.weight_grads.pending[0]:
-        if id(work.weight) in layer:
-            for t in (work.inputs, work.grad_output):
-                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    assert sum(held.values()) == deferred_weight_grad_bytes_per_layer(cfg, 2, 48, dtype.itemsize)
 
 
 def _tp_worker(rank: int, world_size: int) -> dict:

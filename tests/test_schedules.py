@@ -6,7 +6,7 @@ import pytest
 
 from parallel.pipeline.actions import Action, Costs, Kind, Schedule
 from parallel.pipeline.partition import rank_stages, stage_to_rank
-from parallel.pipeline.actions import comm_peer, hand_over, needs
+from parallel.pipeline.actions import comm_peer, counterpart, needs, output_of
 from parallel.pipeline.lowering import lower
 from parallel.pipeline.render import step_text
 from parallel.pipeline.lowered import load_schedule
@@ -101,7 +101,8 @@ def test_lowering_sends_after_producer_and_receives_before_consumer():
             for rank, actions in enumerate(built(name, pp, m)):
                 for k, a in enumerate(actions):
                     if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                        assert any((hand_over(b, n) or (None,))[0] == a for b in actions[:k]), (name, rank, k, a)
+                        sent = (output_of(b, n) for b in actions[:k] if not b.kind.is_comm)
+                        assert any(r is not None and counterpart(Action._make(r)) == a for r in sent), (name, rank, k, a)
                     need = None if a.kind.is_comm else needs(a, n)
                     if need is not None and comm_peer(need, n, registered.placement, pp) != rank:
                         assert need in actions[:k], (name, rank, k, a)

@@ -171,15 +171,6 @@ def needs(action: Action, n_stages: int) -> Action | None:
     return None if key is None else Action._make(key)
 
 
-def hand_over(action: Action, n_stages: int) -> tuple[Action, Action] | None:
-    """The (SEND, RECV) pair carrying a compute action's output to the neighbouring stage, if it has one."""
-    recv = output_of(action, n_stages)
-    if recv is None:
-        return None
-    send = SEND_F if recv[0] is RECV_F else SEND_B
-    return Action(send, action[1], action[2]), Action._make(recv)
-
-
 def counterpart(action: Action) -> Action:
     """The comm action on the other end of a SEND_*/RECV_* (see `mate_of`)."""
     return Action._make(mate_of(action))

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-THINK_MODES = ("keep", "drop", "minimind")
 MINIMIND_THINK_KEPT = 0.2  # post_processing_chat(empty_think_ratio=0.2): the block stays in 20% of conversations
 
 

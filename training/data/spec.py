@@ -11,7 +11,6 @@ from training.data.chat_rules import ChatRules
 NAMES = ("synthetic", "jsonl")
 FORMATS = ("packed", "padded", "chat", "chat_packed")  # chat: MiniMind conversations
 PACKED_FORMATS = ("packed", "chat_packed")
-TRAIN_TASKS = ("pretrain", "sft", "dpo", "grpo")  # train.task
 
 
 class DataError(ValueError):

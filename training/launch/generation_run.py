@@ -97,13 +97,6 @@ def layout_engine(state: dict[str, torch.Tensor], meta: dict, layout: Layout, gr
     return build_engine(spec, decoder, grid, lambda name, shape: state[name])
 
 
-def generate_one_process(path: str | Path, prompts: torch.Tensor, mask: torch.Tensor, sampling: Sampling) -> Rollout:
-    """Every row in one process, the whole model here (the engine transformers' `generate` is checked against)."""
-    state, meta = checkpoint_weights(path)
-    engine = layout_engine(state, meta, Layout(), ParallelGrid.single(torch.device("cpu")), prompts.shape[1])
-    return engine.generate(prompts, mask, sampling)
-
-
 def worker(path: str, layout: Layout, prompts: torch.Tensor, mask: torch.Tensor, sampling: Sampling) -> Rollout:
     """One launched rank: join the group, build its share, generate; every replica completes every prompt (row
     numbers from 0, so every replica draws what one process draws)."""

@@ -19,11 +19,6 @@ class NonFiniteError(RuntimeError):
     """The loss or grad norm of a step is NaN/Inf and the run must stop; the message names the step."""
 
 
-def nonfinite_vote(loss: float, grad_norm: float | torch.Tensor, group, device: torch.device) -> str | None:
-    """What was non-finite on any rank of `group` ("loss", "grad norm" or both), or None: the same on every rank."""
-    return step_vote(loss, grad_norm, 0, group, device)[0]
-
-
 def step_vote(loss: float, grad_norm: float | torch.Tensor, signo: int, group,
               device: torch.device) -> tuple[str | None, int, float]:
     """The non-finite verdict, the stop signal (0: none; the highest any rank of `group` received) and the grad norm
