@@ -87,7 +87,7 @@ def search_main(overrides: list[str], out: Path) -> int:
     print("\n".join(rejections(result)))
     best = result.best
     if best is None:
-        fail(no_fit_message(result, cfg, costs))  # one line, exit 2, as plan=auto says it at launch
+        fail(no_fit_message(result, cfg, costs))  # one line, exit 2, as layout=auto says it at launch
     print(f"best: {chosen(best)}")
     c = best.candidate
     title = f"best: {c.schedule}, dp={c.dp} tp={c.tp} pp={c.pp} vpp={c.vpp}, {c.n_microbatches} micro-batches"

@@ -113,7 +113,7 @@ def test_a_failure_after_the_rendezvous_still_destroys_the_process_group(monkeyp
 
     monkeypatch.setattr(ParallelGrid, "build", build)
     cfg = OmegaConf.create({"parallel": {"dp": None, "tp": 1, "pp": 1, "ep": 1, "emulate": False, "backend": "gloo",
-                                         "timeout_s": 10, "startup_timeout_s": 10, "plan": None}})
+                                         "timeout_s": 10, "startup_timeout_s": 10, "layout": None}})
     with pytest.raises(RuntimeError, match="mesh failed"):
         launch.run_worker(OmegaConf.to_container(cfg), "unused")
     assert not dist.is_initialized()

@@ -1,4 +1,4 @@
-"""The layout search (fake predictor, in-process), `scripts/plan.py --search` and `parallel.plan=auto` at launch."""
+"""The layout search (fake predictor, in-process), `scripts/plan.py --search` and `parallel.layout=auto` at launch."""
 
 import dataclasses
 import json
@@ -116,12 +116,12 @@ def test_a_budget_nothing_fits_gives_one_line_with_the_closest_peak_and_what_wou
 
 
 def test_applying_a_candidate_equals_composing_its_overrides():
-    cfg = compose_cfg("parallel.plan=auto")
+    cfg = compose_cfg("parallel.layout=auto")
     c = Candidate(dp=1, tp=1, pp=2, vpp=1, schedule="zb-h1", n_microbatches=6, micro_batch_size=1,
                   recompute="selective", layers_per_stage=(3, 1))
     expected = OmegaConf.to_container(compose_cfg(*c.overrides()), resolve=True)
     assert OmegaConf.to_container(apply_candidate(cfg, c), resolve=True) == expected
-    moe = compose_cfg("parallel.plan=auto", "model=tiny-moe")
+    moe = compose_cfg("parallel.layout=auto", "model=tiny-moe")
     c = replace(c, dp=2, pp=1, layers_per_stage=None, ep=2)
     expected = OmegaConf.to_container(compose_cfg("model=tiny-moe", *c.overrides()), resolve=True)
     assert OmegaConf.to_container(apply_candidate(moe, c), resolve=True) == expected
@@ -185,14 +185,14 @@ def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(costs_cache,
                                   "the smallest predicted peak is ")
 
 
-# --- parallel.plan=auto end to end: two processes of the tiny model. ---------------------------------------
+# --- parallel.layout=auto end to end: two processes of the tiny model. ---------------------------------------
 
 RUN = ["train.steps=2", "data.num_docs=300", "logger=none", "train.dtype=fp32", "train.log_every=1",
-       "optim.warmup_steps=0", "parallel.plan=auto", "parallel.memory_budget_gb=8"]
+       "optim.warmup_steps=0", "parallel.layout=auto", "parallel.memory_budget_gb=8"]
 
 
 def train(launcher: list[str], run_dir: Path, cache: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run train.py with plan=auto; the process result and the layout its final checkpoint recorded."""
+    """Run train.py with layout=auto; the process result and the layout its final checkpoint recorded."""
     cmd = [*launcher, "train.py", *TINY, *RUN, f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -201,8 +201,8 @@ def train(launcher: list[str], run_dir: Path, cache: Path, *extra: str) -> tuple
 
 
 def chosen_layout(stdout: str) -> dict:
-    """The layout announced by `sluice: parallel.plan=auto chose ...`, as the checkpoint records it."""
-    [line] = [x for x in stdout.splitlines() if x.startswith("sluice: parallel.plan=auto chose ")]
+    """The layout announced by `sluice: parallel.layout=auto chose ...`, as the checkpoint records it."""
+    [line] = [x for x in stdout.splitlines() if x.startswith("sluice: parallel.layout=auto chose ")]
     pairs = dict(tok.split("=", 1) for tok in line.split(" (predicted")[0].split()[3:])
     keys = {"dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "vpp": "parallel.vpp",
             "schedule": "schedule", "n_microbatches": "schedule.n_microbatches",
@@ -221,7 +221,7 @@ def plan_auto_runs(tmp_path_factory, costs_cache) -> dict[str, tuple[subprocess.
 
 
 def run_plan_auto(base: Path, costs_cache: Path) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
-    """Two plan=auto runs side by side (their start-ups overlap): two self-launched workers (parallel.dp=2 makes the
+    """Two layout=auto runs side by side (their start-ups overlap): two self-launched workers (parallel.dp=2 makes the
     world), and two torchrun ranks."""
     runs = {"self-launch": ([sys.executable], ["parallel.dp=2"]),
             "torchrun": ([TORCHRUN, "--standalone", "--nproc-per-node", "2"], [])}
@@ -255,7 +255,7 @@ def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, c
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="no torchrun")
 def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(plan_auto_runs):
     proc, layout = plan_auto_runs["torchrun"]
-    assert proc.stdout.count("sluice: parallel.plan=auto chose ") == 1  # rank 0 chose, once
+    assert proc.stdout.count("sluice: parallel.layout=auto chose ") == 1  # rank 0 chose, once
     assert layout == chosen_layout(proc.stdout)
 
 

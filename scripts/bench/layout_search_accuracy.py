@@ -1,10 +1,10 @@
-"""Layout search accuracy: predicted against measured step time of several two-process layouts, and what plan=auto picks.
+"""Layout search accuracy: predicted against measured step time of several two-process layouts, and what layout=auto picks.
 
 The model is 8 layers x hidden 256 at seq 128, fp32, gloo, at a fixed global batch. Each candidate runs as
 `python train.py <its overrides>` for a few steps; rounds alternate the candidates (A B C ... A B C ...) so
 that a noisy neighbour slows all of them alike; the median step time after the warm-up steps is compared
 with `predict` on the costs measured for this shape (scripts/profile_costs.py's cache). Prints the table, the
-Spearman rank correlation, the largest relative error and plan=auto's choice against the fastest measured.
+Spearman rank correlation, the largest relative error and layout=auto's choice against the fastest measured.
 
     python scripts/bench/layout_search_accuracy.py [--rounds 2] [--steps 6] [--warmup 2] [--results PATH]
 """
@@ -119,14 +119,14 @@ def report(candidates: list[Candidate], predicted: dict, measured: dict, auto: C
         rows.append({"candidate": short(c), "predicted_s": p.step_s, "measured_s": m,
                      "rel_error": (p.step_s - m) / m, "peak_bytes": max(p.peak_bytes)})
         print(f"{short(c):<62} {p.step_s:>11.4f} {m:>11.4f} {(p.step_s - m) / m:>+7.1%} "
-              f"{max(p.peak_bytes) / 2**20:>9.1f}{'  <- plan=auto' if c == auto else ''}")
+              f"{max(p.peak_bytes) / 2**20:>9.1f}{'  <- layout=auto' if c == auto else ''}")
     line1 = [c for c in candidates if c in CANDIDATES]
     rho = spearman([predicted[c].step_s for c in line1], [measured[c] for c in line1])
     worst = max(abs(predicted[c].step_s - measured[c]) / measured[c] for c in line1)
     fastest = min(line1, key=measured.__getitem__)
     gap = measured[auto] / measured[fastest] - 1
     print(f"spearman {rho:.3f} over {len(line1)} candidates; max relative error {worst:.1%}")
-    print(f"plan=auto picks {short(auto)}: measured {measured[auto]:.4f} s, fastest measured {short(fastest)} "
+    print(f"layout=auto picks {short(auto)}: measured {measured[auto]:.4f} s, fastest measured {short(fastest)} "
           f"{measured[fastest]:.4f} s ({gap:+.1%})")
     return {"rows": rows, "spearman": rho, "max_rel_error": worst, "auto": short(auto),
             "auto_vs_fastest": gap, "fastest": short(fastest)}

@@ -21,6 +21,8 @@ KNOWN_ALIASES = {
     "use_wandb": "logger", "hidden_size": "model.hidden_size", "num_hidden_layers": "model.num_hidden_layers",
     "use_moe": "model.use_moe",
 }
+# Keys renamed so that a word keeps one meaning (docs/concepts.md#names): old key -> new key.
+RENAMED_KEYS = {"parallel.plan": "parallel.layout"}
 
 
 def nearest_key(key: str) -> str:
@@ -41,6 +43,8 @@ def nearest_key(key: str) -> str:
 
 def unknown_key(key: str) -> ConfigError:
     """The one-line refusal of a key outside the schema (never suggesting `+`: no key may be added)."""
+    if key in RENAMED_KEYS:
+        return ConfigError(f"{key}: renamed to {RENAMED_KEYS[key]} (e.g. {RENAMED_KEYS[key]}=auto)")
     return ConfigError(f"{key}: unknown config key; did you mean {nearest_key(key)}? "
                        "(`python train.py --cfg job` prints every key)")
 

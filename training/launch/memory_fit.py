@@ -97,7 +97,7 @@ def memory_problem(cfg: DictConfig, launched: int | None = None, this_host: bool
     together; None when it fits."""
     from training.config.schema import model_decoder
 
-    if cfg.parallel.plan == "auto":  # the layout search applies its own budget
+    if cfg.parallel.layout == "auto":  # the layout search applies its own budget
         return None
     ranks = per_rank_bytes(cfg, launched)
     need = max(ranks.values())

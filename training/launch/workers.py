@@ -55,7 +55,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     """Validate, then train here (one process or torchrun rank) or start the local workers."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
     try:
-        if cfg.parallel.plan == "auto" and not under_torchrun():  # under torchrun the ranks agree in run_worker
+        if cfg.parallel.layout == "auto" and not under_torchrun():  # under torchrun the ranks agree in run_worker
             from training.layout_search.auto import choose_layout
 
             cfg = choose_layout(cfg, world_size)
@@ -178,7 +178,7 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
             grid = ParallelGrid.single()
         else:
             watch.enter("start-up: joining the process group", peers, startup=True)
-            if p.plan == "auto":
+            if p.layout == "auto":
                 cfg = agreed_layout(cfg, watch, start)
                 p = cfg.parallel
             if watch.run_dir is not None:  # before the process group: NCCL reads it as it starts
@@ -203,7 +203,7 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
 
 
 def agreed_layout(cfg: DictConfig, watch: Watch, start: AttemptStore | None) -> DictConfig:
-    """parallel.plan=auto under torchrun: rank 0's choice, applied and checked on every rank."""
+    """parallel.layout=auto under torchrun: rank 0's choice, applied and checked on every rank."""
     from training.layout_search.auto import agree_on_layout
 
     cfg = agree_on_layout(cfg, watch.rank, start.store if start else None)

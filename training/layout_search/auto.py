@@ -1,4 +1,4 @@
-"""`parallel.plan=auto`: search the layouts of the launched world on measured costs and run the best one."""
+"""`parallel.layout=auto`: search the layouts of the launched world on measured costs and run the best one."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def choose(cfg: DictConfig, world_size: int) -> tuple[Candidate, str]:
     result = search(cfg, world_size, costs)
     if result.best is None:
         raise ConfigError(no_fit_message(result, cfg, costs))
-    return result.best.candidate, f"parallel.plan=auto chose {chosen(result.best)}"
+    return result.best.candidate, f"parallel.layout=auto chose {chosen(result.best)}"
 
 
 def choose_layout(cfg: DictConfig, world_size: int) -> DictConfig:
-    """The config with the chosen layout applied (and parallel.plan cleared); prints what was chosen."""
+    """The config with the chosen layout applied (and parallel.layout cleared); prints what was chosen."""
     candidate, line = choose(cfg, world_size)
     print(f"sluice: {line}", flush=True)
     return apply_candidate(cfg, candidate)
@@ -52,7 +52,7 @@ def agree_on_layout(cfg: DictConfig, rank: int, store: dist.Store | None = None)
             decision = choose(cfg, dist.get_world_size())
             print(f"sluice: {decision[1]}", flush=True)
         except Exception as error:  # any failure, not only a config error: the others wait on this broadcast
-            decision = (None, str(error) if isinstance(error, ConfigError) else f"parallel.plan=auto failed on "
+            decision = (None, str(error) if isinstance(error, ConfigError) else f"parallel.layout=auto failed on "
                         f"rank 0: {type(error).__name__}: {error}")
     candidate, message = broadcast_object(decision, dist.group.WORLD, src=0)
     if candidate is None:

@@ -121,7 +121,7 @@ def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
     """A copy of cfg with the candidate's layout (what composing with `candidate.overrides()` gives)."""
     c, out = candidate, cfg.copy()
     with read_write(out), open_dict(out):
-        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, ep=c.ep, plan=None,
+        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, ep=c.ep, layout=None,
                             layers_per_stage=list(c.layers_per_stage) if c.layers_per_stage else None)
         out.schedule.update(name=c.schedule, n_microbatches=c.n_microbatches)
         out.train.update(micro_batch_size=c.micro_batch_size, recompute=c.recompute)
