@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench plan clean
+.PHONY: setup train test bench preview clean
 
 setup: $(STAMP)
 
@@ -33,8 +33,8 @@ test: setup
 bench: setup
 	$(PY) scripts/bench/run_all.py $(ARGS)
 
-plan: setup
-	$(PY) scripts/plan.py $(ARGS)
+preview: setup
+	$(PY) scripts/preview.py $(ARGS)
 
 clean:
 	rm -rf outputs multirun .pytest_cache

@@ -279,14 +279,14 @@ def test_world2_layouts_equal_one_process():
                 raise AssertionError(f"rank {rank}, {name}, temperature {temperature}: {error}") from None
 
 
-# --- make plan ----------------------------------------------------------------------------------------------------
+# --- make preview ----------------------------------------------------------------------------------------------------
 
 
-def test_plan_draws_a_generation_schedule(tmp_path, capsys):
-    from tests.test_plan import load_plan_module
+def test_preview_draws_a_generation_schedule(tmp_path, capsys):
+    from tests.test_preview import load_preview_module
 
     out = tmp_path / "generate.png"
-    assert load_plan_module().main(["--generate", "model=tiny", "parallel.pp=4", "schedule.n_microbatches=4",
+    assert load_preview_module().main(["--generate", "model=tiny", "parallel.pp=4", "schedule.n_microbatches=4",
                                     "--ticks=3", f"--out={out}"]) == 0
     text = capsys.readouterr().out
     assert "rank 3  | .   .   .   F0  F1" in text and "bubble fraction 20.0%" in text  # 12 forwards in 15 units

@@ -1,4 +1,4 @@
-"""The layout search (fake predictor, in-process), `scripts/plan.py --search` and `parallel.layout=auto` at launch."""
+"""The layout search (fake predictor, in-process), `scripts/preview.py --search` and `parallel.layout=auto` at launch."""
 
 import dataclasses
 import json
@@ -149,21 +149,21 @@ def costs_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("costs-cache")
 
 
-def plan_script(*args: str, tmp_path, capsys) -> tuple[int, str, str]:
-    """`scripts/plan.py --search` run in this process: exit code, stdout, stderr."""
-    from tests.test_plan import load_plan_module
+def preview_script(*args: str, tmp_path, capsys) -> tuple[int, str, str]:
+    """`scripts/preview.py --search` run in this process: exit code, stdout, stderr."""
+    from tests.test_preview import load_preview_module
 
     try:
-        code = load_plan_module().main(["--search", *TINY, f"data.cache_dir={tmp_path}", *args])
+        code = load_preview_module().main(["--search", *TINY, f"data.cache_dir={tmp_path}", *args])
     except SystemExit as leave:
         code = leave.code
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
-def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path, costs_cache, capsys):
+def test_preview_search_prints_the_ranking_and_draws_the_best(tmp_path, costs_cache, capsys):
     out = tmp_path / "best.png"
-    code, stdout, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=8", f"--out={out}",
+    code, stdout, stderr = preview_script("world_size=2", "parallel.memory_budget_gb=8", f"--out={out}",
                                        tmp_path=costs_cache, capsys=capsys)
     assert code == 0, stderr
     lines = stdout.splitlines()
@@ -176,8 +176,8 @@ def test_plan_search_prints_the_ranking_and_draws_the_best(tmp_path, costs_cache
     assert f"timeline: {out}" in lines and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_plan_search_without_a_fitting_layout_exits_2_with_one_line(costs_cache, capsys):
-    code, _, stderr = plan_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=costs_cache,
+def test_preview_search_without_a_fitting_layout_exits_2_with_one_line(costs_cache, capsys):
+    code, _, stderr = preview_script("world_size=2", "parallel.memory_budget_gb=1e-6", tmp_path=costs_cache,
                                   capsys=capsys)
     assert code == 2
     assert len(stderr.strip().splitlines()) == 1
@@ -215,12 +215,12 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 @pytest.fixture(scope="module")
-def plan_auto_runs(tmp_path_factory, costs_cache) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
-    """`run_plan_auto`, once per session: pytest-xdist's work stealing may hand this module's tests to both workers."""
-    return once_per_session(tmp_path_factory, "plan-auto", lambda root: run_plan_auto(root, costs_cache))
+def layout_auto_runs(tmp_path_factory, costs_cache) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
+    """`run_layout_auto`, once per session: pytest-xdist's work stealing may hand this module's tests to both workers."""
+    return once_per_session(tmp_path_factory, "layout-auto", lambda root: run_layout_auto(root, costs_cache))
 
 
-def run_plan_auto(base: Path, costs_cache: Path) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
+def run_layout_auto(base: Path, costs_cache: Path) -> dict[str, tuple[subprocess.CompletedProcess, dict]]:
     """Two layout=auto runs side by side (their start-ups overlap): two self-launched workers (parallel.dp=2 makes the
     world), and two torchrun ranks."""
     runs = {"self-launch": ([sys.executable], ["parallel.dp=2"]),
@@ -232,14 +232,14 @@ def run_plan_auto(base: Path, costs_cache: Path) -> dict[str, tuple[subprocess.C
     return dict(zip(runs, results))
 
 
-def test_plan_auto_runs_the_chosen_layout_on_two_self_launched_workers(plan_auto_runs):
-    proc, layout = plan_auto_runs["self-launch"]
+def test_layout_auto_runs_the_chosen_layout_on_two_self_launched_workers(layout_auto_runs):
+    proc, layout = layout_auto_runs["self-launch"]
     assert layout == chosen_layout(proc.stdout)
     assert layout["dp"] * layout["tp"] * layout["pp"] == 2
     assert layout["dp"] * layout["n_microbatches"] * layout["micro_batch_size"] == 12  # as written: dp=2 x 3 x 2
 
 
-def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, costs_cache, capsys):
+def test_layout_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, costs_cache, capsys):
     """train.py's path in this process (tests/test_config_errors.py's launch_here): refused before any worker."""
     from tests.test_config_errors import launch_here
 
@@ -253,8 +253,8 @@ def test_plan_auto_without_a_fitting_layout_is_one_config_error_line(tmp_path, c
 
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="no torchrun")
-def test_plan_auto_under_torchrun_every_rank_runs_rank_zeros_choice(plan_auto_runs):
-    proc, layout = plan_auto_runs["torchrun"]
+def test_layout_auto_under_torchrun_every_rank_runs_rank_zeros_choice(layout_auto_runs):
+    proc, layout = layout_auto_runs["torchrun"]
     assert proc.stdout.count("sluice: parallel.layout=auto chose ") == 1  # rank 0 chose, once
     assert layout == chosen_layout(proc.stdout)
 

@@ -117,7 +117,7 @@ def generation_lists(pp: int, n_stages: int, placement: str, n_microbatches: int
 
 def simulate_generation(lowered: Lists, pp: int, n_stages: int, placement: str, n_microbatches: int) -> SimResult:
     """A round's predicted timeline at unit cost per forward (messages free, posted where they stand): what
-    `scripts/plan.py --generate` draws. Nothing is held for a backward, so the peak live micro-batches are 0."""
+    `scripts/preview.py --generate` draws. Nothing is held for a backward, so the peak live micro-batches are 0."""
     compute = [[a for a in actions if not a.kind.is_comm] for actions in lowered]
     starts, ends = _timeline(compute, [stage_to_rank(s, pp, placement) for s in range(n_stages)], n_microbatches)
     start, end = [], []

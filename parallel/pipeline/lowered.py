@@ -1,5 +1,5 @@
 """Lowering a pipeline: the one home of load -> partition -> lower -> verify, used by the engine, the
-pre-launch check and `scripts/plan.py` alike, and run once per (schedule, pp, vpp, m, partition)."""
+pre-launch check and `scripts/preview.py` alike, and run once per (schedule, pp, vpp, m, partition)."""
 
 from __future__ import annotations
 

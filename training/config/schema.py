@@ -105,10 +105,10 @@ class ParallelSchema:
     layout: Optional[str] = key(
         None, "`auto`: before launch, search every layout (dp, tp, pp, vpp, ep of a MoE model, schedule, micro-batches "
         "at the same global batch, recompute, partition) of the launched world on measured costs and run the fastest predicted "
-        "one within `memory_budget_gb`; prints `sluice: parallel.layout=auto chose ...`. `python scripts/plan.py "
+        "one within `memory_budget_gb`; prints `sluice: parallel.layout=auto chose ...`. `python scripts/preview.py "
         "--search world_size=N ...` shows the whole ranking", optional(one_of("auto")))
     memory_budget_gb: Optional[float] = key(
-        None, "per-rank memory budget (GiB): `layout=auto` and `scripts/plan.py --search` reject a layout whose "
+        None, "per-rank memory budget (GiB): `layout=auto` and `scripts/preview.py --search` reject a layout whose "
         "predicted peak exceeds it; a fixed layout is refused before launch when its predicted peak per rank does "
         "(`null`: the check compares with each GPU's memory, or the host's available memory for all its ranks)",
         optional(positive))

@@ -1,9 +1,9 @@
 """Show what a run config would do, without launching anything: partition, schedule grid, bubble, memory, PNG;
 or, with `--search`, every layout of a world size ranked by predicted step time under a memory budget.
 
-    python scripts/plan.py model=tiny parallel.pp=4 schedule=1f1b schedule.n_microbatches=8 [--out=plan.png]
-    python scripts/plan.py --search world_size=8 parallel.memory_budget_gb=16 model=minimind3
-    python scripts/plan.py --generate model=tiny parallel.pp=4 schedule.n_microbatches=4 [--ticks=3]
+    python scripts/preview.py model=tiny parallel.pp=4 schedule=1f1b schedule.n_microbatches=8 [--out=preview.png]
+    python scripts/preview.py --search world_size=8 parallel.memory_budget_gb=16 model=minimind3
+    python scripts/preview.py --generate model=tiny parallel.pp=4 schedule.n_microbatches=4 [--ticks=3]
 
 Arguments are the Hydra overrides of train.py, plus `--out=PATH` (or `--out PATH`) for the timeline PNG, and
 for the search `world_size=N` (default: the processes of the config as written). `--generate` draws the generation
@@ -46,13 +46,13 @@ MEMORY_FORMULA = ("activation bytes = max over the step of sum over live (micro-
 
 
 def split_args(argv: list[str]) -> tuple[list[str], Path]:
-    """Hydra overrides and the PNG path (`--out=PATH`, `--out PATH`; default plan.png in the cwd)."""
-    overrides, out, args = [], Path("plan.png"), iter(argv)
+    """Hydra overrides and the PNG path (`--out=PATH`, `--out PATH`; default preview.png in the cwd)."""
+    overrides, out, args = [], Path("preview.png"), iter(argv)
     for arg in args:
         if arg.startswith("--out="):
             out = Path(arg.split("=", 1)[1])
         elif arg == "--out":
-            out = Path(next(args, "plan.png"))
+            out = Path(next(args, "preview.png"))
         else:
             overrides.append(arg)
     return overrides, out
@@ -110,7 +110,7 @@ def stage_parameters(cfg: DictConfig, partition: list[range]) -> tuple[list[int]
 
 def activation_bytes(lowered: Lists, partition: list[range], cfg: DictConfig) -> list[int]:
     """Per rank, the peak of MEMORY_FORMULA over the lowered action list."""
-    dtype_bytes = 2 if cfg.train.dtype == "bf16" else 4  # `auto` plans for fp32, the larger
+    dtype_bytes = 2 if cfg.train.dtype == "bf16" else 4  # `auto` assumes fp32, the larger
     per_layer = model_decoder(cfg).adapter.saved_bytes_per_layer(cfg.train.micro_batch_size, cfg.train.seq_len,
                                                                  dtype_bytes, cfg.train.recompute, tp=cfg.parallel.tp)
     if per_layer is None:
@@ -136,7 +136,7 @@ def human(n: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Print the plan of the composed config and write its timeline PNG."""
+    """Print the preview of the composed config and write its timeline PNG."""
     if {"-h", "--help"} & set(argv):
         print(__doc__.strip())
         return 0
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> int:
     sim = pipeline.simulate()
 
     decoder = model_decoder(cfg)
-    print(f"plan: model={cfg.model.name} ({decoder.config.num_hidden_layers} layers, hidden "
+    print(f"preview: model={cfg.model.name} ({decoder.config.num_hidden_layers} layers, hidden "
           f"{decoder.config.hidden_size}), "
           f"pp={pp} vpp={vpp} tp={p.tp} dp={p.dp or 'auto'}, schedule={cfg.schedule.name}, {m} micro-batches of "
           f"{cfg.train.micro_batch_size} x {cfg.train.seq_len} tokens")
@@ -200,7 +200,7 @@ def generation_main(overrides: list[str], out: Path) -> int:
     except ValueError as error:
         fail(str(error))
     sim = simulate_generation(lowered, pp, n, placement, m)
-    print(f"plan: generation on pp={pp} ({n} stages, placement {placement}), {m} micro-batches of sequences, "
+    print(f"preview: generation on pp={pp} ({n} stages, placement {placement}), {m} micro-batches of sequences, "
           f"one round of {ticks} ticks; F<u> is micro-batch u % {m} at tick u // {m} (tick 0: the prompt)")
     print(step_text(lowered, pp, n, ticks * m, placement, simulated=sim))
     print(f"predicted: {ticks * m} forwards per stage in {sim.makespan:g} units, bubble fraction "

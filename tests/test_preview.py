@@ -1,4 +1,4 @@
-"""scripts/plan.py (what a config would do, without launching) and the timeline pictures and traces."""
+"""scripts/preview.py (what a config would do, without launching) and the timeline pictures and traces."""
 
 import importlib.util
 import json
@@ -25,25 +25,25 @@ def is_png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 1000
 
 
-def load_plan_module():
-    spec = importlib.util.spec_from_file_location("plan_script", REPO / "scripts" / "plan.py")
+def load_preview_module():
+    spec = importlib.util.spec_from_file_location("preview_script", REPO / "scripts" / "preview.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-# --- scripts/plan.py. -----------------------------------------------------------------------------------
+# --- scripts/preview.py. -----------------------------------------------------------------------------------
 
 
-def test_plan_script_help_exits_0_with_its_usage(capsys):
-    assert load_plan_module().main(["--help"]) == 0  # Hydra's override grammar never sees the flag
+def test_preview_script_help_exits_0_with_its_usage(capsys):
+    assert load_preview_module().main(["--help"]) == 0  # Hydra's override grammar never sees the flag
     out = capsys.readouterr().out
-    assert "scripts/plan.py" in out and "--search" in out and "--out" in out
+    assert "scripts/preview.py" in out and "--search" in out and "--out" in out
 
 
-def test_plan_script_prints_the_plan_and_writes_a_png(tmp_path):
+def test_preview_script_prints_the_preview_and_writes_a_png(tmp_path):
     out = tmp_path / "timeline.png"
-    cmd = [sys.executable, "scripts/plan.py", "model=tiny", "parallel.pp=4", "schedule=1f1b",
+    cmd = [sys.executable, "scripts/preview.py", "model=tiny", "parallel.pp=4", "schedule=1f1b",
            "schedule.n_microbatches=8", f"--out={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -71,19 +71,19 @@ def test_plan_script_prints_the_plan_and_writes_a_png(tmp_path):
     assert is_png(out)
 
 
-def test_plan_defaults_to_plan_png_in_the_cwd(tmp_path, monkeypatch, capsys):
-    plan = load_plan_module()
+def test_preview_defaults_to_preview_png_in_the_cwd(tmp_path, monkeypatch, capsys):
+    preview = load_preview_module()
     monkeypatch.chdir(tmp_path)
-    assert plan.main(["model=tiny", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv",
+    assert preview.main(["model=tiny", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv",
                       "schedule.n_microbatches=4"]) == 0
     assert "placement v" in capsys.readouterr().out
-    assert is_png(tmp_path / "plan.png")
+    assert is_png(tmp_path / "preview.png")
 
 
-def test_plan_refuses_a_bad_config_with_one_line(tmp_path, capsys):
-    plan = load_plan_module()
+def test_preview_refuses_a_bad_config_with_one_line(tmp_path, capsys):
+    preview = load_preview_module()
     with pytest.raises(SystemExit) as code:
-        plan.main(["model=tiny", "parallel.pp=4", "parallel.vpp=2", "schedule=interleaved-1f1b",
+        preview.main(["model=tiny", "parallel.pp=4", "parallel.vpp=2", "schedule=interleaved-1f1b",
                    f"--out={tmp_path / 'x.png'}"])
     err = capsys.readouterr().err.strip()
     assert code.value.code == 2 and "\n" not in err and "parallel.pp*parallel.vpp = 8 stages" in err
@@ -91,10 +91,10 @@ def test_plan_refuses_a_bad_config_with_one_line(tmp_path, capsys):
 
 
 def test_split_args_takes_out_and_leaves_overrides():
-    plan = load_plan_module()
-    assert plan.split_args(["a=1", "--out=x.png", "b=2"]) == (["a=1", "b=2"], Path("x.png"))
-    assert plan.split_args(["--out", "y.png", "c=3"]) == (["c=3"], Path("y.png"))
-    assert plan.split_args(["c=3"]) == (["c=3"], Path("plan.png"))
+    preview = load_preview_module()
+    assert preview.split_args(["a=1", "--out=x.png", "b=2"]) == (["a=1", "b=2"], Path("x.png"))
+    assert preview.split_args(["--out", "y.png", "c=3"]) == (["c=3"], Path("y.png"))
+    assert preview.split_args(["c=3"]) == (["c=3"], Path("preview.png"))
 
 
 # --- Timelines and traces. ------------------------------------------------------------------------------
@@ -167,11 +167,11 @@ def test_write_trace_writes_the_chrome_trace_and_the_picture(tmp_path):
     assert is_png(tmp_path / "run" / "trace_step3.png")
 
 
-def test_plan_memory_follows_train_recompute(tmp_path, capsys):
-    plan = load_plan_module()
+def test_preview_memory_follows_train_recompute(tmp_path, capsys):
+    preview = load_preview_module()
 
     def memory(*extra: str) -> list[int]:
-        assert plan.main(["model=tiny", "parallel.pp=2", "train.seq_len=256", *extra, f"--out={tmp_path}/p.png"]) == 0
+        assert preview.main(["model=tiny", "parallel.pp=2", "train.seq_len=256", *extra, f"--out={tmp_path}/p.png"]) == 0
         return [int(n.replace(",", "")) for n in re.findall(r"peak activation memory ([\d,]+) bytes",
                                                              capsys.readouterr().out)]
 
