@@ -65,14 +65,14 @@ class Choice:
 # both sides alike), each side's median the one compared.
 WARM_UP = (False,)
 TRIAL = (True, False, False, True, True, False, False, True)
-PLAN = (True, *WARM_UP, *TRIAL)  # every step's mode up to the choice; step 1 compiles
+STEP_MODES = (True, *WARM_UP, *TRIAL)  # every step's mode up to the choice; step 1 compiles
 
 
 class CompileTrial:
     """`train.compile=auto` over this process's chunks: `after_step(seconds)` after every optimizer step turns the
     layers eager or compiled for the next step, and after the trial's last one agrees on the choice with every rank
     (one all-reduce of the step times, the maximum over ranks: the slowest rank sets a step's time) and returns it;
-    afterwards it does nothing. A run shorter than len(PLAN) steps ends before choosing."""
+    afterwards it does nothing. A run shorter than len(STEP_MODES) steps ends before choosing."""
 
     def __init__(self, chunks: list[Decoder], device: torch.device, group: dist.ProcessGroup | None):
         # nn.Module.compile keeps the compiled call in `_compiled_call_impl`; clearing it runs the layer eager.
@@ -96,8 +96,8 @@ class CompileTrial:
         if self.steps > len(WARM_UP):
             self.times.append(seconds)
         self.steps += 1
-        if self.steps < len(PLAN):
-            self.use(PLAN[self.steps])
+        if self.steps < len(STEP_MODES):
+            self.use(STEP_MODES[self.steps])
             return None
         spent = torch.tensor(self.times, dtype=torch.float64, device=self.device)
         if self.group is not None:
