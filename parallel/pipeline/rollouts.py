@@ -90,9 +90,9 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
 
 
 def _run_round(engine: LayoutEngine, stages: dict[int, dict[int, GenerationStage]], inputs: list[torch.Tensor],
-               plan: Round) -> None:
+               this_round: Round) -> None:
     """One verified generation list of the round's ticks over its micro-batches through every stage here."""
-    grid, pipeline, m, ticks = engine.grid, engine.pipeline, len(plan.active), plan.ticks
+    grid, pipeline, m, ticks = engine.grid, engine.pipeline, len(this_round.active), this_round.ticks
     pp, n_stages, placement = pipeline.spec.pp, pipeline.n_stages, pipeline.placement
     lists = generation_lists(pp, n_stages, placement, m, ticks)
     rows = [len(x) for x in inputs]
@@ -111,7 +111,7 @@ def _run_round(engine: LayoutEngine, stages: dict[int, dict[int, GenerationStage
     programs = {r: make_program(list(lists[r]), peer_of, early, {}) for r in stages}
     for rank_stages in stages.values():
         for stage in rank_stages.values():
-            stage.round = plan
+            stage.round = this_round
     # The first stage's first tick takes these ids; a later tick's input is a token (received or handed over).
     micro_batches = [MicroBatch(inputs[u % m], None) for u in range(ticks * m)]
     scales = StepScales(loss_scale=1.0, aux_scale=0.0)
