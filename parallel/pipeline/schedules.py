@@ -35,21 +35,21 @@ def one_f_one_b(pp: int, n_microbatches: int, vpp: int = 1) -> Schedule:
 
 
 def interleaved_1f1b(pp: int, n_microbatches: int, vpp: int) -> Schedule:
-    """Megatron's interleaved 1F1B: vpp chunks per rank (looped), micro-batches in groups of pp, depth first."""
+    """Megatron's interleaved 1F1B: vpp stages per rank (looped: laps), micro-batches in groups of pp, depth first."""
     m = n_microbatches
 
     def unit(k: int, r: int, backward: bool) -> tuple[int, int]:
         """(micro-batch, stage) of rank r's k-th forward or backward: a group of pp micro-batches runs
-        through chunk 0, then chunk 1, ... (backwards: last chunk first) before the next group starts."""
+        through lap 0, then lap 1, ... (backwards: last lap first) before the next group starts."""
         group, i = divmod(k, pp * vpp)
-        chunk = vpp - 1 - i // pp if backward else i // pp
-        return group * pp + i % pp, chunk * pp + r
+        lap = vpp - 1 - i // pp if backward else i // pp
+        return group * pp + i % pp, lap * pp + r
 
     schedule = []
     for r in range(pp):
         forwards = [Action(F, *unit(k, r, False)) for k in range(m * vpp)]
         backwards = [Action(B, *unit(k, r, True)) for k in range(m * vpp)]
-        # Warm up through every chunk but the last for one whole group, plus two per hop to the last rank
+        # Warm up through every lap but the last for one whole group, plus two per hop to the last rank
         # (Megatron's count; one would do at zero comm cost, the second hides a transfer's latency).
         schedule.append(_one_f_one_b(forwards, backwards, (vpp - 1) * pp + 2 * (pp - r - 1)))
     return schedule
@@ -81,7 +81,7 @@ def zbv(pp: int, n_microbatches: int, vpp: int = 2) -> Schedule:
     n = max(m, 2 * pp - 1)  # schedule a full pipeline, then drop the micro-batches that do not exist
     schedule = []
     for r in range(pp):
-        down, up = r, 2 * pp - 1 - r  # chunk 0 on the way down the V, chunk 1 on the way back up
+        down, up = r, 2 * pp - 1 - r  # lap 0 on the way down the V, lap 1 on the way back up
         count = {(kind, s): 0 for kind in (F, I, W) for s in (down, up)}
         actions: list[Action] = []
 
@@ -95,7 +95,7 @@ def zbv(pp: int, n_microbatches: int, vpp: int = 2) -> Schedule:
             run((F, up), (F, down))
         for _ in range(pp - r):
             run((F, up), (I, up), (W, up))
-        while count[F, up] < n:  # steady state: F, I, W of each chunk in turn
+        while count[F, up] < n:  # steady state: F, I, W of each lap in turn
             if count[F, down] < n:
                 run((F, down))
             run((I, down), (W, down), (F, up), (I, up), (W, up))

@@ -117,25 +117,25 @@ def _heading(source: SimResult | Intervals, title: str) -> str:
 
 
 def _draw(ax, rows: dict[int, list[Interval]], title: str, unit: str) -> None:
-    """Boxes per rank (rank 0 on top), shaded lighter for a rank's later chunks, micro-batch number inside."""
+    """Boxes per rank (rank 0 on top), shaded lighter for a rank's later laps, micro-batch number inside."""
     t0 = min((s for row in rows.values() for _, s, _ in row), default=0.0)
     span = max((e for row in rows.values() for _, _, e in row), default=1.0) - t0 or 1.0
     most = max((len(row) for row in rows.values()), default=1)
     fontsize = max(4.0, min(9.0, 700.0 / most))
     for rank, row in rows.items():
-        chunk_of = _chunks(row)
-        boxes: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (kind, chunk) -> (left, width) per box
+        lap_of = _laps(row)
+        boxes: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (kind, lap) -> (left, width) per box
         for a, start, end in row:
-            chunk = chunk_of[a.stage]
-            boxes.setdefault((_category(a), chunk), []).append((start - t0, end - start))
+            lap = lap_of[a.stage]
+            boxes.setdefault((_category(a), lap), []).append((start - t0, end - start))
             if (end - start) / span > 0.004:
                 ax.text((start + end) / 2 - t0, rank, str(a.microbatch), ha="center", va="center",
-                        fontsize=fontsize, color="white" if chunk == 0 else "black")
+                        fontsize=fontsize, color="white" if lap == 0 else "black")
         # One collection per color and rank: a pp=64 step has ~10^5 boxes, which one patch each would take
         # minutes to draw.
         dense = len(row) > 200  # boxes a pixel or two wide: white edges and antialiasing would wash them out
-        for (kind, chunk), spans in boxes.items():
-            color = _lighter(COLORS[kind], min(0.6, 0.35 * chunk))
+        for (kind, lap), spans in boxes.items():
+            color = _lighter(COLORS[kind], min(0.6, 0.35 * lap))
             ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=color, edgecolor="white",
                            linewidth=0.0 if dense else 0.5, antialiased=not dense)
     ax.set_yticks(sorted(rows), [f"rank {r}" for r in sorted(rows)])
@@ -150,16 +150,16 @@ def _legend(fig, *row_sets: dict[int, list[Interval]]) -> None:
     from matplotlib.patches import Patch
 
     kinds = {_category(a) for rows in row_sets for row in rows.values() for a, _, _ in row}
-    chunked = any(len(_chunks(row)) > 1 for rows in row_sets for row in rows.values())
+    several_laps = any(len(_laps(row)) > 1 for rows in row_sets for row in rows.values())
     names = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
     handles = [Patch(color=COLORS[k], label=names[k]) for k in "FBIW" if k in kinds]
-    if chunked:
-        handles.append(Patch(color=_lighter("#777777", 0.35), label="later chunk (lighter)"))
+    if several_laps:
+        handles.append(Patch(color=_lighter("#777777", 0.35), label="later lap (lighter)"))
     fig.legend(handles=handles, loc="lower center", ncol=max(len(handles), 1), fontsize=8, frameon=False)
 
 
-def _chunks(row: list[Interval]) -> dict[int, int]:
-    """Stage -> which of the rank's chunks it is (0 = its lowest stage), from the stages its actions name."""
+def _laps(row: list[Interval]) -> dict[int, int]:
+    """Stage -> its lap: which of the rank's stages it is (0 = its lowest), from the stages its actions name."""
     return {s: i for i, s in enumerate(sorted({a.stage for a, _, _ in row}))}
 
 
