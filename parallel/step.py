@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from parallel.chunked_ce import cross_entropy_rows
+from parallel.blockwise_ce import cross_entropy_rows
 from parallel.decoder import Decoder
 from parallel.generation import Rollout, Sampling, Sequences, check_prompts, completions, generation_mode, rollout
 
@@ -87,7 +87,7 @@ class Engine(Protocol):
 
 def dense_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 cross-entropy over full-vocabulary logits [N, V] (0 where ignored); bf16 logits are upcast a
-    chunk of rows at a time (no fp32 copy of them all is kept per in-flight micro-batch)."""
+    block of rows at a time (no fp32 copy of them all is kept per in-flight micro-batch)."""
     return cross_entropy_rows(logits, targets, IGNORE_INDEX)
 
 

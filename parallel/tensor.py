@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .blocks import Parts, local_block
-from .chunked_ce import cross_entropy_rows
+from .blockwise_ce import cross_entropy_rows
 from .collectives import all_gather_cat, all_reduce_, group_rank, group_size
 from .grid import ParallelGrid
 

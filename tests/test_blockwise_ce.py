@@ -1,14 +1,14 @@
-"""The chunked cross-entropy of bf16 logits equals torch's over their fp32 copy, loss and gradient (issue 37 item 3)."""
+"""The blockwise cross-entropy of bf16 logits equals torch's over their fp32 copy, loss and gradient (issue 37 item 3)."""
 
 import torch
 import torch.nn.functional as F
 
-import parallel.chunked_ce as chunked_ce
+import parallel.blockwise_ce as blockwise_ce
 from parallel.step import IGNORE_INDEX, dense_token_loss
 
 
-def test_chunked_ce_equals_torch_on_bf16_logits(monkeypatch):
-    monkeypatch.setattr(chunked_ce, "CHUNK_ELEMENTS", 7 * 37)  # 7 rows a chunk: 50 rows end in a short chunk
+def test_blockwise_ce_equals_torch_on_bf16_logits(monkeypatch):
+    monkeypatch.setattr(blockwise_ce, "BLOCK_ELEMENTS", 7 * 37)  # 7 rows a block: 50 rows end in a short block
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(50, 37, generator=generator) * 4).to(torch.bfloat16)
     targets = torch.randint(0, 37, (50,), generator=generator)
@@ -29,7 +29,7 @@ def test_chunked_ce_equals_torch_on_bf16_logits(monkeypatch):
 def test_fp32_logits_take_torch_cross_entropy_itself():
     logits = torch.randn(5, 11, requires_grad=True)
     targets = torch.tensor([1, IGNORE_INDEX, 3, 10, 0])
-    assert dense_token_loss(logits, targets).grad_fn.name() != "_ChunkedCrossEntropyBackward"
+    assert dense_token_loss(logits, targets).grad_fn.name() != "_BlockwiseCrossEntropyBackward"
 
 
 def test_vocab_parallel_ce_keeps_bf16_logits_and_recomputes_the_same_gradient():

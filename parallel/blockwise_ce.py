@@ -1,15 +1,15 @@
-"""Cross-entropy over low-precision logits that never holds them all in fp32: row chunks upcast one at a time."""
+"""Cross-entropy over low-precision logits that never holds them all in fp32: row blocks upcast one at a time."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 1 << 24  # fp32 elements upcast at once: 64 MiB, whatever the vocabulary
+BLOCK_ELEMENTS = 1 << 24  # fp32 elements upcast at once: 64 MiB, whatever the vocabulary
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Per-row fp32 CE of logits [N, V] (bf16, say), computed chunk by chunk; the backward recomputes each chunk's
+class _BlockwiseCrossEntropy(torch.autograd.Function):
+    """Per-row fp32 CE of logits [N, V] (bf16, say), computed block by block; the backward recomputes each block's
     softmax from the saved low-precision logits instead of keeping an fp32 log-softmax of [N, V] per micro-batch."""
 
     @staticmethod
@@ -28,16 +28,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             valid = target != ctx.ignore_index
             upstream = upstream.float() * valid
             # d loss / d logits = (softmax - onehot(target)) * upstream; ignored rows get 0.
-            chunk = torch.softmax(part.float(), dim=-1).mul_(upstream.unsqueeze(-1))
-            chunk.scatter_add_(-1, target.masked_fill(~valid, 0).unsqueeze(-1), -upstream.unsqueeze(-1))
-            out.copy_(chunk)
+            block = torch.softmax(part.float(), dim=-1).mul_(upstream.unsqueeze(-1))
+            block.scatter_add_(-1, target.masked_fill(~valid, 0).unsqueeze(-1), -upstream.unsqueeze(-1))
+            out.copy_(block)
         return grad, None, None, None
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Per-token fp32 cross-entropy [N] of logits [N, V] (0 where ignored): torch's own on fp32 logits, else
-    upcasting CHUNK_ELEMENTS at a time."""
+    upcasting BLOCK_ELEMENTS at a time."""
     if logits.dtype == torch.float32:
         return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
-    rows = max(1, CHUNK_ELEMENTS // max(logits.shape[-1], 1))
-    return _ChunkedCrossEntropy.apply(logits, targets, ignore_index, rows)
+    rows = max(1, BLOCK_ELEMENTS // max(logits.shape[-1], 1))
+    return _BlockwiseCrossEntropy.apply(logits, targets, ignore_index, rows)
