@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from training.data.rows import RowReader, Task, read_row
 
-DRAIN_CHUNK = 1 << 20
+DRAIN_READ_BYTES = 1 << 20  # the rest of an over-long line is read and dropped this many bytes at a time
 # Only a \uD800-\uDFFF escape can put a surrogate into a parsed string (a pair of them json joins into one character).
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -30,7 +30,7 @@ def bounded_lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, 
         if len(line) > limit and not line.endswith(b"\n"):
             size = len(line)
             while not line.endswith(b"\n"):
-                line = f.readline(DRAIN_CHUNK)
+                line = f.readline(DRAIN_READ_BYTES)
                 if not line:
                     break
                 size += len(line)
