@@ -23,7 +23,7 @@ from parallel.pipeline.evaluation import forward_only
 from parallel.generation import Rollout, Sampling
 from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.rollouts import generate_in_layout
-from parallel.pipeline.runtime import Program, Record, StepScales, execute, execute_emulated
+from parallel.pipeline.runtime import Program, Timed, StepScales, execute, execute_emulated
 from parallel.rank_grads import gradient_sync, norm_parameters, tied_pair
 from parallel.step import Engine, LocalEngine, MicroBatch, Objective, StepResult, local_tokens, read_back
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # names in annotations only
     from parallel.pipeline.simulate import SimResult
     from parallel.spec import EngineSpec
 
-Trace = dict[int, list[Record]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
+Trace = dict[int, list[Timed]]  # global rank (as if distributed) -> (action, start, end), seconds from step start
 
 
 def build_engine(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid,
@@ -150,20 +150,20 @@ class ParallelEngine:
         for stage in self.stages.values():
             stage.reset()
         self.sync.start_step()
-        records, origin = self._trace_start(trace)
+        timings, origin = self._trace_start(trace)
         if self.emulated:
-            execute_emulated(self.programs, self.stages_of, self.transport, micro_batches, scales, records)
+            execute_emulated(self.programs, self.stages_of, self.transport, micro_batches, scales, timings)
         else:
             r = grid.pp_rank
             execute(self.programs[r], self.stages_of[r], self.transport, micro_batches, scales,
-                    None if records is None else records.setdefault(r, []))
+                    None if timings is None else timings.setdefault(r, []))
         self.sync.finish()
         sums = self.sync.step_sums()  # the loss lives on the last stage, aux on every stage
         *values, aux_sum, count = read_back(sums, tokens)
         result = StepResult(values[0] / max(count, 1), aux_sum * aux_scale, int(count),
                             metrics=self.objective.metrics(values, int(count)))
-        if records is not None:
-            result.trace = self._gather(records, origin)
+        if timings is not None:
+            result.trace = self._gather(timings, origin)
         return result
 
     @torch.no_grad()
@@ -204,22 +204,22 @@ class ParallelEngine:
         (`pipeline.rollouts`); every rank of the replica returns the same Rollout."""
         return generate_in_layout(self, prompts, prompt_mask, sampling, first_row)
 
-    def _trace_start(self, trace: bool) -> tuple[dict[int, list[Record]] | None, float]:
-        """Empty records and a common time origin for every rank, when tracing."""
+    def _trace_start(self, trace: bool) -> tuple[dict[int, list[Timed]] | None, float]:
+        """Empty timings and a common time origin for every rank, when tracing."""
         if not trace:
             return None, 0.0
         if self.grid.world_size > 1:
             dist.barrier()
         return {}, time.perf_counter()
 
-    def _gather(self, records: dict[int, list[Record]], origin: float) -> Trace | None:
-        """Every rank's records, keyed by global rank and relative to the common origin, on global rank 0."""
+    def _gather(self, timings: dict[int, list[Timed]], origin: float) -> Trace | None:
+        """Every rank's timings, keyed by global rank and relative to the common origin, on global rank 0."""
         grid = self.grid
-        mine = {grid.global_rank_of(r, grid.dp_rank, grid.tp_rank): [(a, s - origin, e - origin) for a, s, e in recs]
-                for r, recs in records.items()}
+        mine = {grid.global_rank_of(r, grid.dp_rank, grid.tp_rank): [(a, s - origin, e - origin) for a, s, e in timed]
+                for r, timed in timings.items()}
         if grid.world_size == 1:
             return mine
         gathered = [None] * grid.world_size if grid.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        return {rank: recs for part in gathered for rank, recs in part.items()} if grid.rank == 0 else None
+        return {rank: timed for part in gathered for rank, timed in part.items()} if grid.rank == 0 else None
 

@@ -49,7 +49,7 @@ from .stage import Stage
 from .transport import SENDS, EmulationError, LocalTransport, Message, Pending, Transport
 
 ACTIVATION, GRADIENT = "activation", "gradient"
-Record = tuple[Action, float, float]  # (action, start, end) in time.perf_counter seconds
+Timed = tuple[Action, float, float]  # (action, start, end) in time.perf_counter seconds
 
 
 class ComputeHooks(Protocol):
@@ -156,18 +156,18 @@ def make_program(actions: list[Action], peer_of: Callable[[Action], int], receiv
 
 
 def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
-        scales: StepScales, records: list[Record] | None = None) -> Iterator[Blocked]:
+        scales: StepScales, timings: list[Timed] | None = None) -> Iterator[Blocked]:
     """Execute one rank's program; gradients accumulate in the stages' parameters. Yields where it must wait."""
     mail = _Mail(program, transport)
     hooks = scales.hooks
     finished: Action | None = None  # the last compute; its `after` hook waits until its outputs are sent
     for index, step in enumerate(program.runs):
-        start = time.perf_counter() if records is not None else 0.0
+        start = time.perf_counter() if timings is not None else 0.0
         action = step.compute
         if action is None:
             mail.post(index, step)
-            if records is not None:
-                records.extend((t.action, start, time.perf_counter()) for t in step.transfers)
+            if timings is not None:
+                timings.extend((t.action, start, time.perf_counter()) for t in step.transfers)
         if finished is not None and hooks is not None:
             # After the sends: a hook's work (launching reductions) must not delay the next stage's input.
             hooks.after(finished)
@@ -176,14 +176,14 @@ def run(program: Program, stages: dict[int, Stage], transport: Transport, micro_
             continue
         received = yield from mail.take_input(index, step)
         mail.drop_sent()
-        if records is not None:
+        if timings is not None:
             start = time.perf_counter()
         if hooks is not None:
             hooks.before(action)
         _compute(action, stages, received, micro_batches, scales, mail.inbox, mail.outbox)
         del received  # a received boundary tensor is the stage's leaf now, or no one's
-        if records is not None:
-            records.append((action, start, time.perf_counter()))
+        if timings is not None:
+            timings.append((action, start, time.perf_counter()))
         finished = action
     if finished is not None and hooks is not None:
         hooks.after(finished)
@@ -306,15 +306,15 @@ def _compute(action: Action, stages: dict[int, Stage], inputs: torch.Tensor | No
 
 
 def execute(program: Program, stages: dict[int, Stage], transport: Transport, micro_batches: list[MicroBatch],
-            scales: StepScales, records: list[Record] | None = None) -> None:
+            scales: StepScales, timings: list[Timed] | None = None) -> None:
     """Run this rank's step, waiting on the transport (with its timeout) wherever the list must wait."""
-    for blocked in run(program, stages, transport, micro_batches, scales, records):
+    for blocked in run(program, stages, transport, micro_batches, scales, timings):
         blocked.pending.wait()
 
 
 def execute_emulated(programs: dict[int, Program], stages: dict[int, dict[int, Stage]], hub: LocalTransport,
                      micro_batches: list[MicroBatch], scales: StepScales,
-                     records: dict[int, list[Record]] | None = None) -> None:
+                     timings: dict[int, list[Timed]] | None = None) -> None:
     """Run every pipeline rank's step in this process: each rank runs until it blocks on a receive, then the next.
 
     The same lists and the same loop as `execute`; only waiting differs. The switching order is fixed, so
@@ -322,7 +322,7 @@ def execute_emulated(programs: dict[int, Program], stages: dict[int, dict[int, S
     raises EmulationError naming every blocked rank, its slot and the transfer it waits for.
     """
     runs = {r: run(program, stages[r], hub.endpoint(r), micro_batches, scales,
-                   None if records is None else records.setdefault(r, [])) for r, program in programs.items()}
+                   None if timings is None else timings.setdefault(r, [])) for r, program in programs.items()}
     blocked: dict[int, Blocked | None] = dict.fromkeys(runs)
     while runs:
         progressed = False
