@@ -1,4 +1,4 @@
-"""The key reference, read from the schema: the tables of docs/configuration.md and `python train.py --help`."""
+"""The key tables, read from the schema: those of docs/configuration.md and `python train.py --help`."""
 
 import inspect
 import re

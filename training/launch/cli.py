@@ -171,7 +171,7 @@ def main() -> None:
     """Entry point used by train.py: register the schema, preflight, then hand over to Hydra."""
     register_schema()
     flags, overrides = split_argv(sys.argv[1:])
-    if {"--help", "-h"} & set(flags):  # the key reference is read from the schema, not kept in a template
+    if {"--help", "-h"} & set(flags):  # the key tables are read from the schema, not kept in a template
         from training.config.key_docs import help_text
 
         print(help_text(tuple(overrides)))
