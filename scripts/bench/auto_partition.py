@@ -17,11 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, run_workers  # noqa: E402
-
-import time  # noqa: E402
+from harness import alternate  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 
@@ -66,25 +64,8 @@ def worker(rank: int, world: int, cfg_by_name: dict, rounds: int) -> dict | None
             0, engine.stages[next(iter(engine.stages))].chunk.config.vocab_size, (cfg.schedule.n_microbatches, cfg.train.micro_batch_size, cfg.train.seq_len),
             generator=gen)]
         steps[name] = lambda e=engine, o=optimizer, m=micro: (e.step(m), o.step(), o.zero_grad(set_to_none=True))
-    times = alternated(steps, rounds)
-    return times if rank == 0 else None
-
-
-def alternated(steps: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
-    """One warm-up step each, then one step of each split per round: the wall time of the slowest rank, and the
-    CPU time of the busiest rank (the critical path's work, which the machine's other load does not stretch)."""
-    times = {name: {"wall": [], "cpu": []} for name in steps}
-    for k in range(rounds + 1):
-        for name, step in steps.items():
-            dist.barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
-            step()
-            spent = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu], dtype=torch.float64)
-            dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-            if k:
-                times[name]["wall"].append(float(spent[0]))
-                times[name]["cpu"].append(float(spent[1]))
-    return times
+    times = alternate(steps, 1, rounds, busiest=True)  # one warm-up step each
+    return {name: {"wall": t.wall, "cpu": t.cpu} for name, t in times.items()} if rank == 0 else None
 
 
 def main(argv: list[str]) -> int:

@@ -1,24 +1,20 @@
-"""What every benchmark shares: worker processes, step timing, activation-memory tracking, results.json."""
+"""What every benchmark builds on: worker processes, the loop's step, activation and resident memory (timing and
+results: `harness`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import multiprocessing as mp
 import os
 import pickle
-import platform
 import queue
 import socket
-import statistics
 import sys
 import time
 import traceback
 import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +27,6 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from training.optim import clip_grad_norm, lr_at, set_lr  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results.json"
 
 
 def stamped(micro_batches: list) -> list:
@@ -157,74 +151,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# --- Timing --------------------------------------------------------------------------------------------
-
-
-def timed(step: Callable[[], Any]) -> tuple[float, float, Any]:
-    """One step on every rank from a common start: the slowest rank's wall time, the CPU time of all ranks
-    together (what the step costs whatever else the machine runs), and the step's result."""
-    if dist.is_initialized():
-        dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    out = step()
-    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64)
-    if dist.is_initialized():
-        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
-            spent = spent.to(torch.device("cuda", torch.cuda.current_device()))
-        wall, cpu_sum = spent.clone(), spent.clone()
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-        dist.all_reduce(cpu_sum)
-        spent = torch.stack([wall[0], cpu_sum[1]])
-    return float(spent[0]), float(spent[1]), out
-
-
-@dataclass
-class Times:
-    """One variant's measured steps: wall time (slowest rank) and CPU time (all ranks), in seconds."""
-
-    wall: list[float] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-
-    def summary(self, prefix: str) -> dict:
-        """`{prefix}_s` (median wall), `{prefix}_min_s`, `{prefix}_cpu_s` (median CPU) and the raw runs."""
-        return {f"{prefix}_s": statistics.median(self.wall), f"{prefix}_min_s": min(self.wall),
-                f"{prefix}_cpu_s": statistics.median(self.cpu), f"{prefix}_runs_s": self.wall}
-
-
-def paired(row: dict) -> dict:
-    """Each round ran one Sluice step and one torch step back to back: the median of their differences and how
-    many rounds Sluice won. Two medians taken apart can differ by chance more than this; it shows a tie as one."""
-    diffs = [a - b for a, b in zip(row["sluice_runs_s"], row["torch_runs_s"])]
-    return {"paired_diff_ms": 1000 * statistics.median(diffs), "sluice_wins": sum(d < 0 for d in diffs),
-            "rounds": len(diffs)}
-
-
-def alternate(variants: dict[str, Callable[[], Any]], warmup: int, rounds: int) -> dict[str, Times]:
-    """Warm every variant up, then run one step of each per round, the order reversed every other round (A B, B A,
-    ...: a step's slot in the round biases it, e.g. the second slot measured 1.06-1.13x the first with two equal
-    eager variants at pp2, and a fixed order would charge that to one side); step times by variant."""
-    for _ in range(warmup):
-        for step in variants.values():
-            timed(step)
-    times = {name: Times() for name in variants}
-    names = list(variants)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            step = variants[name]
-            wall, cpu, _ = timed(step)
-            times[name].wall.append(wall)
-            times[name].cpu.append(cpu)
-    return times
-
-
-def first_then_alternate(steps: dict[str, Callable[[list], Any]], micro: list, warmup: int, rounds: int) -> dict:
-    """Each variant's first loss on `micro` (the same weights and data give the same loss), then their step times
-    taken in turns (`alternate`)."""
-    first = {name: step(micro) for name, step in steps.items()}
-    times = alternate({name: (lambda step=step: step(micro)) for name, step in steps.items()}, warmup, rounds)
-    return {"times": times, "first_loss": first}
-
-
 def peak_growth_mib(build: Callable[[], Callable[[list], Any]], micro: list, steps: int = 3) -> float:
     """Build a variant and run `steps` steps of it: the peak resident set above what the process held before the
     build, in MiB (run it in a fresh process, under `freed_to_the_system`)."""
@@ -337,60 +263,3 @@ def resident_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
-
-
-# --- Results -------------------------------------------------------------------------------------------
-
-
-def bench_parser(doc: str, smoke_help: str, rounds: int, warmup: int | None = None) -> argparse.ArgumentParser:
-    """The options of every benchmark script: --smoke, --rounds, --warmup (where it warms up) and --results."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help=smoke_help)
-    parser.add_argument("--rounds", type=int, default=rounds)
-    if warmup is not None:
-        parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    return parser
-
-
-
-def machine() -> dict:
-    """What the figures were measured on."""
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
-
-
-def update_results(section: str, value: Any, path: Path = RESULTS) -> None:
-    """Write one section of results.json, keeping the others."""
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[section] = value
-    data["machine"] = machine()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """A distribution-free interval of the median of `values`: order statistics k and n + 1 - k, k the largest with
-    P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2 (at least 1), and the coverage that interval has."""
-    ordered, n = sorted(values), len(values)
-
-    def below(k: int) -> float:  # P(Binomial(n, 1/2) < k): the chance the median lies below order statistic k
-        return sum(math.comb(n, i) for i in range(k)) / 2**n
-
-    k = 1
-    while k + 1 <= (n + 1) // 2 and below(k + 1) <= (1 - confidence) / 2:
-        k += 1
-    return ordered[k - 1], ordered[n - k], 1 - 2 * below(k)
-
-
-def ratio_and_spread(ours: list[float], theirs: list[float]) -> dict:
-    """The median of the per-round ratios ours / theirs (each round ran one step of each back to back), their
-    spread (half the interquartile range; 0 with one round) and the ratios themselves."""
-    return median_and_spread([a / b for a, b in zip(ours, theirs)])
-
-
-def median_and_spread(ratios: list[float]) -> dict:
-    """Per-round ratios summed up: their median, their spread (half the interquartile range; 0 with one round) and
-    the ratios themselves."""
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"ratio": statistics.median(ratios), "spread": (q3 - q1) / 2, "round_ratios": ratios}

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (TrainerStep, alternate, bench_parser, init_gloo, run_workers, timed,  # noqa: E402
-                    ratio_and_spread, update_results)
+from common import TrainerStep, init_gloo, run_workers  # noqa: E402
+from harness import alternate, bench_parser, timed, ratio_and_spread, update_results  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (LoopStep, bench_parser, first_then_alternate, freed_to_the_system, init_gloo,  # noqa: E402
-                    paired, peak_growth_mib, ratio_and_spread, run_workers, update_results)
+from common import LoopStep, freed_to_the_system, init_gloo, peak_growth_mib, run_workers  # noqa: E402
+from harness import bench_parser, first_then_alternate, paired, ratio_and_spread, update_results  # noqa: E402
 from overhead import GRAD_CLIP, STEPS  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TrainerStep, alternate, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
+from common import TrainerStep, init_gloo, run_workers  # noqa: E402
+from harness import alternate, bench_parser, update_results  # noqa: E402
 
 import torch  # noqa: E402
 

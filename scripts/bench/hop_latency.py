@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench_parser, run_workers, update_results  # noqa: E402
+from common import run_workers  # noqa: E402
+from harness import bench_parser, in_turn, update_results  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -41,7 +42,7 @@ def worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
     tensor = torch.ones(BOUNDARY.shape)
     spans: dict[str, list[float]] = {name: [] for name in transports}
     for i in range(rounds + 2):  # two warm-up rounds
-        for name in list(transports) if i % 2 == 0 else list(transports)[::-1]:  # A B, then B A: no slot bias
+        for name in in_turn(transports, i):
             transport = transports[name]
             torch.distributed.barrier()
             if rank == 0:

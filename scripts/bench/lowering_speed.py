@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from harness import repeated  # noqa: E402
 from parallel.pipeline.lowered import lower_pipeline  # noqa: E402
 from parallel.pipeline.lowering import lower  # noqa: E402
 from parallel.pipeline.schedules import SCHEDULES  # noqa: E402
@@ -29,13 +29,8 @@ from parallel.spec import PipelineSpec  # noqa: E402
 
 def best_of(repeat: int, fn) -> tuple[float, float, object]:
     """The shortest CPU and wall times of `repeat` runs of fn(), and its last result."""
-    cpu, wall, result = [], [], None
-    for _ in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        result = fn()
-        cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return min(cpu), min(wall), result
+    times, result = repeated(fn, repeat)
+    return min(times.cpu), min(times.wall), result
 
 
 def bench(name: str, vpp: int, pp: int, m: int, repeat: int) -> str:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LoopStep, bench_parser, init_gloo, run_workers, update_results  # noqa: E402
-from turns import take_turns  # noqa: E402
+from common import LoopStep, init_gloo, run_workers  # noqa: E402
+from harness import bench_parser, repeated, take_turns, update_results  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 
 import torch  # noqa: E402
@@ -83,14 +82,7 @@ def clip_costs(sluice: SluiceStep, repeats: int = 5) -> dict:
         param.grad = torch.full_like(param, 1e-3)
     runs = {"sluice": lambda: clip_grad_norm(params, params, GRAD_CLIP, None, sluice.grid.device),
             "torch": lambda: torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)}
-    spent = {}
-    for name, clip in runs.items():
-        samples = []
-        for _ in range(repeats):
-            start = time.process_time()
-            clip()
-            samples.append(time.process_time() - start)
-        spent[name] = statistics.median(samples)
+    spent = {name: statistics.median(repeated(clip, repeats)[0].cpu) for name, clip in runs.items()}
     sluice.optimizer.zero_grad(set_to_none=True)
     return spent
 

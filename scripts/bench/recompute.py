@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (LoopStep, bench_parser, first_then_alternate, freed_to_the_system, peak_growth_mib,  # noqa: E402
-                    run_workers, update_results)
+from common import LoopStep, freed_to_the_system, peak_growth_mib, run_workers  # noqa: E402
+from harness import bench_parser, first_then_alternate, update_results  # noqa: E402
 from overhead import GRAD_CLIP, STEPS, PlainStep  # noqa: E402
 from vs_torch import Setup, batches, dense_model  # noqa: E402
 

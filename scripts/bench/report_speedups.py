@@ -114,7 +114,7 @@ def sizes_section(r: dict, doc_path: Path, root: Path, machine: str) -> list[str
 def _beyond(z: dict) -> list[str]:
     """The cells above 1 + their spread, and where the median's distribution-free ~95% interval lies above 1 (a
     Sluice side slower than its peer beyond the rounds' noise, not only beyond half their IQR)."""
-    from common import median_interval
+    from harness import median_interval
 
     rows = [(cell, column, row) for cell in z["cells"] for column, row in z["ratios"].get(cell, {}).items()]
     above = [f"{column} at {cell} ({row['ratio']:.3f} ± {row['spread']:.3f})" for cell, column, row in rows

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Times, bench_parser, init_gloo, ratio_and_spread, run_workers, timed, update_results  # noqa: E402
-from turns import take_turns  # noqa: E402
+from common import init_gloo, run_workers  # noqa: E402
+from harness import Times, bench_parser, in_turn, ratio_and_spread, take_turns, timed, update_results  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -131,26 +131,18 @@ def layouts_worker(rank: int, world: int, setup: Setup) -> dict:
     times = {name: Times() for name in ("one process", "pp2", "tp2")}
     busy: dict[str, list[float]] = {"pp2": [], "tp2": []}
     for k in range(setup.warmup + setup.rounds):
-        for name in list(times) if k % 2 == 0 else list(times)[::-1]:
+        for name in in_turn(times, k):
             dist.barrier()
             if name == "one process" and rank != 0:
                 continue
             clock.seconds = 0.0
-            wall, cpu, _ = (timed(runs[name]) if name != "one process" else _alone(runs[name]))
+            wall, cpu, _ = timed(runs[name], everyone=name != "one process")  # one process: rank 1 waits
             if k >= setup.warmup:
-                times[name].wall.append(wall)
-                times[name].cpu.append(cpu)
+                times[name].add(wall, cpu)
                 if name in busy:
                     busy[name].append(clock.seconds / wall)
     dist.barrier()
     return {"times": times, "busy": busy, "tokens": tokens}
-
-
-def _alone(run) -> tuple[float, float, object]:
-    """One process's rollout timed on this rank only (the other waits at the next barrier)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = run()
-    return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
 def layouts_section(setup: Setup) -> dict:

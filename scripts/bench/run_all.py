@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, RESULTS, update_results  # noqa: E402
+from common import ROOT  # noqa: E402
+from harness import RESULTS, update_results  # noqa: E402
 from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, alternate, bench_parser, paired, run_workers, stamped, timed, update_results  # noqa: E402
+from common import ROOT, run_workers, stamped  # noqa: E402
+from harness import alternate, bench_parser, paired, timed, update_results  # noqa: E402
 from sleep_model import sleep_model, stage_costs_alone  # noqa: E402
 
 import torch  # noqa: E402

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compiled  # noqa: E402
 import data_parallel  # noqa: E402
-from common import ROOT, bench_parser, median_and_spread, update_results  # noqa: E402
+from common import ROOT  # noqa: E402
+from harness import bench_parser, median_and_spread, update_results  # noqa: E402
 from size_grid import QUICK, Cell, sweep_cells  # noqa: E402
 
 PNG = ROOT / "bench" / "sizes.png"

@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (LoopStep, bench_parser, first_then_alternate, freed_to_the_system, paired,  # noqa: E402
-                    resident_kib, run_workers, update_results)
+from common import LoopStep, freed_to_the_system, resident_kib, run_workers  # noqa: E402
+from harness import bench_parser, first_then_alternate, paired, update_results  # noqa: E402
 from overhead import GRAD_CLIP, STEPS  # noqa: E402
 from vs_torch import Setup, batches  # noqa: E402
 
