@@ -20,7 +20,8 @@ def shift_comm(lowered: list[list[Action]], rng: random.Random) -> list[list[Act
     if comm:
         k = rng.choice(comm)
         action = out[r].pop(k)
-        out[r].insert(rng.randint(0, k) if action.kind.value.startswith("RECV") else rng.randint(k, len(out[r])), action)
+        earlier = action.kind.value.startswith("RECV")
+        out[r].insert(rng.randint(0, k) if earlier else rng.randint(k, len(out[r])), action)
     return out
 
 
@@ -32,16 +33,15 @@ def answer(run) -> str | list:
         return str(err)
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(data=st.data())
-def test_verify_and_simulate_agree_on_every_mutant(data):
+def agree(data: st.DataObject) -> None:
+    """One random mutant of one registered schedule: verify and simulate accept it together or refuse it alike."""
     # The registry is read when the test runs, not when it is collected: test_schedule_registry runs it again with
     # a schedule inserted.
     name = data.draw(st.sampled_from(sorted(SCHEDULES)), label="schedule")
     registered = SCHEDULES[name]
     pp = data.draw(st.integers(2, 4), label="pp")
-    m = data.draw(st.sampled_from([m for m in range(1, 9) if not registered.microbatches_multiple_of_pp or m % pp == 0]),
-                  label="m")
+    shapes = [m for m in range(1, 9) if not registered.microbatches_multiple_of_pp or m % pp == 0]
+    m = data.draw(st.sampled_from(shapes), label="m")
     vpp, placement = registered.default_vpp, registered.placement
     n = pp * vpp
     schedule = lower(registered.generate(pp, m, vpp), pp, n, placement)
@@ -57,3 +57,7 @@ def test_verify_and_simulate_agree_on_every_mutant(data):
     else:
         assert simulated == verified  # refused by both, in the same words: one line naming the action
         assert verified.startswith(("rank ", "deadlock: rank ")) and "\n" not in verified, verified
+
+
+SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, database=None)
+test_verify_and_simulate_agree_on_every_mutant = SETTINGS(given(data=st.data())(agree))

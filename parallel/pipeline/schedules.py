@@ -124,6 +124,9 @@ class RegisteredSchedule:
     vpp: tuple[int, int | None] = (1, 1)  # chunks per rank it accepts: (least, most or None); the least is default
     microbatches_multiple_of_pp: bool = False  # schedule.n_microbatches must be a multiple of parallel.pp
     n_microbatches: int | None = None  # what the `schedule=<name>` preset sets (None: the schema's default)
+    # torch.distributed.pipelining's class of the same schedule, by name: what the benchmarks run it against
+    # (None: torch has none). Named here, so a new schedule's entry says it; torch itself is not imported.
+    torch_schedule: str | None = None
 
     @property
     def default_vpp(self) -> int:
@@ -144,12 +147,13 @@ class RegisteredSchedule:
 
 
 SCHEDULES: dict[str, RegisteredSchedule] = {
-    "gpipe": RegisteredSchedule(gpipe),
-    "1f1b": RegisteredSchedule(one_f_one_b),
+    "gpipe": RegisteredSchedule(gpipe, torch_schedule="ScheduleGPipe"),
+    "1f1b": RegisteredSchedule(one_f_one_b, torch_schedule="Schedule1F1B"),
     "interleaved-1f1b": RegisteredSchedule(interleaved_1f1b, vpp=(2, None), microbatches_multiple_of_pp=True,
-                                           n_microbatches=8),
-    "zb-h1": RegisteredSchedule(zb_h1, n_microbatches=8),
-    "zbv": RegisteredSchedule(zbv, placement="v", vpp=(2, 2), n_microbatches=8),
+                                           n_microbatches=8, torch_schedule="ScheduleInterleaved1F1B"),
+    # ZB-H1 is ZB1P on one stage per rank, which torch runs as its interleaved zero-bubble schedule.
+    "zb-h1": RegisteredSchedule(zb_h1, n_microbatches=8, torch_schedule="ScheduleInterleavedZeroBubble"),
+    "zbv": RegisteredSchedule(zbv, placement="v", vpp=(2, 2), n_microbatches=8, torch_schedule="ScheduleZBVZeroBubble"),
 }
 
 

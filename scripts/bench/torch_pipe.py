@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from minimind import MiniMindForCausalLM
 from parallel.pipeline.partition import layer_partition, rank_stages
@@ -19,10 +20,24 @@ from parallel.decoder import Decoder
 from parallel.step import MicroBatch
 from training.objectives.lm import shifted_loss_sum
 
-# Sluice schedule name -> torch's class, run at the registry's default vpp and placement. zb-h1 is ZB1P with one
-# chunk per rank, which torch runs as its interleaved zero-bubble schedule with a single local stage.
-COUNTERPARTS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-                "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+
+def _counterparts() -> dict[str, type]:
+    """Sluice schedule name -> torch's class its registry entry names (run at the entry's default vpp and placement);
+    a name the installed torch lacks stops the benchmark here, naming the entry."""
+    found = {}
+    for name, registered in SCHEDULES.items():
+        if registered.torch_schedule is None:
+            continue
+        cls = getattr(pipelining, registered.torch_schedule, None)
+        if not isinstance(cls, type):
+            raise ValueError(f"schedule {name!r}: torch_schedule={registered.torch_schedule!r} is not a class of "
+                             f"torch.distributed.pipelining {torch.__version__}; fix its entry in "
+                             "parallel/pipeline/schedules.py SCHEDULES")
+        found[name] = cls
+    return found
+
+
+COUNTERPARTS = _counterparts()
 
 
 class StageModule(nn.Module):
@@ -93,7 +108,7 @@ def build(name: str, model: MiniMindForCausalLM, pp: int, n_microbatches: int, r
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return shifted_loss_sum(logits, labels) / tokens
 
-    single = cls in (ScheduleGPipe, Schedule1F1B)
+    single = issubclass(cls, PipelineScheduleSingle)  # one stage per rank (GPipe, 1F1B), else a list of stages
     schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return TorchPipeline(schedule, modules, copies, embed_group, any(m.is_first for m in modules),
                          any(m.is_last for m in modules))

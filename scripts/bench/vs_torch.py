@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ActivationMeter, boundary, run_workers, stamped, watch_outputs  # noqa: E402
-from harness import alternate, bench_parser, paired, update_results  # noqa: E402
+from common import (ActivationMeter, alternate, bench_parser, boundary, paired, run_workers, stamped,  # noqa: E402
+                    update_results, watch_outputs)
+from torch_pipe import COUNTERPARTS  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -35,12 +36,14 @@ from minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
+from parallel.pipeline.partition import stage_to_rank  # noqa: E402
 from parallel.pipeline.schedules import SCHEDULES as REGISTRY  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # compared on a real model (vpp: the registry's default)
+SCHEDULES = tuple(COUNTERPARTS)  # every registered schedule torch has a counterpart of (vpp: the registry's default)
+SMOKE = ("1f1b", "interleaved-1f1b")  # --smoke: one schedule of one chunk per rank, one of several
 LOSS_RTOL = 1e-5
 ROUNDS = {"toy": (9, 2), "default": (5, 1)}  # size -> measured steps and warm-up per variant (make bench's budget)
 
@@ -104,7 +107,9 @@ def worker(rank: int, world: int, setup: Setup) -> dict | None:
     out = {}
     for name in setup.schedules:
         sluice_loss = _sluice_step(sluice[name], micro)
-        torch_loss = _from_last(theirs[name].step(micro, tokens), pp)
+        registered = REGISTRY[name]
+        last = stage_to_rank(pp * registered.default_vpp - 1, pp, registered.placement)  # rank 0 under the V
+        torch_loss = _from_last(theirs[name].step(micro, tokens), last)
         shm = times[f"sluice_shm {name}"].summary("sluice_shm") if setup.shm else {}
         out[name] = {**times[f"sluice {name}"].summary("sluice"), **times[f"torch {name}"].summary("torch"), **shm,
                      "sluice_loss": sluice_loss, "torch_loss": torch_loss,
@@ -139,10 +144,10 @@ def _gathered(value) -> list:
     return values
 
 
-def _from_last(value: float | None, pp: int) -> float:
-    """The last stage's value, on every rank."""
+def _from_last(value: float | None, last: int) -> float:
+    """The last stage's value (on pipeline rank `last`), on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=pp - 1)
+    dist.broadcast_object_list(box, src=last)
     return box[0]
 
 
@@ -159,7 +164,7 @@ def summarise(by_name: dict) -> tuple[dict, dict]:
 
 
 def main(argv: list[str]) -> tuple[dict, dict]:
-    parser = bench_parser(__doc__, "tiny model, 1 round, 1f1b and interleaved unless --schedules: checks the script "
+    parser = bench_parser(__doc__, f"tiny model, 1 round, {' and '.join(SMOKE)} unless --schedules: checks the script "
                           "works", rounds=None)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--micro-batch-size", type=int, default=1)
@@ -171,7 +176,7 @@ def main(argv: list[str]) -> tuple[dict, dict]:
     rounds, warmup = (given if given is not None else fallback
                       for given, fallback in zip((args.rounds, args.warmup), ROUNDS[args.size]))
     if args.smoke:
-        setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules or ("1f1b", "interleaved-1f1b")),
+        setup = Setup(8, 64, 16, 1, 4, 1, 1, tuple(args.schedules or SMOKE),
                       shm=args.size == "toy", pp=args.pp)
     elif args.size == "default":
         # 2 micro-batches per rank of sequence 64: a step of 1-2 s on 2 cores, so the whole size fits the bench. The
