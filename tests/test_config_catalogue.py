@@ -167,7 +167,7 @@ BAD = [
     (["data.cache_dir={tmp}/file/cache"], "data.cache_dir={tmp}/file/cache cannot be created: {tmp}/file is a file"),
     (["-m", "train.steps=1,0"], "train.steps=0 must be positive"),
     # MiniMind's `--flag value` arguments: the override that means the same (docs/configuration.md#from-minimind)
-    (["--epochs", "2"], "--epochs 2 is MiniMind's argument; train.py takes key=value overrides: train.steps=<epochs x"),
+    (["--epochs", "2"], "--epochs 2 is MiniMind's argument; train.py takes key=value overrides: train.epochs=2 (the steps"),
     (["model=tiny", "--batch_size", "32"], "--batch_size 32 is MiniMind's argument; train.py takes key=value "
                                            "overrides: train.micro_batch_size=32"),
     (["--learning_rate=5e-4"], "--learning_rate=5e-4 is MiniMind's argument; train.py takes key=value overrides: "

@@ -1,6 +1,6 @@
 """A run read from a file (Slurm, `> log`): no tqdm carriage returns, a header whose figures equal counts taken
-independently from the model and the data, one plain line per logged step, tokens_per_s counting label tokens with all
-positions (padding included) apart, hints naming the interpreter actually used; and the small frictions of a MiniMind
+independently from the model and the data (the steps that train.epochs derives from it), one plain line per logged step,
+tokens_per_s counting every position computed (padding included) and label_tokens_per_s the label tokens, hints naming the interpreter actually used; and the small frictions of a MiniMind
 user: MiniMind's argument names suggest Sluice's keys, a truncated JSONL line is named at the column where it ends."""
 
 import json
@@ -40,7 +40,7 @@ def parameters_of(cfg) -> int:
 
 def test_a_redirected_run_has_no_bar_and_counts_label_tokens(tmp_path, data_cache):
     log = tmp_path / "out.txt"
-    args = [sys.executable, "train.py", "model=tiny", "train.task=sft", "train.steps=2", "train.seq_len=64",
+    args = [sys.executable, "train.py", "model=tiny", "train.task=sft", "train.epochs=0.01", "train.seq_len=64",
             "train.micro_batch_size=2", "schedule.n_microbatches=1", "data.num_docs=300", "logger=none",
             "train.log_every=1", f"data.cache_dir={data_cache}", f"hydra.run.dir={tmp_path / 'run'}"]
     with open(log, "wb") as out:
@@ -56,9 +56,12 @@ def test_a_redirected_run_has_no_bar_and_counts_label_tokens(tmp_path, data_cach
                              "<out folder>") for line in lines), lines[-6:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # SFT pads each conversation: the label tokens are a part of the positions computed
-        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["step_time_s"], rel=1e-6)
-        assert row["padded_tokens_per_s"] == pytest.approx(2 * 64 / row["step_time_s"], rel=1e-6)
-        assert row["tokens_per_s"] < row["padded_tokens_per_s"]
+        assert row["label_tokens_per_s"] == pytest.approx(row["tokens"] / row["step_time_s"], rel=1e-6)
+        assert row["tokens_per_s"] == pytest.approx(2 * 64 / row["step_time_s"], rel=1e-6)
+        assert row["label_tokens_per_s"] < row["tokens_per_s"]
+    step_lines = [line.split(" - ", 1)[1] for line in lines if " - step " in line]
+    assert step_lines[0].startswith("step 1/2 ") and " tokens_per_s " in step_lines[0] \
+        and " label_tokens_per_s " in step_lines[0], step_lines
 
     # The header, counted again here: the model's parameters by transformers, the label tokens from the rows
     # the two steps read (and as the steps counted them), 300 embedded conversations padded one per sample.
@@ -70,7 +73,7 @@ def test_a_redirected_run_has_no_bar_and_counts_label_tokens(tmp_path, data_cach
     assert header_of([line.split(" - ", 1)[1] for line in lines if "][sluice][INFO] - " in line]) == {
         "model": f"minimind, 4 layers, hidden 64: {n:,} ({n / 1000:.3g}k) parameters, all trainable",
         "data": "train 300 rows -> 300 samples of 64 tokens, no val split (chat)",
-        "steps": "2 x 2 samples = 4 samples = 0.0133 epochs of the 300 training samples",
+        "steps": "train.epochs=0.01 -> 2 x 2 samples = 4 samples = 0.0133 epochs of the 300 training samples",
         "layout": "dp 1 x tp 1 x pp 1 (1 process); 1 micro-batch x 2 sequences per replica; 2 x 64 tokens per step",
         "partition": "4 layers on one stage",
         "tokens": f"128 per step, label tokens {100 * labels / 256:.2f}% ({labels} of 256 over this run's 2 steps)"}
@@ -80,7 +83,7 @@ def test_a_redirected_run_has_no_bar_and_counts_label_tokens(tmp_path, data_cach
     ("data.data_path", "data.path"), ("data_path", "data.path"), ("max_seq_len", "train.seq_len"),
     ("batch_size", "train.micro_batch_size"), ("learning_rate", "optim.lr"), ("accumulation_steps",
                                                                             "schedule.n_microbatches"),
-    ("from_weight", "checkpoint.load_dense"), ("epochs", "train.steps")])
+    ("from_weight", "checkpoint.load_dense"), ("epochs", "train.epochs")])
 def test_minimind_argument_names_suggest_the_key(key, suggestion):
     assert f"did you mean {suggestion}?" in str(unknown_key(key))
 

@@ -26,6 +26,7 @@ from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from parallel.recompute import unknown_roles
 from training.config import model_config
+from training.config.run_length import resolve_epochs
 from training.report.console import resume_command
 from training.data import build_data, build_val_batches, run_data_spec
 from training.methods.distill.teacher import with_inputs, with_teacher
@@ -94,6 +95,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.engine.parameters(), cfg.optim, grid.dp_group, zero=cfg.parallel.zero,
                                          edp_group=grid.edp_group)
         self.data, self.tokenizer = build_data(cfg, grid.dp_rank, grid.dp, verbose=grid.rank == 0)
+        resolve_epochs(cfg, self.data.num_samples, self.data.global_batch_size)  # train.epochs: steps from the data
         self.val_batches = (build_val_batches(cfg, grid.dp_rank, grid.dp, cfg.train.eval_batches)
                             if cfg.train.eval_every else None)
         self.dpo = OmegaConf.select(cfg, "train.task") == "dpo"
@@ -189,17 +191,18 @@ class Trainer:
                 losses.append(result.loss)
                 if on_step is not None:
                     on_step(step + 1)
-                positions_per_s = self.tokens_per_step / step_time  # every position computed, padding included
-                tokens_per_s = positions_per_s if self.dpo or self.grpo else result.tokens / step_time  # label tokens
-                metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tokens_per_s:.0f}"})
+                tokens_per_s = self.tokens_per_step / step_time  # every token computed, padding included
+                metrics.advance(1, {"loss": f"{result.loss:.4f}", "lr": f"{lr:.2e}", "tokens/s": f"{tokens_per_s:.0f}"})
                 evaluated = self.val_batches is not None and ((step + 1) % cfg.train.eval_every == 0
                                                               or step + 1 == steps)
                 if traced or evaluated or step == 0 or (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
                     # Only a logged step builds its record (and pays the trace files and the memory collective).
                     record = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": lr, "grad_norm": grad_norm,
                               "pairs" if self.dpo else "completions" if self.grpo else "tokens": result.tokens,
-                              "tokens_per_s": tokens_per_s, "padded_tokens_per_s": positions_per_s,
+                              "tokens_per_s": tokens_per_s,
                               "step_time_s": step_time, "skipped_steps": guard.skipped, **result.metrics, **rollout}
+                    if not (self.dpo or self.grpo):  # their `tokens` count pairs and completions, not label tokens
+                        record["label_tokens_per_s"] = result.tokens / step_time
                     if result.trace is not None:
                         from parallel.pipeline.trace_files import write_trace
 

@@ -7,8 +7,8 @@ import re
 
 # MiniMind's argument -> the Sluice override(s) that do what it does; `{value}` is the value the user gave.
 MINIMIND_ARGS: dict[str, str] = {
-    "epochs": "train.steps=<epochs x training samples / samples per step> (Sluice counts optimizer steps; the run "
-              "header prints the samples and the epochs a run covers)",
+    "epochs": "train.epochs={value} (the steps are derived from the data: epochs x training samples / samples per "
+              "step, printed in the run header)",
     "batch_size": "train.micro_batch_size={value}",
     "accumulation_steps": "schedule.n_microbatches={value} (the micro-batches of one optimizer step)",
     "learning_rate": "optim.lr={value}",
@@ -17,14 +17,16 @@ MINIMIND_ARGS: dict[str, str] = {
     "log_interval": "train.log_every={value}",
     "save_interval": "checkpoint.every={value}",
     "save_dir": "hydra.run.dir={value} (checkpoints go to its checkpoints/)",
-    "save_weight": "nothing: checkpoints are <run dir>/checkpoints/step_N; scripts/export_hf.py writes weights out",
+    "save_weight": "checkpoint.export_pth=true (writes MiniMind's <run dir>/out/<stage>_<hidden>.pth at each save: "
+                   "pretrain, full_sft, dpo, grpo, full_dist by train.task)",
     "hidden_size": "model.hidden_size={value}",
     "num_hidden_layers": "model.num_hidden_layers={value}",
     "max_seq_len": "train.seq_len={value}",
     "use_moe": "model=minimind3-moe (or model.use_moe=true on another preset)",
     "data_path": "data=jsonl data.path={value}",
     "from_weight": "checkpoint.load_dense=<the weights file or folder, e.g. {value}_768.pth>",
-    "from_resume": "checkpoint.resume=auto with the interrupted run's hydra.run.dir",
+    "from_resume": "checkpoint.resume=auto with the interrupted run's hydra.run.dir (a fresh directory whose "
+                   "overrides match an earlier run's is refused, naming that run)",
     "device": "nothing: parallel.backend=auto takes NCCL and the GPUs where there are any",
     "num_workers": "nothing: the data is tokenised once and read from data.cache_dir",
     "use_wandb": "logger=wandb",
@@ -52,7 +54,17 @@ MINIMIND_ARGS: dict[str, str] = {
     "debug_interval": "grpo.sample_every={value}",
     "thinking_ratio": "grpo.thinking_ratio={value}",
     "rollout_engine": "nothing: rollouts are generated in the training layout, where the weights are",
+    "sglang_base_url": "nothing: no SGLang server; rollouts are generated in the training layout",
+    "sglang_model_path": "nothing: no SGLang server; rollouts are generated in the training layout",
+    "sglang_shared_path": "nothing: no SGLang server; rollouts are generated in the training layout",
+    "max_total_len": "train.seq_len={value} (train_agent.py's multi-turn tool RL has no counterpart; "
+                     "train.task=grpo is single-turn)",
 }
+# train_ppo.py's own arguments: Sluice's RL is GRPO / CISPO (train.task=grpo), which has no critic or value loss.
+PPO_ONLY = ("critic_learning_rate", "clip_epsilon", "vf_coef", "kl_coef", "gamma", "lam", "cliprange_value",
+            "ppo_update_iters", "early_stop_kl", "mini_batch_size", "debug_log_ratio")
+MINIMIND_ARGS.update({name: "nothing: PPO (train_ppo.py) is not implemented; train.task=grpo is Sluice's RL "
+                            "(grpo.epsilon, grpo.beta, grpo.loss_type)" for name in PPO_ONLY})
 FLAG = re.compile(r"--?([A-Za-z][\w-]*)(?:=(.*))?")
 
 

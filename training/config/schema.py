@@ -13,17 +13,12 @@ from omegaconf import MISSING
 
 from training.methods.distill.schema import DistillSchema
 from training.methods.grpo.schema import GrpoSchema
+from training.config.data_schema import DataSchema
 from training.config.keys import ReadWhen, key
 from training.config.presets import CONF_DIR, store_presets
 from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,
                                     fault, fraction, layer_counts, non_negative, one_of, optional, positive,
                                     schedule_name, seed_value, text)
-
-MIB = 1 << 20
-
-SYNTHETIC_ONLY = ReadWhen("data.name", ("synthetic",), refuse=False)
-JSONL_ONLY = ReadWhen("data.name", ("jsonl",), refuse=True)
-
 
 @dataclass
 class ModelSchema:
@@ -137,7 +132,11 @@ class TrainSchema:
         "[concepts](concepts.md#dpo)), `distill` the next-token loss mixed with a teacher's (`distill.*`), `grpo` "
         "MiniMind's GRPO / CISPO on completions the model samples for prompts (`grpo.*`; [concepts](concepts.md#grpo))",
         one_of("pretrain", "sft", "dpo", "distill", "grpo"))
-    steps: int = key(1000, "optimizer steps", positive)
+    steps: int = key(1000, "optimizer steps (`train.epochs`, when set, derives them instead)", positive)
+    epochs: Optional[float] = key(
+        None, "passes over the training samples (MiniMind's `--epochs`): when set, `train.steps` = ceil(epochs x "
+        "training samples / samples per step), counted from the data and shown in the run header; giving both on "
+        "the command line is refused", optional(positive))
     micro_batch_size: int = key(8, "sequences per micro-batch (under `train.task=dpo` an even number: whole pairs; "
                                    "under `grpo` a multiple of `grpo.num_generations`: whole groups)",
                                 positive)
@@ -174,6 +173,9 @@ class TrainSchema:
         0, "self-launch: restart the workers after a crash or kill, from the newest checkpoint, up to N times per "
         "checkpoint ([launching](launching.md#surviving-a-lost-worker-trainmax_restarts))", non_negative)
     peak_tflops: Optional[float] = key(
+    allow_batch_change: bool = key(
+        False, "resume a checkpoint written at another global batch (dp x n_microbatches x micro_batch_size); refused "
+        "otherwise, since its steps, learning-rate schedule and data position count in its batch")
         None, "per-device peak TFLOP/s for `mfu`; `null` = the GPU's known bf16 peak, none on CPU", optional(positive))
 
 
@@ -188,52 +190,6 @@ class OptimSchema:
     betas: list[float] = key([0.9, 0.95], "Adam's beta1, beta2", betas)
     eps: float = key(1e-8, "Adam's epsilon", positive)
     warmup_steps: int = key(100, "steps of linear warm-up from 0 to `lr`", non_negative)
-
-
-@dataclass
-class DataSchema:
-    """Where training text comes from and how it becomes fixed-length samples."""
-
-    name: str = key(MISSING, "the data source (the preset sets it): `synthetic` (the embedded corpus) or `jsonl` "
-                    "(the rows of `data.path`)", one_of("synthetic", "jsonl"))
-    path: Optional[str] = key(
-        None, "the training rows (`data=jsonl`), the kind read from the path: a MiniMind JSONL file, a `.parquet` or "
-        "`.arrow` file, a `datasets` `save_to_disk` folder, or a Hub dataset `owner/name` (`owner/name:split`); "
-        "a `text` column, or `conversations` for the chat formats", read_when=JSONL_ONLY)  # its rows: data_problem
-    tokenizer: Optional[str] = key(
-        None, "a local tokenizer folder (for example MiniMind's) (`data=jsonl`), or `synthetic` for the embedded "
-        "tokenizer (`data.vocab_size` tokens, with the chat template)", read_when=JSONL_ONLY)
-    format: Optional[str] = key(
-        None, "`packed` (documents concatenated and cut to `seq_len`), `padded` (one document per sample, "
-        "MiniMind style) or `chat` (MiniMind's `conversations` rows, loss on assistant tokens only; `chat_packed` "
-        "packs them); `null` follows `train.task`: `chat` for `sft`, `dpo` and `distill`, else `padded` for "
-        "`data=jsonl` and `packed` for the embedded corpus",
-        optional(one_of("packed", "padded", "chat", "chat_packed")))
-    num_docs: int = key(4000, "documents in the synthetic corpus", positive, SYNTHETIC_ONLY)
-    seed: int = key(0, "seed of the synthetic corpus", seed_value)
-    shuffle: bool = key(True, "reshuffle the training samples every epoch (seeded by `train.seed`); `false` keeps "
-                              "their order in the data (a curriculum), on every layout alike")
-    vocab_size: int = key(2048, "vocabulary of the synthetic corpus's BPE tokenizer",
-                          at_least(259), SYNTHETIC_ONLY)  # 256 bytes + 3 special tokens
-    cache_dir: str = key(".cache/sluice", "where the synthetic corpus, its tokenizer and tokenised data are cached",
-                         text)
-    val_path: Optional[str] = key(None, "held-out rows for validation, of any kind `data.path` reads", optional(text))
-    val_fraction: float = key(0.0, "fraction of the training data held out for validation (disjoint from training)",
-                              fraction())
-    skip_bad_lines: bool = key(False, "skip (and count) unusable rows instead of stopping with the file and the "
-                                      "line (JSONL) or the 0-based row index (tables)")
-    max_line_bytes: int = key(4 * MIB, "longest JSONL line accepted (4 MiB)", positive)
-    think: str = key(
-        "keep", "the empty `<think>` block MiniMind's chat template writes before a reply without reasoning: `keep` "
-        "it, `drop` it, or `minimind` (dropped from 80% of the conversations, as MiniMind's datasets do; drawn per "
-        "row from `data.seed`, so every layout and a resumed run see the same samples)",
-        one_of("keep", "drop", "minimind"))
-    system_prompts: Optional[list[str]] = key(
-        None, "system prompts to put before `data.system_ratio` of the SFT conversations that have none (MiniMind's "
-        "`pre_processing_chat`; drawn per row from `data.seed`); `null` = none added")
-    system_ratio: float = key(0.2, "share of the SFT conversations without a system message that get one of "
-                                   "`data.system_prompts` (MiniMind: 0.2)", fraction(closed_top=True))
-    open_thinking: bool = key(False, "the chat template's `open_thinking` (MiniMind's switch: an open `<think>`)")
 
 
 @dataclass

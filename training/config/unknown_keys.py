@@ -15,7 +15,7 @@ KNOWN_ALIASES = {
     "batch_size": "train.micro_batch_size", "seq_length": "train.seq_len", "max_seq_len": "train.seq_len",
     "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
     # MiniMind's trainer arguments (trainer/train_*.py)
-    "data_path": "data.path", "epochs": "train.steps", "accumulation_steps": "schedule.n_microbatches",
+    "data_path": "data.path", "epochs": "train.epochs", "accumulation_steps": "schedule.n_microbatches",
     "grad_clip": "train.grad_clip", "log_interval": "train.log_every", "save_interval": "checkpoint.every",
     "save_dir": "checkpoint.dir", "from_weight": "checkpoint.load_dense", "from_resume": "checkpoint.resume",
     "use_wandb": "logger", "hidden_size": "model.hidden_size", "num_hidden_layers": "model.num_hidden_layers",

@@ -158,10 +158,12 @@ def data_line(data: StepBatches, fmt: str, pairs: bool) -> str:
     return f"{split('train', data.samples)}, {val} ({fmt}){skipped}"
 
 
-def steps_line(data: StepBatches, steps: int, unit: str) -> str:
-    """The samples the configured steps read, and the epochs of the training split they cover."""
+def steps_line(data: StepBatches, steps: int, unit: str, epochs: float | None = None) -> str:
+    """The samples the configured steps read, and the epochs of the training split they cover (the steps that
+    `train.epochs` derived, when set)."""
     per_step, read = data.global_batch_size, steps * data.global_batch_size
-    return (f"{steps:,} x {per_step:,} {unit} = {read:,} {unit} = {read / data.num_samples:.3g} epochs of the "
+    derived = f"train.epochs={epochs:g} -> " if epochs is not None else ""
+    return (f"{derived}{steps:,} x {per_step:,} {unit} = {read:,} {unit} = {read / data.num_samples:.3g} epochs of the "
             f"{data.num_samples:,} training {unit}")
 
 
@@ -194,7 +196,8 @@ def run_header(cfg: DictConfig, data: StepBatches, dp: int, processes: int, firs
     unit = "pairs" if spec.preference else "prompts" if grpo else "samples"
     size = model_size(cfg)
     lines = [("model", model_line(size)), ("data", data_line(data, spec.format, spec.preference)),
-             ("steps", steps_line(data, steps, unit)), ("layout", layout_line(cfg, dp, processes, size.moe)),
+             ("steps", steps_line(data, steps, unit, cfg.train.get("epochs"))),
+             ("layout", layout_line(cfg, dp, processes, size.moe)),
              ("partition", partition_line(cfg, size.num_layers))]
     if grpo:  # the label tokens are generated each step: say what a step generates instead
         g = cfg.grpo

@@ -66,9 +66,8 @@ class MetricsLogger:
         """Record the metrics of one optimizer step (1-based `step`), with tflops and mfu added."""
         if not self.enabled:
             return
-        if "tokens_per_s" in record:
-            computed = record.get("padded_tokens_per_s", record["tokens_per_s"])  # padding costs FLOPs too
-            record = {**record, **throughput_record(computed, self.flops_token, self.world_size,
+        if "tokens_per_s" in record:  # every token computed: padding costs FLOPs too
+            record = {**record, **throughput_record(record["tokens_per_s"], self.flops_token, self.world_size,
                                                     self.peak_tflops)}
         self.records.append({"step": step, **record})
         for sink in self.sinks:
@@ -128,7 +127,7 @@ def drop_rows_after(path: Path, step: int) -> int:
 
 
 # What the console line leaves to metrics.jsonl: counters and bookkeeping, not a training signal.
-OFF_CONSOLE = ("tokens", "step_time_s", "padded_tokens_per_s", "peak_mem_bytes", "peak_mem_rank")
+OFF_CONSOLE = ("tokens", "step_time_s", "peak_mem_bytes", "peak_mem_rank")
 
 
 def step_line(step: int, total: int, record: dict[str, Any], elapsed_s: float, done: int) -> str:
