@@ -10,7 +10,8 @@ import torch
 from parallel.step import MicroBatch
 from training.data.samples import Samples
 from training.data.stream import StepBatches
-from training.objectives.dpo import REFERENCE
+
+REFERENCE = "ref_logps"  # the payload key: per row, the reference model's summed label log-probability [B] float64
 
 
 def pair_documents(pair_ids: np.ndarray | None) -> np.ndarray | None:

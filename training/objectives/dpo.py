@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from parallel.step import MicroBatch, TokenLoss
+from training.data.pairs import REFERENCE  # the payload key the pair batches fill
 from training.objectives.lm import sequence_logps
-
-REFERENCE = "ref_logps"  # the payload key: per row, the reference model's summed label log-probability [B] float64
 
 
 @dataclass(frozen=True)
