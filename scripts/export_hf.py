@@ -76,7 +76,7 @@ def written(out: Path, adapters_only: bool) -> str:
 
 def check_paths(source: Path, out: Path, fmt: str, force: bool) -> None:
     """The source exists; OUT can be written and holds nothing an export would silently mix with."""
-    from training.launch.output_paths import output_dir_problem, output_file_problem
+    from training.config.output_paths import output_dir_problem, output_file_problem
 
     if not source.exists():
         raise CheckpointError(f"SOURCE={source} does not exist; give a run directory, a checkpoint or dense weights")

@@ -225,7 +225,7 @@ def dry_run(runs: list[Run], checks: list[Check]) -> int:
     """Compose and validate every run's config as train.py would, print the checks and their ranges."""
     from training.config import validate
     from training.config.schema import compose_config
-    from training.launch.layout import layout_world_size
+    from training.config.layout import layout_world_size
 
     failed = 0
     for run in runs:

@@ -32,8 +32,8 @@ from parallel.pipeline.timeline import draw_timeline  # noqa: E402
 from training.launch.cli import compose_validated, fail  # noqa: E402
 from training.config import model_config  # noqa: E402
 from training.config.schema import model_decoder  # noqa: E402
-from training.launch.layout import layout_world_size  # noqa: E402
-from training.launch.output_paths import output_file_problem  # noqa: E402
+from training.config.layout import layout_world_size  # noqa: E402
+from training.config.output_paths import output_file_problem  # noqa: E402
 from training.layout_search.profile import measured_costs  # noqa: E402
 from training.layout_search.search import search  # noqa: E402
 from training.layout_search.search_report import chosen, no_fit_message, rejections, table  # noqa: E402

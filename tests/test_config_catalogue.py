@@ -13,7 +13,7 @@ from parallel.pipeline.schedules import SCHEDULES
 from training.launch.cli import preflight
 from training.config import ConfigError, register_schema
 from training.reliability.faults import parse_fault
-from training.launch.layout import layout_world_size, process_pp
+from training.config.layout import layout_world_size, process_pp
 from training.config.unknown_keys import nearest_key
 
 TINY = ["model=tiny"]

@@ -11,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config.schema import model_config, model_keys, schema_keys
 from training.config.unknown_keys import check_known_keys
 from training.config.values import ConfigError, shown
-from training.launch.layout import layout_world_size, resolve_global_batch, resolved_dp
+from training.config.layout import layout_world_size, resolve_global_batch, resolved_dp
 from training.report.loggers import check_logger
 
 
@@ -232,7 +232,7 @@ def validate_checkpoint(cfg: DictConfig) -> None:
     teacher can teach it; LoRA's starting adapters (lora.init) fit; the folders the run writes (checkpoint.dir,
     data.cache_dir) can be created and written."""
     from checkpoint.manager import check_resume, find_checkpoint
-    from training.launch.output_paths import output_dir_problem
+    from training.config.output_paths import output_dir_problem
 
     dense = cfg.checkpoint.load_dense
     if dense and Path(dense).is_dir() and find_checkpoint(Path(dense)) is not None:

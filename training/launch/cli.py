@@ -15,7 +15,7 @@ from training.config.presets import group_presets
 from training.config.schema import compose_config
 from training.config.minimind_args import minimind_flag_problem
 from training.config.unknown_keys import check_override_keys
-from training.launch.output_paths import output_dir_problem
+from training.config.output_paths import output_dir_problem
 
 EXIT_CONFIG_ERROR = 2
 # Flags after which Hydra takes one value; the value is not an override.

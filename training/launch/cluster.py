@@ -1,6 +1,5 @@
 """Where a self-launch puts its workers: all on this machine, or this node's share of a multi-node Slurm job."""
 
-import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,11 +28,6 @@ def node_launch(world_size: int, env: Mapping[str, str]) -> NodeLaunch:
     job = SlurmJobEnvironment()
     port = 20000 + int(job.raw_job_id) % 20000  # per job: two jobs sharing a node do not collide
     return NodeLaunch(nnodes, world_size // nnodes, f"{job.hostnames[0]}:{port}", f"sluice-{job.job_id}")
-
-
-def omp_threads(nproc_per_node: int) -> int:
-    """CPU threads per worker when the user set none: the cores this process may use, shared out evenly."""
-    return max(1, len(os.sched_getaffinity(0)) // nproc_per_node)
 
 
 def is_launch_leader(env: Mapping[str, str]) -> bool:

@@ -12,7 +12,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from training.launch.layout import layout_world_size, process_pp, resolved_dp
+from training.config.layout import layout_world_size, process_pp, resolved_dp
 
 GIB = 1 << 30
 MASTER_BYTES = 4  # fp32 master weights, whatever the compute dtype (as the profiler measures them)

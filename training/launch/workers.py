@@ -21,13 +21,13 @@ from parallel.grid import local_device_problem
 from parallel.collectives import broadcast_object
 from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
 from training.reliability.heartbeat import Beater
-from training.launch.cluster import is_launch_leader, node_launch, omp_threads
+from training.launch.cluster import is_launch_leader, node_launch
 from training.config import CONF_DIR, ConfigError, validate
 from training.report.console import check_run_dir, quiet_progress_bars
 from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
 from training.reliability import flight_recorder
 from training.reliability.faults import FaultInjector
-from training.launch.layout import layout_world_size, process_pp
+from training.config.layout import layout_world_size, omp_threads, process_pp
 from training.launch.rendezvous import AttemptStore, attempt_store
 from training.report.run_log import ConfinedFileHandler, confine_log_files
 from training.launch.restarts import RestartBudget, newest_step, restart_resume

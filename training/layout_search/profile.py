@@ -24,9 +24,8 @@ from parallel.expert import expert_modules
 from parallel.pipeline.weight_grad import SplitLinears, WeightGradStore
 from parallel.recompute import apply_recompute
 from parallel.step import autocast
-from training.launch.cluster import omp_threads
 from training.config.schema import model_config
-from training.launch.layout import layout_world_size
+from training.config.layout import layout_world_size, omp_threads
 from training.objectives.lm import shifted_loss_sum
 from training.layout_search.costs import (RECOMPUTE_MODES, Fit, MeasuredCosts, cost_key, fixed_parts,
                                     load_cached, save, timed_fields)

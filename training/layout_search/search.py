@@ -14,7 +14,7 @@ from training.layout_search.balance import cost_balanced_partition, measured_wei
 from training.config.schema import model_config
 from training.layout_search.costs import MeasuredCosts
 from training.layout_search.predict import Candidate, Prediction, predict
-from training.launch.layout import resolve_global_batch
+from training.config.layout import resolve_global_batch
 from training.config.values import ConfigError
 from training.config.validate import validate_experts, validate_layout, validate_parallel
 

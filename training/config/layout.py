@@ -1,4 +1,7 @@
-"""The layout's process count from the config: "pipeline ranks per process" and the world-size rule's caller."""
+"""The layout's process count from the config: "pipeline ranks per process", the world-size rule's caller, and the
+CPU threads a worker gets."""
+
+import os
 
 from omegaconf import DictConfig
 
@@ -47,3 +50,8 @@ def resolve_global_batch(cfg: DictConfig, launched: int | None = None) -> None:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of dp {dp} x "
                           f"train.micro_batch_size {t.micro_batch_size} = {per_microbatch}; change one of them")
     cfg.schedule.n_microbatches = t.global_batch_size // per_microbatch
+
+
+def omp_threads(nproc_per_node: int) -> int:
+    """CPU threads per worker when the user set none: the cores this process may use, shared out evenly."""
+    return max(1, len(os.sched_getaffinity(0)) // nproc_per_node)
