@@ -223,7 +223,7 @@ def selected(only: list[str] | None) -> tuple[list[Check], list[Run]]:
 
 def dry_run(runs: list[Run], checks: list[Check]) -> int:
     """Compose and validate every run's config as train.py would, print the checks and their ranges."""
-    from training.config import validate
+    from training.config.validate import validate
     from training.config.schema import compose_config
     from training.config.layout import layout_world_size
 
@@ -250,7 +250,7 @@ def count_syncs(args: list[str]) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from training.config import validate
+    from training.config.validate import validate
     from training.config.schema import compose_config
     from training.launch.workers import run_worker
 

@@ -8,7 +8,7 @@ import pytest
 from parallel.pipeline.partition import PartitionError, balanced_partition
 from tests.equivalence import compose_run_config
 from tests.test_layout_search_predict import fake_costs
-from training.config import validate
+from training.config.validate import validate
 from training.layout_search.balance import cost_balanced_partition, flop_weights
 from training.layout_search.costs import save
 from training.layout_search.profile import run_setting

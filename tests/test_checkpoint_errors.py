@@ -11,7 +11,8 @@ from checkpoint.dense import CheckpointError
 from checkpoint.manager import COMPLETE, META
 from parallel.grid import ParallelGrid
 from tests.equivalence import compose_run_config
-from training.config import ConfigError, validate
+from training.config import ConfigError
+from training.config.validate import validate
 from training.trainer import Trainer
 
 BASE = ["model=tiny", "train.steps=1", "schedule.n_microbatches=1", "checkpoint.save_final=true"]

@@ -162,7 +162,7 @@ def test_layout_equals_single_process(workspace, case):
 
 def test_a_sluice_run_teaches_with_its_trained_weights(workspace):
     """distill.teacher=<run directory>: its newest checkpoint, loaded whole and frozen, is the trained model."""
-    from training.config import validate
+    from training.config.validate import validate
     from training.methods.distill.teacher import load_teacher
 
     result, run_dir = single_process(workspace)
@@ -181,7 +181,8 @@ def test_a_sluice_run_teaches_with_its_trained_weights(workspace):
 
 
 def test_an_unfit_teacher_is_refused_in_one_line(workspace, tmp_path):
-    from training.config import ConfigError, validate
+    from training.config import ConfigError
+    from training.config.validate import validate
     from training.data import run_data_spec
     from training.data.tokenizer import build_tokenizer
 

@@ -219,7 +219,8 @@ def test_a_micro_batch_holds_whole_pairs_with_their_reference(workspace):
 
 
 def test_bad_pairs_and_configs_are_one_line(tmp_path):
-    from training.config import ConfigError, validate
+    from training.config import ConfigError
+    from training.config.validate import validate
     from training.data import DataError, build_data
 
     good = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello."}],

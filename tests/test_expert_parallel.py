@@ -17,7 +17,8 @@ from tests.equivalence import (Layout, Tolerances, _quantity, assert_equivalent,
                                layouts_worker, step_failures, tensor_failures)
 from tests.shared import once_per_session, session_dir
 from tests.spawn import run_workers
-from training.config import ConfigError, validate
+from training.config import ConfigError
+from training.config.validate import validate
 
 pytestmark = pytest.mark.timeout(1800)  # the module's shared spawns run inside its first tests
 

@@ -3,7 +3,8 @@
 import pytest
 
 from tests.equivalence import compose_run_config
-from training.config import ConfigError, validate
+from training.config import ConfigError
+from training.config.validate import validate
 
 
 def resolved(tmp_path, *overrides: str, world_size: int | None = None) -> int:

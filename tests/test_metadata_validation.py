@@ -21,7 +21,8 @@ from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.grid import ParallelGrid
 from tests.equivalence import compose_run_config, run_training
-from training.config import ConfigError, validate
+from training.config import ConfigError
+from training.config.validate import validate
 from training.data import StepBatches, TensorSamples
 from training.data.spec import DataError
 

@@ -3,7 +3,8 @@ trainer scripts, `train.epochs` derives the steps from the data, and MiniMind's 
 
 import pytest
 
-from training.config import ConfigError, validate
+from training.config import ConfigError
+from training.config.validate import validate
 from training.config.minimind_args import MINIMIND_ARGS, minimind_flag_problem
 from training.config.run_length import epoch_steps, length_problem
 from training.config.schema import compose_config

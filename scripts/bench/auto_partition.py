@@ -28,7 +28,8 @@ from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.spec import PipelineSpec  # noqa: E402
 from training.specs import default_engine_spec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
-from training.config import CONF_DIR, register_schema, validate  # noqa: E402
+from training.config import CONF_DIR, register_schema  # noqa: E402
+from training.config.validate import validate  # noqa: E402
 from training.layout_search.predict import candidate_of, predict  # noqa: E402
 from training.layout_search.profile import measured_costs  # noqa: E402
 from training.trainer import build_model  # noqa: E402

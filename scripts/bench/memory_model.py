@@ -26,7 +26,8 @@ from omegaconf import open_dict  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
-from training.config import CONF_DIR, register_schema, validate  # noqa: E402
+from training.config import CONF_DIR, register_schema  # noqa: E402
+from training.config.validate import validate  # noqa: E402
 from training.layout_search.costs import MeasuredCosts  # noqa: E402
 from training.layout_search.predict import candidate_of, predict  # noqa: E402
 from training.specs import engine_spec  # noqa: E402

@@ -10,7 +10,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import CONF_DIR, ConfigError, register_schema, validate
+from training.config import CONF_DIR, ConfigError, register_schema
+from training.config.validate import validate
 from training.config.presets import group_presets
 from training.config.schema import compose_config
 from training.config.minimind_args import minimind_flag_problem

@@ -22,7 +22,8 @@ from parallel.collectives import broadcast_object
 from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
 from training.reliability.heartbeat import Beater
 from training.launch.cluster import is_launch_leader, node_launch
-from training.config import CONF_DIR, ConfigError, validate
+from training.config import CONF_DIR, ConfigError
+from training.config.validate import validate
 from training.report.console import check_run_dir, quiet_progress_bars
 from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
 from training.reliability import flight_recorder
