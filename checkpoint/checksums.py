@@ -67,7 +67,7 @@ def mismatch(folder: Path, sums: dict[str, str], names: Iterable[str]) -> str | 
     return None
 
 
-def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+def checksum_problem(folder: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """This rank's share (rank, world) of `folder`'s recorded files checked against SHA256SUMS: one line, or None
     (also for a checkpoint saved without checksums)."""
     sums = read_sums(folder)  # raises, in one line, for a SUMS that is not a regular file or not checksums
@@ -88,5 +88,5 @@ def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> str | None:
 
 def check(folder: Path) -> None:
     """Raise CheckpointError when any file of `folder` fails its checksum (one process reads them all)."""
-    if problem := verify(folder):
+    if problem := checksum_problem(folder):
         raise CheckpointError(problem)

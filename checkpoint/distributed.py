@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from checkpoint.checksums import dcp_files, digests, verify
+from checkpoint.checksums import checksum_problem, dcp_files, digests
 from checkpoint.dense import CheckpointError
 from checkpoint.disk import write_problem
 from checkpoint.safe_reader import SafeReader
@@ -284,7 +284,7 @@ def _targets(state: TrainingState, stored: dict[str, torch.Size], path: Path, un
 def load_state(path: Path, state: TrainingState) -> None:
     """Load parameters, optimizer state and (where stored for this rank) RNG from `path`, in any layout."""
     share = (state.grid.rank, state.grid.world_size) if _distributed() else (0, 1)
-    if problem := agreed(verify(path, share)):  # the ranks check the files' checksums together, before DCP reads
+    if problem := agreed(checksum_problem(path, share)):  # the ranks check the checksums together, before DCP reads
         raise CheckpointError(problem)
     stored = read_keys(path)
     unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]] = []  # packed TP shards: whole -> this block

@@ -147,7 +147,7 @@ def resolve_resume(resume: str, directory: Path) -> Path | None:
     return found
 
 
-def check_resume(resume: str | None, directory: Path | None, model: dict[str, Any],
+def resume_problem(resume: str | None, directory: Path | None, model: dict[str, Any],
                  settable: tuple[str, ...] = (), lora: dict[str, Any] | None = None,
                  steps: int | None = None) -> str | None:
     """Pre-launch check of checkpoint.resume: a one-line problem, or None (auto without a dir is checked later);
@@ -167,7 +167,7 @@ def check_resume(resume: str | None, directory: Path | None, model: dict[str, An
         return str(error)
 
 
-def check_ownership(spec: CheckpointSpec) -> str | None:
+def ownership_problem(spec: CheckpointSpec) -> str | None:
     """Pre-launch: one line when this run would save into a checkpoint.dir that another run owns, else None."""
     if spec.run_dir is None or not spec.saves:
         return None

@@ -111,7 +111,7 @@ def target_config(folder: Path, data: st.DataObject) -> None:
 
 def target_sums(folder: Path, data: st.DataObject) -> None:
     """A checkpoint's SHA256SUMS: lines of a digest and a name (a NUL, a `..`, an absolute path, a missing file)."""
-    from checkpoint.checksums import SUMS, verify
+    from checkpoint.checksums import SUMS, checksum_problem
 
     (folder / "meta.json").write_text("{}")
     names = st.one_of(st.text(max_size=12), st.sampled_from(["meta.json", "../x", "/etc/passwd", "a\0b", "", "."]))
@@ -119,7 +119,7 @@ def target_sums(folder: Path, data: st.DataObject) -> None:
     lines = data.draw(st.lists(st.tuples(digest, names), max_size=4))
     (folder / SUMS).write_text("".join(f"{d}  {n}\n" for d, n in lines), encoding="utf-8", errors="surrogateescape")
     try:
-        problem = verify(folder)
+        problem = checksum_problem(folder)
     except CheckpointError as error:  # SUMS itself unreadable: raised, as a resume and an export report it
         one_line(error)
     else:

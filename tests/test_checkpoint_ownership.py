@@ -10,7 +10,7 @@ import pytest
 
 from checkpoint.checksums import SUMS, digest, sums_text
 from checkpoint.dense import CheckpointError
-from checkpoint.manager import check_ownership, complete_checkpoints
+from checkpoint.manager import ownership_problem, complete_checkpoints
 from checkpoint.ownership import OWNER, RUN_ID
 from parallel.grid import ParallelGrid
 from tests.equivalence import compose_run_config, run_training
@@ -67,7 +67,7 @@ def test_a_fresh_run_is_refused_another_runs_folder_and_changes_nothing_in_it(ow
             f"checkpoint: checkpoint.resume={folder / 'step_00000002'} (resume=auto continues only this run's own)")
     for resume in ("none", "auto"):
         cfg = config(root, folder, "train.steps=2", f"checkpoint.resume={resume}")
-        assert check_ownership(checkpoint_spec(cfg, tmp_path / resume)) == line  # before launch
+        assert ownership_problem(checkpoint_spec(cfg, tmp_path / resume)) == line  # before launch
         with pytest.raises(CheckpointError) as error:  # and in the workers, before the first step
             Trainer(cfg, ParallelGrid.single("cpu"), tmp_path / resume).fit()
         assert str(error.value) == line
@@ -136,7 +136,7 @@ def test_an_unclaimed_folder_is_refused_to_a_fresh_run_and_adopted_by_resuming_i
     (folder / OWNER).unlink()  # saved before runs claimed folders
     as_saved_before_records(folder / "step_00000002")
     cfg = config(root, folder, "train.steps=3")
-    assert check_ownership(checkpoint_spec(cfg, tmp_path / "b")) == (
+    assert ownership_problem(checkpoint_spec(cfg, tmp_path / "b")) == (
         f"checkpoint.dir={folder} holds checkpoints (step_00000002) that this run did not write; a run never prunes "
         "or overwrites another run's checkpoints: choose another checkpoint.dir, or continue them: "
         f"checkpoint.resume={folder / 'step_00000002'}")
@@ -154,15 +154,15 @@ def test_each_checkpoint_records_the_run_that_wrote_it(owned):
 
 
 def test_a_fresh_run_in_a_reused_run_directory_is_refused_without_metrics(tmp_path):
-    from training.report.console import check_run_dir
+    from training.report.console import run_dir_problem
 
     run = tmp_path / "run"
     train(tmp_path, run, run / "checkpoints")
     (run / "metrics.jsonl").unlink(missing_ok=True)  # gone: the checkpoints still say whose they are
     for resume in (None, "none"):
-        problem = check_run_dir(run, resume, run / "checkpoints")
+        problem = run_dir_problem(run, resume, run / "checkpoints")
         assert problem.startswith(f"checkpoint.dir={run / 'checkpoints'} already holds checkpoints of an earlier run")
-    assert check_run_dir(run, "auto", run / "checkpoints") is None  # continuing them is what auto is for
+    assert run_dir_problem(run, "auto", run / "checkpoints") is None  # continuing them is what auto is for
 
 
 def test_resume_auto_never_adopts_another_runs_checkpoints_without_an_owner(owned, tmp_path):
@@ -216,7 +216,7 @@ def test_owner_and_run_id_are_read_as_checked_files(owned, tmp_path, name, kind)
     else:
         path.symlink_to("/dev/zero")  # would read without limit
     cfg = config(root, folder, "train.steps=3", "checkpoint.resume=auto")
-    problem = check_ownership(checkpoint_spec(cfg, run))
+    problem = ownership_problem(checkpoint_spec(cfg, run))
     expected = "a FIFO" if kind == "fifo" else "a character device"
     assert problem is not None and f"{name}: {path} is {expected}, not a regular file" in problem, problem
     assert len(problem.splitlines()) == 1

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from checkpoint.dense import CheckpointError
 from checkpoint.export import read_training_weights
-from checkpoint.manager import COMPLETE, META, check_resume, complete_checkpoints, prune
+from checkpoint.manager import COMPLETE, META, resume_problem, complete_checkpoints, prune
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from parallel.grid import ParallelGrid
 from tests.equivalence import compose_run_config, run_training
@@ -57,7 +57,7 @@ def test_the_payload_in_metadata_never_runs_on_resume_auto_or_export(saved, tmp_
     checkpoint, marker = poisoned_copy(saved, tmp_path)
     model = {"name": "tiny"}
     for resume, directory in ((str(checkpoint), None), ("auto", checkpoint.parent)):
-        problem = check_resume(resume, directory, model)
+        problem = resume_problem(resume, directory, model)
         assert problem is not None and "builtins.eval" in problem and str(checkpoint) in problem, problem
         assert "\n" not in problem
     cfg = compose_run_config([*TINY, "train.steps=2", "checkpoint.resume=auto",

@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint.checksums import verify
+from checkpoint.checksums import checksum_problem
 from checkpoint.dense import CheckpointError, check_dense_files, read_dense_state_dict
 from checkpoint.dense_source import dense_source
 from checkpoint.export import export_checkpoint, read_training_weights
-from checkpoint.manager import TOKENIZER, check_resume, complete_checkpoints, find_checkpoint
+from checkpoint.manager import TOKENIZER, resume_problem, complete_checkpoints, find_checkpoint
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from parallel.grid import ParallelGrid
 from tests.equivalence import compose_run_config, run_training
@@ -110,7 +110,7 @@ def test_storage_paths_outside_the_checkpoint_are_refused_on_resume_and_export(s
     checkpoint = copied_checkpoint(saved, tmp_path)
     target = storage_pointed_elsewhere(checkpoint, how)
     expected = f"checkpoint: {checkpoint} names {target!r}, {OUTSIDE}"
-    problem = check_resume(str(checkpoint), None, {"name": "tiny"})
+    problem = resume_problem(str(checkpoint), None, {"name": "tiny"})
     assert problem is not None and problem.startswith(expected) and "\n" not in problem, problem
     cfg = compose_run_config([*TINY, "train.steps=2", f"checkpoint.resume={checkpoint}"], tmp_path / "cache")
     with pytest.raises(CheckpointError) as error:
@@ -131,7 +131,7 @@ def test_a_fifo_as_metadata_is_refused_before_launch_and_by_export(saved, tmp_pa
     fifo = checkpoint / METADATA_FILE
     fifo.unlink()
     os.mkfifo(fifo)
-    problem, _ = within_limit(lambda: check_resume(str(checkpoint), None, {"name": "tiny"}), [fifo])
+    problem, _ = within_limit(lambda: resume_problem(str(checkpoint), None, {"name": "tiny"}), [fifo])
     assert problem == f"checkpoint: {fifo} is a FIFO, not a regular file; refusing to open it (replace it with the " \
         "real file)", problem
     refused(lambda: read_training_weights(checkpoint), fifo)
@@ -150,7 +150,7 @@ def test_a_fifo_as_a_tensor_file_is_refused_before_dcp_reads(saved, tmp_path):
     fifo = next(checkpoint.glob("*.distcp"))
     fifo.unlink()
     os.mkfifo(fifo)
-    problem, _ = within_limit(lambda: check_resume(str(checkpoint), None, {"name": "tiny"}), [fifo])
+    problem, _ = within_limit(lambda: resume_problem(str(checkpoint), None, {"name": "tiny"}), [fifo])
     assert problem == f"checkpoint: {fifo} is a FIFO, not a regular file; refusing to open it (replace it with the " \
         "real file)", problem
     refused(lambda: read_training_weights(checkpoint), fifo)
@@ -161,7 +161,7 @@ def test_a_fifo_as_sha256sums_is_refused_in_bounded_time(saved, tmp_path):
     fifo = checkpoint / "SHA256SUMS"
     fifo.unlink()
     os.mkfifo(fifo)
-    refused(lambda: verify(checkpoint), fifo)  # what a resume checks before DCP reads
+    refused(lambda: checksum_problem(checkpoint), fifo)  # what a resume checks before DCP reads
     refused(lambda: read_training_weights(checkpoint), fifo)
 
 
@@ -183,7 +183,7 @@ def test_a_meta_json_link_leaving_the_checkpoint_is_refused(saved, tmp_path):
     (checkpoint / "meta.json").symlink_to(elsewhere)
     expected = (f"checkpoint: {checkpoint / 'meta.json'} leads outside {checkpoint} (to {elsewhere}); a folder's files "
                 "must sit inside it (replace the link with the file itself)")
-    assert check_resume(str(checkpoint), None, {"name": "tiny"}) == expected
+    assert resume_problem(str(checkpoint), None, {"name": "tiny"}) == expected
     with pytest.raises(CheckpointError) as error:  # checksums may name the link first: refused either way
         read_training_weights(checkpoint)
     assert f"{checkpoint / 'meta.json'} leads outside {checkpoint}" in str(error.value) and "\n" not in str(error.value)

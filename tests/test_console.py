@@ -10,20 +10,20 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_config_errors import launch_here
-from training.report.console import RunSummary, check_run_dir, format_summary, interpreter
+from training.report.console import RunSummary, run_dir_problem, format_summary, interpreter
 
 TINY = ["model=tiny", "train.seq_len=32", "train.micro_batch_size=2", "schedule.n_microbatches=4",
         "data.num_docs=300", "train.log_every=1", "train.steps=3", "optim.warmup_steps=1", "parallel.pp=2"]
 
 
 def test_a_used_run_directory_is_refused_unless_resuming(tmp_path):
-    assert check_run_dir(tmp_path, None) is None
+    assert run_dir_problem(tmp_path, None) is None
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    problem = check_run_dir(tmp_path, None)
+    problem = run_dir_problem(tmp_path, None)
     assert problem and "already holds metrics.jsonl" in problem and "hydra.run.dir" in problem and "checkpoint.resume" in problem
-    assert check_run_dir(tmp_path, "auto").startswith("checkpoint.resume=auto: ")  # no checkpoint to resume from
-    assert check_run_dir(tmp_path, str(tmp_path / "checkpoints" / "step_00000001")) is None  # checked when loaded
-    assert check_run_dir(tmp_path, "none") == problem  # `none` is the explicit "do not resume"
+    assert run_dir_problem(tmp_path, "auto").startswith("checkpoint.resume=auto: ")  # no checkpoint to resume from
+    assert run_dir_problem(tmp_path, str(tmp_path / "checkpoints" / "step_00000001")) is None  # checked when loaded
+    assert run_dir_problem(tmp_path, "none") == problem  # `none` is the explicit "do not resume"
 
 
 def test_summary_lines():

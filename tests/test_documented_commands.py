@@ -92,8 +92,8 @@ def test_a_documented_command_composes_and_validates(where, line, tmp_path, monk
                 target.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(tmp_path)
     if placeholders:  # the files are stand-ins: their contents are other tests' business
-        monkeypatch.setattr(validation, "validate_data", lambda *args: None)
-        monkeypatch.setattr(validation, "validate_checkpoint", lambda *args: None)
+        monkeypatch.setattr(validation, "data_tokenizer_problem", lambda *args: None)
+        monkeypatch.setattr(validation, "checkpoint_problem", lambda *args: None)
     jobs = list(expand_jobs(overrides))
     assert jobs, where
     for job in jobs:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint.adapters import CONFIG, PEFT_PREFIX, WEIGHTS, read_lora_init
-from checkpoint.checksums import SUMS, verify
+from checkpoint.checksums import SUMS, checksum_problem
 from checkpoint.dense import CheckpointError, read_dense_state_dict
 
 LINEAR = "model.layers.0.self_attn.q_proj"
@@ -60,7 +60,7 @@ def test_integer_keys_are_refused_in_one_line(tmp_path):
 
 def test_a_sums_name_with_a_nul_byte_is_one_line(tmp_path):
     (tmp_path / SUMS).write_text(f"{'0' * 64}  bad\0name\n")
-    problem = verify(tmp_path)
+    problem = checksum_problem(tmp_path)
     assert "holds a NUL byte" in problem and len(problem.splitlines()) == 1
 
 

@@ -19,7 +19,7 @@ from tests.test_config_errors import launch_here
 from tests.equivalence import layouts_worker
 from tests.spawn import run_workers
 from training.config.schema import compose_config
-from training.report.console import check_run_dir
+from training.report.console import run_dir_problem
 from training.report.metrics import drop_rows_after
 from training.trainer import Trainer
 
@@ -185,16 +185,16 @@ def test_a_signal_to_one_of_two_self_launched_ranks_stops_both_after_the_same_st
 
 
 def test_resume_auto_is_refused_only_where_metrics_have_no_checkpoint(tmp_path):
-    assert check_run_dir(tmp_path, "auto") is None  # a fresh directory: nothing to mix
+    assert run_dir_problem(tmp_path, "auto") is None  # a fresh directory: nothing to mix
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    problem = check_run_dir(tmp_path, "auto")
+    problem = run_dir_problem(tmp_path, "auto")
     assert problem and problem.startswith("checkpoint.resume=auto: run directory") and "hydra.run.dir" in problem
     elsewhere = tmp_path / "elsewhere" / "step_00000001"
     elsewhere.mkdir(parents=True)
     (elsewhere / "COMPLETE").write_text("complete\n")
     (elsewhere / "meta.json").write_text("{}")
-    assert check_run_dir(tmp_path, "auto", elsewhere.parent) is None  # checkpoint.dir set: looked for there
-    assert check_run_dir(tmp_path, "auto") is not None
+    assert run_dir_problem(tmp_path, "auto", elsewhere.parent) is None  # checkpoint.dir set: looked for there
+    assert run_dir_problem(tmp_path, "auto") is not None
 
 
 def test_resuming_drops_the_metrics_rows_after_the_checkpoint_atomically(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.equivalence import compose_run_config
-from training.report.loggers import check_logger, logger_backends
+from training.report.loggers import logger_problem, logger_backends
 from training.report.metrics import MetricsLogger
 
 RECORD = {"loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0, "step_time_s": 0.1,
@@ -131,13 +131,13 @@ def test_backends_drop_none_and_repeats():
     ({"backends": ["wandb"], "mode": "online", "project": "p"}, {}, "needs wandb credentials"),
     ({"backends": ["wandb"], "mode": "online", "project": "p"}, {"WANDB_API_KEY": "x" * 40}, None),
 ])
-def test_check_logger(tmp_path, monkeypatch, logger, env, expected):
+def test_logger_problem(tmp_path, monkeypatch, logger, env, expected):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     (tmp_path / "netrc").write_text("")
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    problem = check_logger(OmegaConf.create({"logger": logger}))
+    problem = logger_problem(OmegaConf.create({"logger": logger}))
     if expected is None:
         assert problem is None
     else:
@@ -150,4 +150,4 @@ def test_wandb_credentials_from_netrc(tmp_path, monkeypatch):
     os.chmod(tmp_path / "netrc", 0o600)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     cfg = OmegaConf.create({"logger": {"backends": ["wandb"], "mode": "online", "project": "p"}})
-    assert check_logger(cfg) is None
+    assert logger_problem(cfg) is None

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from checkpoint.dense import CheckpointError, check_dense_files, load_dense_into, read_dense_state_dict
 from checkpoint.dense_source import dense_source
 from checkpoint.export import read_training_weights
-from checkpoint.manager import META, check_resume
+from checkpoint.manager import META, resume_problem
 from checkpoint.safe_reader import METADATA_FILE, RestrictedUnpickler
 from minimind import MiniMindConfig, MiniMindForCausalLM
 from parallel.grid import ParallelGrid
@@ -87,7 +87,7 @@ def test_a_tampered_meta_json_is_one_line_before_launch(saved, tmp_path, case):
     root, checkpoint = saved
     edit, message = TAMPERED[case]
     bad = tampered(checkpoint, tmp_path / "step_00000001", edit)
-    problem = check_resume(str(bad), None, {})
+    problem = resume_problem(str(bad), None, {})
     assert problem is not None and "\n" not in problem and str(bad) in problem, problem
     assert re.search(message, problem), problem
 

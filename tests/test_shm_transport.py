@@ -220,14 +220,11 @@ def test_a_send_waiting_in_post_for_a_full_ring_is_what_the_hang_watch_reports()
 
 def test_shm_on_a_gpu_run_is_refused_before_launch(monkeypatch, tmp_path):
     from tests.equivalence import compose_run_config
-    from training.config.values import ConfigError
-    from training.config.validate import validate_parallel
+    from training.config.validate import parallel_problem
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
     cfg = compose_run_config(["parallel.pp=2", "parallel.transport=shm"], tmp_path)
-    with pytest.raises(ConfigError, match=r"^parallel.transport=shm carries CPU tensors, but parallel.backend=auto "
-                                          r"computes on CUDA; use parallel.transport=auto \(NCCL's P2P on GPUs\) or "
-                                          r"parallel.backend=gloo$"):
-        validate_parallel(cfg)
-    validate_parallel(compose_run_config(["parallel.pp=2", "parallel.transport=shm", "parallel.backend=gloo"],
-                                         tmp_path))  # gloo computes on the CPU: shm is fine
+    assert parallel_problem(cfg) == ("parallel.transport=shm carries CPU tensors, but parallel.backend=auto computes "
+                                     "on CUDA; use parallel.transport=auto (NCCL's P2P on GPUs) or parallel.backend=gloo")
+    assert parallel_problem(compose_run_config(["parallel.pp=2", "parallel.transport=shm", "parallel.backend=gloo"],
+                                               tmp_path)) is None  # gloo computes on the CPU: shm is fine

@@ -4,7 +4,6 @@ from difflib import SequenceMatcher
 
 from omegaconf import DictConfig
 
-from training.config.values import ConfigError
 from training.config.schema import schema_defaults, schema_sections
 
 
@@ -41,33 +40,34 @@ def nearest_key(key: str) -> str:
     return max([*keys, *sections], key=score)
 
 
-def unknown_key(key: str) -> ConfigError:
+def unknown_key(key: str) -> str:
     """The one-line refusal of a key outside the schema (never suggesting `+`: no key may be added)."""
     if key in RENAMED_KEYS:
-        return ConfigError(f"{key}: renamed to {RENAMED_KEYS[key]} (e.g. {RENAMED_KEYS[key]}=auto)")
-    return ConfigError(f"{key}: unknown config key; did you mean {nearest_key(key)}? "
-                       "(`python train.py --cfg job` prints every key)")
+        return f"{key}: renamed to {RENAMED_KEYS[key]} (e.g. {RENAMED_KEYS[key]}=auto)"
+    return f"{key}: unknown config key; did you mean {nearest_key(key)}? (`python train.py --cfg job` prints every key)"
 
 
-def check_override_keys(keys: list[str], groups: set[str]) -> None:
-    """Refuse override keys (already stripped of `+`/`~`) that are neither a schema key nor a config group."""
+def override_key_problem(keys: list[str], groups: set[str]) -> str | None:
+    """The first override key (already stripped of `+`/`~`) that is neither a schema key nor a config group."""
     known, sections = set(schema_defaults()), set(schema_sections())
     for key in keys:
         if key in known or key in sections or key in groups or key.split(".")[0].split("/")[0] == "hydra":
             continue
-        raise unknown_key(key)
+        return unknown_key(key)
+    return None
 
 
-def check_known_keys(cfg: DictConfig) -> None:
-    """Refuse any key of a composed config that the schema does not declare (one added with `+`, say)."""
+def unknown_key_problem(cfg: DictConfig) -> str | None:
+    """The first key of a composed config that the schema does not declare (one added with `+`, say)."""
     known, sections = set(schema_defaults()), set(schema_sections())
     for section in cfg.keys():
         if section == "hydra":
             continue
         if section not in sections:
-            raise unknown_key(str(section))
+            return unknown_key(str(section))
         node = cfg._get_node(section)
         if isinstance(node, DictConfig):
             for leaf in node.keys():
                 if f"{section}.{leaf}" not in known:
-                    raise unknown_key(f"{section}.{leaf}")
+                    return unknown_key(f"{section}.{leaf}")
+    return None

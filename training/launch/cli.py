@@ -15,7 +15,7 @@ from training.config.validate import validate
 from training.config.presets import group_presets
 from training.config.schema import compose_config
 from training.config.minimind_args import minimind_flag_problem
-from training.config.unknown_keys import check_override_keys
+from training.config.unknown_keys import override_key_problem
 from training.config.output_paths import output_dir_problem
 
 EXIT_CONFIG_ERROR = 2
@@ -82,7 +82,8 @@ def expand_jobs(overrides: list[str]) -> Iterator[list[str]]:
             choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
         else:
             choices.append([override.input_line])
-    check_override_keys(keys, config_groups())
+    if problem := override_key_problem(keys, config_groups()):
+        raise ConfigError(problem)
     return (list(job) for job in itertools.product(*choices))
 
 
@@ -110,34 +111,33 @@ def explain_compose_error(error: Exception, job: list[str]) -> str:
     return f"{detail} (check the override; `python train.py --cfg job` prints every key and value)"
 
 
-def check_output_dir(hydra_cfg: DictConfig, multirun: bool) -> None:
+def hydra_dir_problem(hydra_cfg: DictConfig, multirun: bool) -> str | None:
     """The run (or sweep) directory can be created and written, judged without creating anything."""
     key = "sweep.dir" if multirun else "run.dir"
     try:
         path = Path(str(OmegaConf.select(hydra_cfg, key, throw_on_resolution_failure=True)))
     except OmegaConfBaseException as error:
-        raise ConfigError(f"hydra.{key}: cannot resolve it ({str(error).splitlines()[0]})") from None
-    if problem := output_dir_problem(path, f"hydra.{key}"):
-        raise ConfigError(problem)
+        return f"hydra.{key}: cannot resolve it ({str(error).splitlines()[0]})"
+    return output_dir_problem(path, f"hydra.{key}")
 
 
-def check_job(job: list[str], world_size: int | None, multirun: bool) -> list[str]:
-    """Compose one job, check its output directory, validate it and its memory needs; return its warnings."""
+def job_problems(job: list[str], world_size: int | None, multirun: bool, warnings: list[str]) -> Iterator[str | None]:
+    """One job's pre-launch checks in order: its output directory and length (what only the command line knows),
+    `validate` (which raises its own first problem; its warnings join `warnings`), then its memory needs."""
     try:
         cfg = compose_config(job, with_hydra=True)
     except Exception as error:  # Hydra's composition errors: one line, not its traceback
-        fail(explain_compose_error(error, job))
+        yield explain_compose_error(error, job)
+        return
     # A sweep's launcher other than Hydra's basic one (Slurm, submitit) runs the jobs on other hosts.
     elsewhere = multirun and not str(OmegaConf.select(cfg.hydra, "launcher._target_")).endswith(".BasicLauncher")
     with read_write(cfg), open_dict(cfg):
-        check_output_dir(cfg.hydra, multirun)
+        yield hydra_dir_problem(cfg.hydra, multirun)
         cfg.pop("hydra")
-    warnings = validate(cfg, world_size)
+    warnings += validate(cfg, world_size)
     from training.launch.memory_fit import memory_problem  # the meta model and the cost model: after the cheap checks
 
-    if problem := memory_problem(cfg, world_size, this_host=not elsewhere):
-        raise ConfigError(problem)
-    return warnings
+    yield memory_problem(cfg, world_size, this_host=not elsewhere)
 
 
 def preflight(argv: list[str]) -> None:
@@ -160,7 +160,11 @@ def preflight(argv: list[str]) -> None:
         except Exception as error:  # Hydra's grammar errors: report the line, not the parser's traceback
             fail(f"cannot parse overrides {' '.join(overrides)}: {str(error).splitlines()[0]}")
         for job in jobs:
-            warnings.update(dict.fromkeys(check_job(job, world_size, bool(MULTIRUN_FLAGS & set(flags)))))
+            found: list[str] = []
+            for problem in job_problems(job, world_size, bool(MULTIRUN_FLAGS & set(flags)), found):
+                if problem:
+                    fail(problem)
+            warnings.update(dict.fromkeys(found))
     except ConfigError as error:
         fail(str(error))
     if os.environ.get("RANK", "0") == "0":

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from checkpoint.manager import check_ownership
+from checkpoint.manager import ownership_problem
 from parallel.grid import local_device_problem
 from parallel.collectives import broadcast_object
 from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
@@ -24,7 +24,7 @@ from training.reliability.heartbeat import Beater
 from training.launch.cluster import is_launch_leader, node_launch
 from training.config import CONF_DIR, ConfigError
 from training.config.validate import validate
-from training.report.console import check_run_dir, quiet_progress_bars
+from training.report.console import run_dir_problem, quiet_progress_bars
 from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
 from training.reliability import flight_recorder
 from training.reliability.faults import FaultInjector
@@ -64,10 +64,10 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         if problem := local_device_problem(cfg.parallel.backend, local_workers(world_size)):
             raise ConfigError(problem)  # CUDA would say 'invalid device ordinal' in the workers past the last GPU
         first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restart continues its own run
-        if is_launch_leader(os.environ) and first_start and (problem := check_run_dir(
+        if is_launch_leader(os.environ) and first_start and (problem := run_dir_problem(
                 run_dir, cfg.checkpoint.resume, checkpoint_spec(cfg, run_dir).dir)):
             raise ConfigError(problem)
-        if is_launch_leader(os.environ) and (problem := check_ownership(checkpoint_spec(cfg, run_dir))):
+        if is_launch_leader(os.environ) and (problem := ownership_problem(checkpoint_spec(cfg, run_dir))):
             raise ConfigError(problem)  # another run's checkpoint.dir: refused before any worker starts
     except ConfigError as error:
         print(f"sluice: config error: {error}", file=sys.stderr)

@@ -15,8 +15,8 @@ from training.config.schema import model_config
 from training.layout_search.costs import MeasuredCosts
 from training.layout_search.predict import Candidate, Prediction, predict
 from training.config.layout import resolve_global_batch
-from training.config.values import ConfigError
-from training.config.validate import validate_experts, validate_layout, validate_parallel
+from training.rules.values import ConfigError
+from training.config.validate import experts_problem, model_split_problem, parallel_problem
 
 GIB = 1 << 30
 Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `predict`, or a fake in tests
@@ -132,15 +132,14 @@ def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
 
 def layout_problem(cfg: DictConfig, candidate: Candidate, world_size: int) -> str | None:
     """The pre-launch check's one line for this candidate's layout, or None when it is valid."""
+    candidate_cfg = apply_candidate(cfg, candidate)
+    if problem := parallel_problem(candidate_cfg, world_size):
+        return problem
     try:
-        candidate_cfg = apply_candidate(cfg, candidate)
-        validate_parallel(candidate_cfg, world_size)
         resolve_global_batch(candidate_cfg, world_size)
-        validate_layout(candidate_cfg)
-        validate_experts(candidate_cfg, world_size)
     except ConfigError as error:
         return str(error)
-    return None
+    return model_split_problem(candidate_cfg) or experts_problem(candidate_cfg, world_size)
 
 
 def partitions(cfg: DictConfig, pp: int, vpp: int, costs: MeasuredCosts) -> list[tuple[int, ...] | None]:

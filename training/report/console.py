@@ -18,7 +18,7 @@ log = logging.getLogger("sluice")
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 
 
-def check_run_dir(run_dir: Path, resume: str | None, checkpoints: Path | None = None) -> str | None:
+def run_dir_problem(run_dir: Path, resume: str | None, checkpoints: Path | None = None) -> str | None:
     """One line when a run would mix its metrics into an earlier run's: a fresh run into a used directory, or
     `checkpoint.resume=auto` where `checkpoints` (default `<run dir>/checkpoints`) holds nothing to resume from."""
     metrics = Path(run_dir) / "metrics.jsonl"
@@ -53,7 +53,7 @@ def earlier_checkpoints(run_dir: Path, checkpoints: Path) -> str | None:
     except CheckpointError as error:
         return str(error)
     if (owner is not None and owner.run_id != me.run_id) or written_by(found[-1]) not in (None, me.run_id):
-        return None  # another run's: check_ownership refuses it
+        return None  # another run's: ownership_problem refuses it
     return (f"checkpoint.dir={checkpoints} already holds checkpoints of an earlier run in {run_dir} (newest "
             f"{found[-1].name}), which a fresh run would overwrite; continue them with checkpoint.resume=auto, or "
             "choose a new hydra.run.dir (or drop it for a fresh timestamped one)")

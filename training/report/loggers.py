@@ -32,7 +32,7 @@ def wandb_has_credentials() -> bool:
         return False
 
 
-def check_logger(cfg: DictConfig) -> str | None:
+def logger_problem(cfg: DictConfig) -> str | None:
     """One line naming what is wrong with the logger settings and the fix; None when they are usable."""
     names = list(cfg.logger.backends)
     for name in names:
