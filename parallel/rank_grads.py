@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parallel.expert import is_expert
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
@@ -55,13 +56,15 @@ def _trained(*params: nn.Parameter | None) -> bool:
 
 
 def gradient_sync(stages: dict[int, Stage], lists: dict[int, list[Action]], grid: ParallelGrid, bucket_mb: float,
-                  pair: TiedPair, emulated: bool, local_sums: Callable[[], torch.Tensor]) -> GradientSync:
+                  pair: TiedPair, emulated: bool, local_sums: Callable[[], torch.Tensor],
+                  sharded: dict | None = None) -> GradientSync:
     """Buckets per stage in backward order; the tied embedding's copy reduces over its group, then DP.
 
     EP-split expert parameters reduce over the edp group (the DP ranks holding the same experts) instead: the
     all_to_all already brought every ep-group rank's tokens to an expert's holder, so its gradient there holds
     their whole contribution, and the edp sum completes it to DP's without any rescaling. Frozen parameters (a pass
-    may freeze the base weights) have no gradient and sit in no bucket."""
+    may freeze the base weights) have no gradient and sit in no bucket; nor do FSDP's sharded ones (DTensors):
+    `sharded` (stage -> FSDP root) reduces them after each stage's final backward (`parallel.fsdp_sync`)."""
     bucket_bytes, first, head = int(bucket_mb * 2**20), pair.first, pair.head
     copies = pair.tied and first is not head and _trained(first, head)
     local_tie = (first, head) if copies and emulated else None
@@ -74,7 +77,7 @@ def gradient_sync(stages: dict[int, Stage], lists: dict[int, list[Action]], grid
     buckets: dict[int, list[Bucket]] = {}
     for s in order:
         params = [p for p in reversed(list(stages[s].module.parameters()))
-                  if owner[id(p)] == s and id(p) not in tied_here and p.requires_grad]
+                  if owner[id(p)] == s and id(p) not in tied_here and p.requires_grad and not isinstance(p, DTensor)]
         buckets[s] = []
         # Runs of consecutive dense or expert parameters keep the backward order of the buckets.
         for expert, run in itertools.groupby(params, key=is_expert):
@@ -85,6 +88,10 @@ def gradient_sync(stages: dict[int, Stage], lists: dict[int, list[Action]], grid
         buckets[s] += [Bucket(tied, (grid.embed_group, grid.dp_group))] if tied else []
     forwards = sum(a.kind is Kind.F for actions in lists.values() for a in actions)
     rider = Rider(local_sums, forwards, grid.pp_group, pp_early=grid.device.type == "cpu")
+    if sharded:
+        from parallel.fsdp_sync import ShardedSync
+
+        return ShardedSync(buckets, final, rider, local_tie, grid.dp_group, roots=sharded)
     return GradientSync(buckets, final, rider, local_tie, grid.dp_group)
 
 
@@ -95,7 +102,8 @@ def norm_parameters(params: list[nn.Parameter], grid: ParallelGrid, pair: TiedPa
     parameter replicated over the ep group on ep rank 0."""
     counted = []
     for param in params:
-        if grid.ep_rank != 0 and not is_expert(param):
+        # At ep = dp FSDP shards a dense parameter over the ep group itself: each rank counts its own shard.
+        if grid.ep_rank != 0 and not is_expert(param) and not (isinstance(param, DTensor) and grid.edp == 1):
             continue
         replicated_in_tp = not getattr(param, "tensor_parallel", False)
         if replicated_in_tp and grid.tp_rank != 0:

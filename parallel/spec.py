@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from parallel.fsdp import ShardSpec
     from parallel.step import Objective
 
 
@@ -61,3 +62,4 @@ class EngineSpec:
     transport: str  # pipeline P2P: auto (shared memory on one CPU host, else p2p) | shm | p2p
     passes: tuple[Callable, ...]  # the caller's own chunk passes (`parallel.passes`), run after TP and EP
     objective: Objective  # what the last stage computes from the logits (the trainer chooses it)
+    shard: ShardSpec | None  # parallel.zero=2/3: FSDP over the DP ranks (`parallel.fsdp`); None: whole parameters

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, open_dict
+from torch.distributed.tensor import DTensor
 
 from parallel.expert import is_expert
 from parallel.tensor_pass import join_blocks
@@ -103,6 +104,7 @@ def _snapshot(named: dict, grads: bool) -> Tensors:
     for name, p in named.items():
         tensor = p.grad if grads else p
         tensor = torch.zeros_like(p) if tensor is None else tensor
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # FSDP's shards (zero=2/3), gathered
         out[name] = (tensor.detach().float().cpu().clone(), getattr(p, "partition_dim", None), getattr(p, "tp_packed", 1),
                      getattr(p, "expert_block", None))
     return out

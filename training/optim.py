@@ -7,6 +7,7 @@ from collections.abc import Iterable, MutableMapping
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 
 from parallel.collectives import group_size
 from parallel.expert import is_expert
@@ -16,10 +17,11 @@ from parallel.grad_norm import global_grad_norm, scale_grads_
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: DictConfig, dp_group=None, zero: int = 0,
                     edp_group=None) -> torch.optim.Optimizer | OptimizerSet:
     """AdamW with weight decay on matrices only (norm scales are not decayed); `zero=1` shards its state over the
-    data-parallel group, and the state of EP-split experts over `edp_group`, the DP ranks holding the same ones."""
+    data-parallel group, and the state of EP-split experts over `edp_group`, the DP ranks holding the same ones.
+    At `zero=2/3` the parameters are FSDP's shards already (`parallel.fsdp`): a plain AdamW steps each rank's own."""
     params = [p for p in params if p.requires_grad]
     experts = [p for p in params if is_expert(p)]
-    if zero and experts:  # ZeRO shards whole parameters that every rank of its group holds: two groups, two parts
+    if zero == 1 and experts:  # ZeRO shards whole parameters that every rank of its group holds: two groups, two parts
         dense = [p for p in params if not is_expert(p)]
         return OptimizerSet([_adamw(dense, cfg, dp_group, zero), _adamw(experts, cfg, edp_group, zero)])
     return _adamw(params, cfg, dp_group, zero)
@@ -29,9 +31,12 @@ def _adamw(params: list[torch.nn.Parameter], cfg: DictConfig, group, zero: int) 
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if zero >= 2:  # FSDP's shards (DTensors) and the parameters it keeps whole step in separate foreach calls
+        groups = [{**g, "params": [p for p in g["params"] if isinstance(p, DTensor) is sharded]}
+                  for g in groups for sharded in (True, False)]
     groups = [g for g in groups if g["params"]]  # experts are all matrices: no empty group for ZeRO to partition
     options = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernel(params))
-    if zero and group_size(group) > 1:
+    if zero == 1 and group_size(group) > 1:
         # ZeRO-1 with torch's own ZeroRedundancyOptimizer: each rank of `group` keeps the AdamW state of whole
         # parameters (greedy by size) and broadcasts them after its step. Gradients stay fully summed on every rank,
         # so the global norm and clipping are exact, and AdamW is element-wise, so the numbers equal zero=0.

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
+from parallel.fsdp import LEVELS, ShardSpec
 from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import Objective
 from training.config.schema import model_keys, schema_defaults
@@ -78,11 +79,17 @@ ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate",
                "recompute": "train.recompute", "transport": "parallel.transport", "compile": "train.compile"}
 
 
+def shard_spec(cfg: DictConfig) -> ShardSpec | None:
+    """parallel.zero=2/3 (FSDP over the DP ranks, HSDP with parallel.dp_replicate); None at zero 0 and 1."""
+    p = cfg.parallel
+    return ShardSpec(level=p.zero, replicate=p.dp_replicate) if p.zero in LEVELS else None
+
+
 def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:
     """Everything the step engine of this run needs, resolved for the compute device."""
     return EngineSpec(pipeline=pipeline_spec(cfg), micro_batch_size=cfg.train.micro_batch_size,
                       seq_len=cfg.train.seq_len, dtype=resolve_dtype(cfg.train.dtype, device), passes=own_passes(cfg),
-                      objective=objective(cfg),
+                      objective=objective(cfg), shard=shard_spec(cfg),
                       **{field: OmegaConf.select(cfg, key) for field, key in ENGINE_KEYS.items()})
 
 
@@ -93,6 +100,7 @@ def default_engine_spec(pipeline: PipelineSpec, micro_batch_size: int, seq_len: 
     settings["dtype"] = resolve_dtype(defaults["train.dtype"], torch.device("cpu"))
     settings["passes"] = ()  # lora.rank defaults to 0: no adapters
     settings["objective"] = LANGUAGE_MODEL
+    settings["shard"] = None  # parallel.zero defaults to 0: whole parameters
     return EngineSpec(pipeline, micro_batch_size, seq_len, **{**settings, **changes})
 
 

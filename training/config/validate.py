@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config.schema import model_config, model_keys, schema_keys
 from training.config.unknown_keys import unknown_key_problem
 from training.rules.values import ConfigError, shown
+from training.config.sharding import zero_problem
 from training.config.layout import layout_world_size, resolve_global_batch, resolved_dp
 from training.report.loggers import logger_problem
 
@@ -304,6 +305,7 @@ def problems(cfg: DictConfig, world_size: int | None = None) -> Iterator[str | N
     resolve_partition(cfg)
     yield model_split_problem(cfg)
     yield experts_problem(cfg, world_size)
+    yield zero_problem(cfg, resolved_dp(cfg, world_size))
     yield lora_problem(cfg)
     yield data_tokenizer_problem(cfg, world_size)
     yield checkpoint_problem(cfg)

@@ -1,0 +1,177 @@
+"""Fully sharded data parallelism (`parallel.zero=2/3`): torch's FSDP2 `fully_shard` as one more pass over built stages.
+
+Each stage's chunk, once pruned, TP-sharded, EP-split, adapted (LoRA), recomputed and materialised, is sharded over
+the data-parallel mesh: one FSDP group per decoder layer (an EP-split layer's experts first, over the ranks holding
+the same experts), one for the pieces around the layers (embedding, final norms, head), and the chunk's module as the
+root. The pass runs after the stages exist, not inside the chunk pass list, because V placement re-ties the embedding
+and head of two chunks on one rank after they are built, and one Parameter must not enter two FSDP groups.
+
+A parameter FSDP cannot manage here stays whole and keeps the data-parallel buckets of `grad_sync`: a tied embedding
+pair (one Parameter in two chunks, or two copies summed over the embedding group), a parameter whose gradient a hook
+changes (TP's replicated weights summed over TP: FSDP replaces the Parameter, and the hook would be lost), and experts
+held by no other DP rank (nothing to shard). The root owns no parameter: the chunk is never called as a module (the
+Decoder calls its pieces), so FSDP's root hooks never run and the pieces' groups gather their own weights.
+
+Gradients are reduced as a sum (the loss is already scaled by the global batch's tokens), once per step and stage,
+after that stage's last backward (`ShardedSync`); compute precision stays autocast's (`train.dtype`), so the gathered
+weights keep the master dtype and every layout computes the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from parallel.decoder import submodule
+from parallel.expert import expert_modules
+
+if TYPE_CHECKING:  # names in annotations only
+    from parallel.grid import ParallelGrid
+    from parallel.pipeline.stage import Stage
+
+LEVELS = (2, 3)  # parallel.zero values that shard with FSDP (0 and 1 keep whole parameters)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What `parallel.zero` >= 2 asks: the level, and how many DP replicas hold each set of shards (HSDP)."""
+
+    level: int  # 2: gradients and optimizer state sharded, parameters kept gathered from forward to the step's end
+    replicate: int = 1  # parallel.dp_replicate: DP ranks (dp // replicate of them) shard within a replica
+
+
+@dataclass(frozen=True)
+class ShardMeshes:
+    """The meshes parameters shard over: the DP ranks of this (pp, tp) coordinate, and the experts' own."""
+
+    dense: DeviceMesh  # (dp) or, under HSDP, (dp_replicate, dp_shard)
+    experts: DeviceMesh | None  # (edp) under EP when other DP ranks hold the same experts, else None (kept whole)
+
+
+def shard_meshes(grid: ParallelGrid, replicate: int, timeout: timedelta) -> ShardMeshes:
+    """The meshes of `grid` (a collective on every rank: HSDP creates its process groups).
+
+    Under EP the dense parameters shard over the edp group too, replicated over the ep group (HSDP's shape): then
+    every rank of a shard group counts the same parameters in the global grad norm (dense ones on ep rank 0). Where
+    no other rank holds a rank's experts (ep = dp) they stay whole and the dense ones shard over all of DP."""
+    kind, at = grid.device.type, grid.global_rank_of
+    if grid.ep > 1 and grid.edp > 1:
+        experts = DeviceMesh.from_group(grid.edp_group, kind, mesh_dim_names=("edp",))
+        ranks = torch.tensor([[at(grid.pp_rank, e * grid.ep + i, grid.tp_rank) for e in range(grid.edp)]
+                              for i in range(grid.ep)])
+        dense = DeviceMesh.from_group([grid.ep_group, grid.edp_group], kind, mesh=ranks,
+                                      mesh_dim_names=("dp_replicate", "dp_shard"))
+        return ShardMeshes(dense, experts)
+    if replicate == 1:  # (at ep = dp too: the experts stay whole)
+        return ShardMeshes(grid.mesh["dp"], None)
+    shard = grid.dp // replicate
+    coords = [(p, t) for p in range(grid.pp) for t in range(grid.tp)]
+    shards = grid._my_group([[at(p, r * shard + s, t) for s in range(shard)]
+                             for p, t in coords for r in range(replicate)], timeout)
+    replicas = grid._my_group([[at(p, r * shard + s, t) for r in range(replicate)]
+                               for p, t in coords for s in range(shard)], timeout)
+    ranks = torch.tensor([[at(grid.pp_rank, r * shard + s, grid.tp_rank) for s in range(shard)]
+                          for r in range(replicate)])
+    dense = DeviceMesh.from_group([replicas, shards], kind, mesh=ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
+    return ShardMeshes(dense, None)
+
+
+def kept_whole(stages: dict[int, Stage], meshes: ShardMeshes) -> set[nn.Parameter]:
+    """The parameters FSDP leaves whole (see the module's docstring): they keep the DP buckets."""
+    chunks: dict[int, int] = {}  # id(param) -> the chunks holding it
+    kept: set[nn.Parameter] = set()
+    for stage in stages.values():
+        module, ties = stage.module, stage.chunk.plan.ties
+        for param in module.parameters():
+            chunks[id(param)] = chunks.get(id(param), 0) + 1
+        for name, param in module.named_parameters():
+            twin = stage.chunk.parameter(ties[name]) if name in ties else None
+            copy = name in ties.values() or name in ties  # one half of a tied pair...
+            one_here = twin is param or any(stage.chunk.parameter(t) is param for t, s in ties.items() if s == name)
+            if (copy and not one_here) or param._backward_hooks or (
+                    meshes.experts is None and getattr(param, "expert_parallel", False)):
+                kept.add(param)  # ...unless both halves are this one Parameter, in one FSDP group here
+    for stage in stages.values():
+        kept.update(p for p in stage.module.parameters() if chunks[id(p)] > 1)
+    return kept
+
+
+def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec,
+                 timeout: timedelta) -> dict[int, FSDPModule]:
+    """Shard every stage this process holds (in stage order); return each stage's FSDP root."""
+    meshes = shard_meshes(grid, spec.replicate, timeout)
+    kept = kept_whole(stages, meshes)
+    return {index: _shard_chunk(stages[index], meshes, kept, spec) for index in sorted(stages)}
+
+
+def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spec: ShardSpec) -> FSDPModule:
+    chunk, module = stage.chunk, stage.module
+    marks = {name: _marks(p) for name, p in module.named_parameters()}
+    options = {"mesh": meshes.dense, "reshard_after_forward": spec.level == 3}
+    experts = {id(m): m for _, m in expert_modules(chunk)} if meshes.experts is not None else {}
+    for _, layer in chunk.blocks():
+        for inner in layer.modules():
+            if id(inner) in experts:
+                fully_shard(inner, **{**options, "mesh": meshes.experts}, ignored_params=_within(inner, kept))
+        fully_shard(layer, **options, ignored_params=_within(layer, kept))
+    ends = [m for name in (chunk.plan.embedding, *chunk.plan.finals, chunk.plan.head)
+            if (m := submodule(module, name)) is not None]
+    if any(p not in kept for m in ends for p in m.parameters()):
+        fully_shard(ends, **options, ignored_params={p for m in ends for p in m.parameters() if p in kept})
+    left = {p for p in module.parameters() if not isinstance(p, DTensor)}
+    root = fully_shard(module, **options, ignored_params=left)
+    fully_shard.state(root)._lazy_init()  # the root by construction: the chunk is never called as a module
+    for inner in module.modules():
+        if isinstance(inner, FSDPModule):
+            # A sum over DP (the loss is scaled by the global batch already), as plain SUM collectives: gloo has no
+            # PREMUL_SUM, and a factor of 1 then skips the division.
+            inner.set_gradient_divide_factor(1.0)
+            inner.set_force_sum_reduction_for_comms(True)
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            for attr, value in marks.get(name, {}).items():
+                setattr(param, attr, value)
+    return root
+
+
+def _within(module: nn.Module, kept: set[nn.Parameter]) -> set[nn.Parameter]:
+    return {p for p in module.parameters() if p in kept}
+
+
+def _marks(param: nn.Parameter) -> dict:
+    """The marks passes set on a Parameter (TP's partition dim, EP's block): FSDP's sharded Parameter is a new object."""
+    return {k: v for k, v in vars(param).items() if not k.startswith("_")}
+
+
+def begin_step(roots: dict[int, FSDPModule]) -> None:
+    """Micro-batches accumulate unreduced, gathered gradients until each stage's last backward (`reduce_stage`)."""
+    for root in roots.values():
+        root.set_is_last_backward(False)
+        root.set_reshard_after_backward(False)
+        root.set_requires_gradient_sync(False)
+
+
+def reduce_stage(root: FSDPModule) -> None:
+    """After a stage's last backward of the step: reduce-scatter (and all-reduce over replicas) its gradients and
+    reshard, as torch's pipelining does (`_PipelineStageBase.perform_reduce_grad`): the schedule's backward never
+    calls `.backward()` on the module, so FSDP's own end-of-backward runs here, by hand."""
+    root.set_is_last_backward(True)
+    root.set_reshard_after_backward(True)
+    root.set_requires_gradient_sync(True)
+    state = fully_shard.state(root)
+    for inner in state._state_ctx.all_states:
+        for group in inner._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
