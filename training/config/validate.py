@@ -91,7 +91,7 @@ def train_problem(cfg: DictConfig) -> str | None:
     if t.seq_len > positions:
         return (f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings={positions}; "
                 "lower train.seq_len or raise the model's limit")
-    if t.trace_step is not None and t.trace_step > t.steps:
+    if t.trace_step is not None and t.epochs is None and t.trace_step > t.steps:  # epochs: steps come later
         return (f"train.trace_step={t.trace_step} is after the last step (train.steps={t.steps}); "
                 f"pick a step in 1..{t.steps}")
     if cfg.data.val_path is not None and cfg.data.val_fraction > 0:
@@ -105,7 +105,7 @@ def train_problem(cfg: DictConfig) -> str | None:
 def train_warnings(cfg: DictConfig) -> list[str]:
     """Loop settings that are legal but probably unintended."""
     t, warnings = cfg.train, []
-    if cfg.optim.warmup_steps > t.steps:
+    if cfg.optim.warmup_steps > t.steps and t.epochs is None:
         warnings.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run (train.steps={t.steps}): "
                         "the learning rate never reaches optim.lr")
     if cfg.data.val_fraction > 0 and t.eval_every == 0:
@@ -287,7 +287,7 @@ def checkpoint_problem(cfg: DictConfig) -> str | None:
         return (f"checkpoint.resume={resume} does not exist; give a checkpoint, a checkpoints folder or a "
                 "run directory, or use checkpoint.resume=auto|none")
     return (resume_problem(resume, cfg.checkpoint.dir, config_record(model_config(cfg)), model_keys(),
-                           lora_record(cfg), cfg.train.steps)
+                           lora_record(cfg), cfg.train.steps if cfg.train.epochs is None else None)
             or teacher_problem(cfg, model_config(cfg).vocab_size) or lora_init_problem(cfg))
 
 

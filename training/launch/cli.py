@@ -15,6 +15,7 @@ from training.config.validate import validate
 from training.config.presets import group_presets
 from training.config.schema import compose_config
 from training.config.minimind_args import minimind_flag_problem
+from training.config.run_length import length_problem
 from training.config.unknown_keys import override_key_problem
 from training.config.output_paths import output_dir_problem
 
@@ -134,6 +135,7 @@ def job_problems(job: list[str], world_size: int | None, multirun: bool, warning
     with read_write(cfg), open_dict(cfg):
         yield hydra_dir_problem(cfg.hydra, multirun)
         cfg.pop("hydra")
+    yield length_problem(job, cfg)  # train.steps and train.epochs: the one rule reading the command line
     warnings += validate(cfg, world_size)
     from training.launch.memory_fit import memory_problem  # the meta model and the cost model: after the cheap checks
 

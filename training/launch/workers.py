@@ -28,7 +28,8 @@ from training.report.console import run_dir_problem, quiet_progress_bars
 from training.reliability.failures import FAILURE_DIR, describe_failure, first_failure, is_known, record_failure
 from training.reliability import flight_recorder
 from training.reliability.faults import FaultInjector
-from training.config.layout import layout_world_size, omp_threads, process_pp
+from training.config.resume_rules import batch_change_problem
+from training.config.layout import layout_world_size, omp_threads, process_pp, resolved_dp
 from training.launch.rendezvous import AttemptStore, attempt_store
 from training.report.run_log import ConfinedFileHandler, confine_log_files
 from training.launch.restarts import RestartBudget, newest_step, restart_resume
@@ -69,6 +70,9 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
             raise ConfigError(problem)
         if is_launch_leader(os.environ) and (problem := ownership_problem(checkpoint_spec(cfg, run_dir))):
             raise ConfigError(problem)  # another run's checkpoint.dir: refused before any worker starts
+        if is_launch_leader(os.environ) and (problem := batch_change_problem(
+                cfg, checkpoint_spec(cfg, run_dir).dir, resolved_dp(cfg, world_size))):
+            raise ConfigError(problem)  # a resume at another global batch: its steps and data position would shift
     except ConfigError as error:
         print(f"sluice: config error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -13,6 +13,7 @@ import yaml
 from tqdm import tqdm
 
 from checkpoint.manager import complete_checkpoints
+from training.config.resume_rules import fresh_resume_problem
 
 log = logging.getLogger("sluice")
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -24,6 +25,8 @@ def run_dir_problem(run_dir: Path, resume: str | None, checkpoints: Path | None 
     metrics = Path(run_dir) / "metrics.jsonl"
     checkpoints = Path(checkpoints) if checkpoints is not None else Path(run_dir) / "checkpoints"
     if not metrics.exists():  # gone, but the checkpoints still say whose they are
+        if resume == "auto":  # a fresh directory: did an earlier run of the same overrides save elsewhere?
+            return fresh_resume_problem(run_dir, checkpoints)
         return earlier_checkpoints(run_dir, checkpoints) if resume in (None, "", "none") else None
     if resume == "auto":
         if complete_checkpoints(checkpoints):
@@ -76,11 +79,19 @@ def resume_command(run_dir: Path, env: dict[str, str], argv: list[str]) -> str:
         overrides = list(argv[1:])
     kept = [o for o in overrides if o.partition("=")[0].lstrip("+") not in ("checkpoint.resume", "hydra.run.dir")]
     script = os.path.relpath(TRAIN_PY) if TRAIN_PY.is_relative_to(Path.cwd()) else str(TRAIN_PY)
-    # A torchrun rank cannot see its launcher's options; a self-launched worker's root is python train.py.
-    torchrun = "TORCHELASTIC_RUN_ID" in env and env.get("SLUICE_SELF_LAUNCHED") != "1"
-    launcher = ["torchrun", "<same torchrun options>"] if torchrun else [sys.executable]
-    words = [*launcher, script, *kept, f"hydra.run.dir={run_dir}", "checkpoint.resume=auto"]
+    words = [*launcher(env, sys.executable), script, *kept, f"hydra.run.dir={run_dir}", "checkpoint.resume=auto"]
     return " ".join(word if word.startswith("<") else shlex.quote(word) for word in words)
+
+
+def launcher(env: dict[str, str], python: str) -> list[str]:
+    """The launcher of this run as the user types it again, with the world it gave: `torchrun --nproc-per-node N`
+    (and its nodes) where torchrun started this rank, else `python` (train.py launches the layout's workers itself).
+    A different world would change the global batch of a run whose parallel.dp follows the world size."""
+    if "TORCHELASTIC_RUN_ID" not in env or env.get("SLUICE_SELF_LAUNCHED") == "1":
+        return [python]
+    nodes, per_node = env.get("GROUP_WORLD_SIZE", "1"), env.get("LOCAL_WORLD_SIZE", "<same>")
+    rendezvous = [] if nodes == "1" else ["--nnodes", nodes, "<same rendezvous options>"]
+    return ["torchrun", *rendezvous, "--nproc-per-node", per_node]
 
 
 class TqdmHandler(logging.Handler):
@@ -148,6 +159,7 @@ class RunSummary:
     outputs: dict[str, str]  # label -> where, only the outputs that exist
     start_step: int = 0  # the step this run resumed from: `steps` counts this run's own
     interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM)
+    launcher: str | None = None  # how the run was launched (`torchrun --nproc-per-node 2`); None: this interpreter
 
     @property
     def last_step(self) -> int:
@@ -173,7 +185,8 @@ def format_summary(summary: RunSummary, total_steps: int) -> list[str]:
     if "checkpoints" in summary.outputs:  # what a user does next, with the paths filled in
         checkpoints, python = summary.outputs["checkpoints"], interpreter()
         continued = [] if summary.interrupted else [  # an interrupted run's line after this gives its command
-            f"  continue: {python} train.py <same overrides> train.steps=<new total> checkpoint.resume={checkpoints}"]
+            f"  continue: {summary.launcher or python} train.py <same overrides> train.steps=<new total> "
+            f"checkpoint.resume={checkpoints}"]
         lines += ["next:", *continued,
                   f"  export:   {python} scripts/export_hf.py {checkpoints} <out folder>",
                   f"  generate: {python} scripts/generate.py <out folder> \"<prompt>\""]

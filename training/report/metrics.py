@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import os
 import time
 from contextlib import ExitStack
 from collections.abc import Sequence
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.atomic_write import write_text
-from training.report.console import RunSummary, format_summary, log_above_bar, progress_bar, run_outputs
+from training.report.console import (RunSummary, format_summary, interpreter, launcher, log_above_bar,
+                                     progress_bar, run_outputs)
 from training.report.flops import device_peak_tflops, flops_per_token, throughput_record
 from training.config.schema import model_decoder
 from training.report.loggers import open_sinks
@@ -92,7 +94,8 @@ class MetricsLogger:
                           final_loss=last.get("loss"), final_val_loss=val[-1] if val else None,
                           mean_tokens_per_s=sum(rates) / len(rates) if rates else None,
                           outputs=run_outputs(self.run_dir, OmegaConf.select(self.cfg, "checkpoint.dir")),
-                          start_step=self.start_step, interrupted=interrupted)
+                          start_step=self.start_step, interrupted=interrupted,
+                          launcher=" ".join(launcher(dict(os.environ), interpreter())))
 
     def close(self, interrupted: str | None = None) -> None:
         """Close the bar, print the summary below it, then close every sink."""
