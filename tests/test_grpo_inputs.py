@@ -24,7 +24,7 @@ def grpo_config(tmp_path, *overrides):
 
 def problem_of(cfg) -> str:
     from training.config.validate import validate
-    from training.config.values import ConfigError
+    from training.rules.values import ConfigError
 
     with pytest.raises(ConfigError) as caught:
         validate(cfg)

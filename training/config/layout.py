@@ -6,7 +6,7 @@ import os
 from omegaconf import DictConfig
 
 from parallel.spec import resolve_dp
-from training.config.values import ConfigError
+from training.rules.values import ConfigError
 
 
 def process_pp(cfg: DictConfig) -> int:

@@ -13,10 +13,10 @@ from omegaconf import MISSING
 
 from training.methods.distill.schema import DistillSchema
 from training.methods.grpo.schema import GrpoSchema
-from training.config.data_schema import DataSchema
-from training.config.keys import ReadWhen, key
+from training.data.schema import DataSchema
+from training.rules.keys import ReadWhen, key
 from training.config.presets import CONF_DIR, store_presets
-from training.config.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,
+from training.rules.values import (LOGGER_BACKENDS, Rule, at_least, backends, betas, existing_path,
                                     fault, fraction, layer_counts, non_negative, one_of, optional, positive,
                                     schedule_name, seed_value, text)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from training.data.chat_rules import ChatRules
+from training.data.schema import DataSchema  # the home of the chat keys' defaults
 
 NAMES = ("synthetic", "jsonl")
 FORMATS = ("packed", "padded", "chat", "chat_packed")  # chat: MiniMind conversations
@@ -119,8 +120,6 @@ def data_spec(node: Any, train_task: str = "pretrain") -> DataSpec:
     passes through. A null `format` follows the task (`default_format`)."""
     if isinstance(node, DataSpec):
         return node
-    from training.config.schema import DataSchema  # the home of the chat keys' defaults
-
     optional = {"think", "system_prompts", "system_ratio", "open_thinking"}  # a section without them (an older run's) takes defaults
     values = {f.name: _field(node, f.name, "data") for f in fields(DataSpec)
               if f.name != "train_task" and f.name not in optional}

@@ -15,7 +15,7 @@ from training.layout_search.predict import Candidate
 from training.layout_search.profile import measured_costs
 from training.layout_search.search import apply_candidate, search
 from training.layout_search.search_report import chosen, no_fit_message
-from training.config.values import ConfigError
+from training.rules.values import ConfigError
 
 
 def choose(cfg: DictConfig, world_size: int) -> tuple[Candidate, str]:

@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from training.config.keys import ReadWhen, key
-from training.config.values import fraction, optional, positive, text
+from training.rules.keys import ReadWhen, key
+from training.rules.values import fraction, optional, positive, text
 
 DISTILL_ONLY = ReadWhen("train.task", ("distill",), refuse=True)
 DISTILL_SETTING = ReadWhen("train.task", ("distill",), refuse=False)

@@ -4,8 +4,8 @@ in a file of its own to keep schema.py short."""
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from training.config.keys import ReadWhen, key
-from training.config.values import at_least, fraction, non_negative, one_of, optional, positive, text
+from training.rules.keys import ReadWhen, key
+from training.rules.values import at_least, fraction, non_negative, one_of, optional, positive, text
 
 GRPO_ONLY = ReadWhen("train.task", ("grpo",), refuse=True)
 GRPO_SETTING = ReadWhen("train.task", ("grpo",), refuse=False)

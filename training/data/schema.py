@@ -1,13 +1,13 @@
 """The run config's data section: where training text comes from and how it becomes fixed-length samples (a
-section of the schema, training/config/schema.py, kept in its own file)."""
+section of the schema, training/config/schema.py, kept beside the data it describes, as each method's section is)."""
 
 from dataclasses import dataclass
 from typing import Optional
 
 from omegaconf import MISSING
 
-from training.config.keys import ReadWhen, key
-from training.config.values import at_least, fraction, one_of, optional, positive, seed_value, text
+from training.rules.keys import ReadWhen, key
+from training.rules.values import at_least, fraction, one_of, optional, positive, seed_value, text
 
 MIB = 1 << 20
 

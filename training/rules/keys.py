@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.config.values import Rule, any_of_type
+from training.rules.values import Rule, any_of_type
 
 
 @dataclass(frozen=True)
