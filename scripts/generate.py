@@ -28,7 +28,7 @@ from checkpoint.manager import TOKENIZER, find_checkpoint, read_meta  # noqa: E4
 from models.config_values import config_values_problem  # noqa: E402
 from models.model_size import host_memory, size_problem  # noqa: E402
 from parallel.generation import Sampling  # noqa: E402
-from training.launch.generation_run import check_layout, generate_in_workers, parse_layout  # noqa: E402
+from training.launch.generation_run import generate_in_workers, layout_problem, parse_layout  # noqa: E402
 
 
 class InputError(ValueError):
@@ -147,7 +147,8 @@ def from_checkpoint(args: argparse.Namespace) -> int:
         tokenizer = loading("tokenizer", str(folder), lambda f: AutoTokenizer.from_pretrained(f, local_files_only=True))
         ids = prompt_ids(tokenizer, args.prompt, args.chat, str(folder))
         check_context(ids.shape[1], args.max_new_tokens, meta["model"].get("max_position_embeddings"))
-        check_layout(meta, args.layout)
+        if problem := layout_problem(meta, args.layout):
+            raise InputError(problem)
     except (InputError, CheckpointError, ValueError) as error:
         print(f"generate: {error}", file=sys.stderr)
         return 2

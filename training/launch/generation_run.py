@@ -67,16 +67,20 @@ def parse_layout(items: list[str]) -> Layout:
     return layout
 
 
-def check_layout(meta: dict, layout: Layout) -> None:
-    """ValueError in one line, before any worker starts, where the layout cannot split the checkpoint's model: its
-    pipeline (partition, schedule), a size TP does not divide, experts EP cannot split."""
+def layout_problem(meta: dict, layout: Layout) -> str | None:
+    """One line, before any worker starts, where the layout cannot split the checkpoint's model: its pipeline
+    (partition, schedule), a size TP does not divide, experts EP cannot split (the passes' own checks)."""
     decoder = decoder_of(build_model(config_from_record(meta["model"])))  # the meta device: shapes only
     spec = PipelineSpec(pp=layout.pp, vpp=layout.vpp, schedule=layout.schedule, n_microbatches=layout.pp * layout.vpp)
-    lower_pipeline(spec, decoder.config.num_hidden_layers)
-    for key, size in decoder.adapter.tp_sizes().items():
-        if size % layout.tp:
-            raise ValueError(f"--layout parallel.tp={layout.tp} does not divide the model's {key}={size}")
-    check_expert_parallel(decoder, layout.dp, layout.ep)
+    try:
+        lower_pipeline(spec, decoder.config.num_hidden_layers)
+        for key, size in decoder.adapter.tp_sizes().items():
+            if size % layout.tp:
+                return f"--layout parallel.tp={layout.tp} does not divide the model's {key}={size}"
+        check_expert_parallel(decoder, layout.dp, layout.ep)
+    except ValueError as error:
+        return str(error).strip().splitlines()[0]
+    return None
 
 
 def checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
