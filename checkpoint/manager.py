@@ -31,7 +31,7 @@ from checkpoint.disk import space_problem, write_problem
 from checkpoint.distributed import TrainingState, check_finite, load_state, read_keys, save_state
 from checkpoint.atomic_write import write_text
 from checkpoint.ownership import OWNER, RUN_ID, Owner, claim, read_owner, refusal, this_run
-from checkpoint.meta_schema import step_problem, validate_meta
+from checkpoint.meta_schema import step_problem, checked_meta
 from parallel.collectives import broadcast_object
 
 log = logging.getLogger("sluice")
@@ -99,7 +99,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, RecursionError) as error:  # RecursionError: arrays nested past Python's stack
         raise CheckpointError(f"checkpoint {path}: unreadable {META} ({type(error).__name__}); the checkpoint is "
                               "corrupt: resume from another one") from None
-    return validate_meta(raw, Path(path))
+    return checked_meta(raw, Path(path))
 
 
 def model_mismatch(path: Path, saved: dict[str, Any], current: dict[str, Any],

@@ -100,7 +100,7 @@ def _validated(schema: type[_Schema], raw: Any, what: str, fix: str) -> _Schema:
         raise CheckpointError(f"{what}: {_problem(error)}; {fix}") from None
 
 
-def validate_meta(raw: Any, path: Path) -> dict[str, Any]:
+def checked_meta(raw: Any, path: Path) -> dict[str, Any]:
     """`raw` (the parsed meta.json of the checkpoint at `path`) when it fits the schema; else one line."""
     _validated(CheckpointMeta, raw, f"checkpoint {path}: meta.json",
                "the checkpoint is corrupt or was edited: resume from another one or use checkpoint.resume=none")

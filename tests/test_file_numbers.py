@@ -89,10 +89,10 @@ def test_a_seed_beyond_32_bits_is_one_line(capsys):
 
 
 def test_counters_past_what_int64_token_counts_hold_are_refused(tmp_path):
-    from checkpoint.meta_schema import validate_meta
+    from checkpoint.meta_schema import checked_meta
 
     meta = {"format": 1, "step": 2, "data": {"samples_consumed": 2**62, "num_samples": 100, "seed": 0}, "model": {}}
     with pytest.raises(CheckpointError, match=r"data.samples_consumed=4611686018427387904: Input should be less"):
-        validate_meta(meta, tmp_path)
+        checked_meta(meta, tmp_path)
     meta["data"]["samples_consumed"] = 2**40
-    assert validate_meta(meta, tmp_path) is meta
+    assert checked_meta(meta, tmp_path) is meta
