@@ -20,6 +20,7 @@ from training.config.unknown_keys import unknown_key_problem
 from training.rules.values import ConfigError, shown
 from training.config.sharding import zero_problem
 from training.config.layout import layout_world_size, resolve_global_batch, resolved_dp
+from training.methods.grpo.checks import grpo_problem
 from training.report.loggers import logger_problem
 
 
@@ -243,7 +244,8 @@ def data_tokenizer_problem(cfg: DictConfig, world_size: int | None = None) -> st
     from training.data import DataError, data_problem, load_tokenizer_vocab_size, run_data_spec, \
         weights_tokenizer_problem
 
-    if problem := data_problem(cfg, dp=resolved_dp(cfg, world_size)):
+    dp = resolved_dp(cfg, world_size)
+    if problem := data_problem(cfg, dp=dp) or (grpo_problem(cfg, dp) if cfg.train.task == "grpo" else None):
         return problem
     try:
         vocab = load_tokenizer_vocab_size(cfg)  # synthetic: data.vocab_size, known without training it

@@ -144,11 +144,8 @@ def run_data_spec(cfg: Any) -> DataSpec:
 def rows_per_sample(cfg: Any) -> int:
     """Sequences one sample stands for: a DPO pair's two, a GRPO prompt's group of completions, else one."""
     task = train_task(cfg)
-    if task == "grpo":
-        from training.methods.grpo.schema import GrpoSchema  # the home of its default
-
-        value = optional_field(optional_field(cfg, "grpo"), "num_generations")
-        return int(GrpoSchema().num_generations if value is None else value)
+    if task == "grpo":  # the group size: the schema gives every GRPO config one
+        return int(_field(section(cfg, "grpo"), "num_generations", "grpo"))
     return 2 if task == "dpo" else 1
 
 

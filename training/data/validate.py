@@ -213,11 +213,8 @@ def data_problem(cfg: Any, dp: int | None = None) -> str | None:
     problem = spec_problem(spec)
     if problem is None and geo.seq_len < 2:
         problem = f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens"
-    if problem is None and spec.train_task == "grpo":  # prompts, groups, rewards: training/methods/grpo/checks.py
-        from training.methods.grpo.checks import grpo_problem
-
-        dp = dp or optional_field(optional_field(cfg, "parallel"), "dp") or 1
-        return grpo_problem(cfg, spec, geo, int(dp))
+    if spec.train_task == "grpo":  # prompts, groups, rewards: GRPO's own check follows (training/methods/grpo/checks.py)
+        return problem
     if problem is None and geo.micro_batch_size % geo.rows_per_sample:
         problem = (f"train.micro_batch_size={geo.micro_batch_size} is odd, and under train.task=dpo a micro-batch "
                    "holds whole chosen/rejected pairs (two sequences each); use an even size")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.data.spec import DataError, DataSpec, Geometry, optional_field
+from training.data.spec import DataError, DataSpec, Geometry, geometry, optional_field, run_data_spec
 
 HEAD_ROWS = 100  # prompt rows read before launch; the loader checks every row
 
@@ -78,8 +78,9 @@ def prompts_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
     return None
 
 
-def grpo_problem(cfg: Any, spec: DataSpec, geo: Geometry, dp: int) -> str | None:
-    """One line for the first problem of a GRPO run, or None."""
+def grpo_problem(cfg: Any, dp: int) -> str | None:
+    """One line for the first problem of a GRPO run (its data passed the data's own check), or None."""
+    spec, geo = run_data_spec(cfg), geometry(cfg)
     if problem := layout_problem(cfg, geo):
         return problem
     if spec.val_path is not None or spec.val_fraction > 0:
