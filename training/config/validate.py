@@ -19,7 +19,8 @@ from training.config.schema import model_config, model_keys, schema_keys
 from training.config.unknown_keys import unknown_key_problem
 from training.rules.values import ConfigError, shown
 from training.config.sharding import zero_problem
-from training.config.layout import layout_world_size, resolve_global_batch, resolved_dp
+from training.config.layout import resolve_global_batch, resolved_dp
+from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem
 from training.methods.grpo.checks import grpo_problem
 from training.report.loggers import logger_problem
 
@@ -118,72 +119,12 @@ def train_warnings(cfg: DictConfig) -> list[str]:
     return warnings
 
 
-def parallel_problem(cfg: DictConfig, world_size: int | None = None) -> str | None:
-    """Layout sizes against each other, the device and the launcher's world size."""
-    p = cfg.parallel
-    if p.vpp > 1 and p.pp == 1:
-        return f"parallel.vpp={p.vpp} needs a pipeline; set parallel.pp>=2 or parallel.vpp=1"
-    if p.backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            return "parallel.backend=nccl needs CUDA GPUs and none is visible; use parallel.backend=auto or gloo"
-    if p.transport == "shm":
-        from parallel.grid import resolve_backend
-
-        if resolve_backend(p.backend)[1].type != "cpu":
-            return (f"parallel.transport=shm carries CPU tensors, but parallel.backend={p.backend} computes "
-                    "on CUDA; use parallel.transport=auto (NCCL's P2P on GPUs) or parallel.backend=gloo")
-    if world_size is not None:
-        try:
-            layout_world_size(cfg, world_size)
-        except ConfigError as error:
-            return str(error)
-    return None
-
-
 def resolve_partition(cfg: DictConfig) -> None:
     """parallel.layers_per_stage=auto -> the cost-balanced split (the cost model's; imported only when asked)."""
     if cfg.parallel.layers_per_stage == "auto":
         from training.layout_search.balance import resolve_auto_partition
 
         resolve_auto_partition(cfg)
-
-
-def model_split_problem(cfg: DictConfig) -> str | None:
-    """TP divisibility, then the pipeline lowered (partition, schedule, vpp; lowered and verified) before launch."""
-    from models import build_model, decoder_of
-    from parallel.pipeline.partition import layer_partition
-    from parallel.pipeline.lowered import lower_pipeline
-    from parallel.tensor_pass import check_tp_divisibility
-    from training.specs import pipeline_spec
-
-    p = cfg.parallel
-    config = model_config(cfg)
-    try:
-        check_tp_divisibility(decoder_of(build_model(config)).adapter.tp_sizes(), p.tp)  # meta: shapes only
-        if p.pp > 1:  # lower_pipeline is the one home of schedule/vpp/partition rules
-            lower_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
-        else:
-            layer_partition(config.num_hidden_layers, 1,
-                            list(p.layers_per_stage) if p.layers_per_stage is not None else None)
-    except ValueError as error:
-        return str(error).strip().splitlines()[0]
-    return None
-
-
-def experts_problem(cfg: DictConfig, world_size: int | None = None) -> str | None:
-    """parallel.ep against the model's experts and the DP size (the EP pass's own check, on the meta model)."""
-    from models import build_model, decoder_of
-    from parallel.expert import check_expert_parallel
-
-    if cfg.parallel.ep == 1:
-        return None
-    try:
-        check_expert_parallel(decoder_of(build_model(model_config(cfg))), resolved_dp(cfg, world_size), cfg.parallel.ep)
-    except ValueError as error:
-        return str(error).strip().splitlines()[0]
-    return None
 
 
 def lora_problem(cfg: DictConfig) -> str | None:

@@ -16,7 +16,7 @@ from training.layout_search.costs import MeasuredCosts
 from training.layout_search.predict import Candidate, Prediction, predict
 from training.config.layout import resolve_global_batch
 from training.rules.values import ConfigError
-from training.config.validate import experts_problem, model_split_problem, parallel_problem
+from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem
 
 GIB = 1 << 30
 Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `predict`, or a fake in tests
