@@ -5,8 +5,10 @@ engine builds it (on the meta device, by the engine's chunk passes: pruned into 
 materialised from a weight source) and compared with `AutoModelForCausalLM.from_config` holding the same weights:
 logits, the LM loss and every gradient (fp32, 1e-6 of the tensor's scale), every buffer equal to a normally built model's, and the
 seeded initial values following the class's own `_init_weights` (mean, std and zeros per tensor). tp=1 runs in this
-process, tp=2 in one spawn of two processes for every preset. The MoE router's load-balancing loss is left out of the
-gradients: Sluice takes it per layer (pipeline stages), transformers pools every layer (`_balance_loss`).
+process, tp=2 on the session's pool of two processes, one job per preset when a selected test first asks for it: a
+family's mistake fails that family's tests only, and `-k <family>` runs that family's job alone. The MoE router's
+load-balancing loss is left out of the gradients: Sluice takes it per layer (pipeline stages), transformers pools every
+layer (`_balance_loss`).
 
 The three silent Gemma3 mistakes of issue 36 are kept as mutants (each reverts one fix): each must fail here.
 """
@@ -221,25 +223,44 @@ def norms_ones(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Gemma3Adapter, "init_tensor", by_suffix)
 
 
-def conformance_worker(rank: int, world_size: int, presets: list[str], mutated: list[str]) -> dict:
-    """On each of two processes: every preset at tp=2, then the mutated presets with the TP mutant."""
+def declared_phi3_plan(mp: pytest.MonkeyPatch) -> None:
+    """Phi-3 under the plan transformers declares (its fused outputs gathered), not its adapter's split by heads."""
+    mp.setattr(Phi3Adapter, "tp_plan", classmethod(lambda cls, declared: declared))
+
+
+VARIANTS = {"": lambda mp: None, "mutant": tp_plain_embedding, "declared": declared_phi3_plan}  # name -> patch
+
+
+def conformance_worker(rank: int, world_size: int, preset: str, variant: str) -> dict:
+    """On each of two processes: one preset at tp=2, under one of VARIANTS."""
     grid = ParallelGrid.build(dp=1, tp=2, pp=1, backend="gloo", timeout_s=120)
-    runs = {preset: sluice_run(preset, grid) for preset in presets}
     with pytest.MonkeyPatch.context() as mp:
-        tp_plain_embedding(mp)
-        runs.update({f"mutant-{preset}": sluice_run(preset, grid) for preset in mutated})
-    with pytest.MonkeyPatch.context() as mp:  # Phi-3 under the plan transformers declares (gathered fused outputs)
-        mp.setattr(Phi3Adapter, "tp_plan", classmethod(lambda cls, declared: declared))
-        runs["declared-phi3-tiny"] = sluice_run("phi3-tiny", grid)
-    return runs
+        VARIANTS[variant](mp)
+        return sluice_run(preset, grid)
+
+
+class Tp2Runs:
+    """Rank 0's tp=2 run of a preset (under a variant), each a job on the session's two-process pool made the first
+    time a test asks for it, so a deselected family costs nothing and a failing one fails only the tests asking."""
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        self.factory, self.failed = factory, {}
+
+    def __call__(self, preset: str, variant: str = "") -> dict:
+        key = f"{variant}-{preset}" if variant else preset
+        if key in self.failed:  # computed once: another test of the same job reports the same error
+            raise self.failed[key]
+        try:
+            return once_per_session(self.factory, f"conformance-tp2-{key}",
+                                    lambda root: run_workers(conformance_worker, 2, preset, variant, timeout=300)[0])
+        except Exception as error:
+            self.failed[key] = error
+            raise
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory) -> dict:
-    """Rank 0's tp=2 runs of every preset (and of Gemma3 under the TP mutant), one spawn for all."""
-    def compute(root: Path) -> dict:
-        return run_workers(conformance_worker, 2, PRESETS, ["gemma3-tiny"], timeout=600)[0]
-    return once_per_session(tmp_path_factory, "conformance-tp2", compute)
+def tp2(tmp_path_factory) -> Tp2Runs:
+    return Tp2Runs(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +281,7 @@ def test_a_family_equals_its_transformers_class(preset, references):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_family_equals_its_transformers_class_at_tp2(preset, references, tp2):
-    assert problems(tp2[preset], _reference(references, preset), tp=2) == []
+    assert problems(tp2(preset), _reference(references, preset), tp=2) == []
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -269,7 +290,7 @@ def test_initial_values_follow_the_family_init_weights(preset):
 
 
 def test_tp_that_drops_the_embedding_scale_fails_the_conformance(references, tp2):
-    found = problems(tp2["mutant-gemma3-tiny"], _reference(references, "gemma3-tiny"), tp=2)
+    found = problems(tp2("gemma3-tiny", "mutant"), _reference(references, "gemma3-tiny"), tp=2)
     assert any(p.startswith("logits: ") for p in found) and any(p.startswith("loss: ") for p in found), found
 
 
@@ -277,9 +298,9 @@ def test_phi3_at_tp2_gathers_no_fused_projections_output(references, tp2):
     """Split by heads, Phi-3's step (forward and backward, both pipeline chunks) runs no all-gather at all; under the
     plan transformers declares the same step gathers qkv_proj and gate_up_proj's outputs in each of its 4 layers (and
     the split inputs' gradients of o_proj and down_proj), and equals transformers too."""
-    assert tp2["phi3-tiny"]["gathers"] == 0
-    assert tp2["declared-phi3-tiny"]["gathers"] == 4 * 2 * 2
-    assert problems(tp2["declared-phi3-tiny"], _reference(references, "phi3-tiny"), tp=2) == []
+    assert tp2("phi3-tiny")["gathers"] == 0
+    assert tp2("phi3-tiny", "declared")["gathers"] == 4 * 2 * 2
+    assert problems(tp2("phi3-tiny", "declared"), _reference(references, "phi3-tiny"), tp=2) == []
 
 
 def test_unset_buffers_fail_the_conformance(references, monkeypatch):

@@ -4,8 +4,9 @@ split by heads, as its adapter plans them): every layout equals one process in l
 and parameters.
 
 Every registered family runs the acceptance layouts (tp2 x pp2 with selective recompute, dp2 x pp2 ZB-V); the first
-three also every layout of the original list. The world-2 layouts of all families share one spawn; the world-1 ones
-(emulated) run here.
+three also every layout of the original list. A world-2 layout is one job on the session's pool of two processes, run
+when its test first asks for it (a family's mistake fails that family's tests only; `-k <family>` runs that family's
+jobs alone); the world-1 ones (emulated) run here.
 """
 
 from dataclasses import dataclass, replace
@@ -73,8 +74,8 @@ CASES = [(family, layout) for family in FAMILIES for layout in ACCEPTANCE] + \
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A shared data cache, memoised baselines and the results of the one world-2 spawn."""
-    return {"root": tmp_path_factory.mktemp("families"), "baselines": {}, "grouped": {}, "factory": tmp_path_factory}
+    """A shared data cache and memoised baselines."""
+    return {"root": tmp_path_factory.mktemp("families"), "baselines": {}, "factory": tmp_path_factory}
 
 
 def _overrides(family: str, layout: Layout) -> list[str]:
@@ -97,16 +98,12 @@ def _results(workspace, family: str, layout: Layout) -> list[dict]:
 
         cfg = compose_run_config(_overrides(family, layout), cache)
         return [run_training(cfg, ParallelGrid.single(torch.device("cpu")), root / f"{family}-{layout.name}")]
-    if not workspace["grouped"]:
-        group = [(f, c) for f, c in CASES if c.world == 2]
+    def compute(shared: Path) -> list[dict]:
+        by_rank = run_workers(layouts_worker, 2, [(_overrides(family, layout), str(shared / "run"))], str(cache),
+                              timeout=300)
+        return [runs[0] for runs in by_rank]
 
-        def compute(shared: Path) -> dict:
-            runs = [(_overrides(f, c), str(shared / f"{f}-{c.name}")) for f, c in group]
-            by_rank = run_workers(layouts_worker, 2, runs, str(cache), timeout=540)
-            return {(f, c.name): [r[i] for r in by_rank] for i, (f, c) in enumerate(group)}
-
-        workspace["grouped"].update(once_per_session(workspace["factory"], "families-world2", compute))
-    return workspace["grouped"][family, layout.name]
+    return once_per_session(workspace["factory"], f"families-world2-{family}-{layout.name}", compute)
 
 
 @pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{c.name}" for f, c in CASES])
