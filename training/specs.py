@@ -14,11 +14,13 @@ from checkpoint.manager import CheckpointSpec
 from parallel.fsdp import LEVELS, ShardSpec
 from parallel.spec import EngineSpec, PipelineSpec
 from parallel.step import Objective
-from training.config.schema import model_keys, schema_defaults
+from training.config.schema import model_keys, schema_defaults, model_config
 from training.methods.lora import LoraSpec
 from training.objectives.dpo import PreferenceLoss
 from training.methods.grpo.objective import GroupPolicyLoss
 from training.objectives.lm import LANGUAGE_MODEL
+from models import config_record
+from checkpoint.stage_weights import OUT, write_stage_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -114,9 +116,6 @@ def checkpoint_spec(cfg: DictConfig, run_dir: Path) -> CheckpointSpec:
 
 def checkpoint_meta(cfg: DictConfig, grid) -> dict:
     """What a checkpoint records besides tensors: the model (checked on resume) and the writing layout."""
-    from models import config_record
-    from training.config.schema import model_config
-
     model = config_record(model_config(cfg))
     p = cfg.parallel
     layout = {"dp": grid.dp, "tp": p.tp, "pp": p.pp, "ep": p.ep, "vpp": p.vpp, "schedule": cfg.schedule.name,
@@ -130,6 +129,4 @@ def checkpoint_meta(cfg: DictConfig, grid) -> dict:
 def stage_weights(cfg: DictConfig, run_dir: Path) -> Callable[[Path], Path] | None:
     """What a run with checkpoint.export_pth=true calls after each save: MiniMind's stage weights into
     `<run dir>/out/` (checkpoint.stage_weights), else None."""
-    from checkpoint.stage_weights import OUT, write_stage_weights
-
     return partial(write_stage_weights, out_dir=Path(run_dir) / OUT) if cfg.checkpoint.export_pth else None

@@ -37,6 +37,11 @@ from training.report.metrics import MetricsLogger
 from training.report.header import run_header
 from training.specs import checkpoint_meta, checkpoint_spec, engine_spec, stage_weights
 from training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from checkpoint.dense_source import dense_source
+from training.objectives.reference import compute_reference
+from training.methods.grpo.step import GrpoStep
+from parallel.pipeline.trace_files import write_trace
+from training.layout_search.report import prediction_record
 
 log = logging.getLogger("sluice")
 
@@ -48,7 +53,6 @@ def build_model(cfg: DictConfig) -> tuple[Decoder, WeightSource]:
     decoder = decoder_of(build_module(model_config(cfg)))
     if not cfg.checkpoint.load_dense:
         return decoder, seeded_init(decoder, cfg.train.seed)
-    from checkpoint.dense_source import dense_source
 
     expected = {name: tuple(t.shape) for name, t in decoder.module.state_dict().items()}
     return decoder, dense_source(cfg.checkpoint.load_dense, expected, decoder.plan.ties, decoder.config.model_type)
@@ -103,7 +107,6 @@ class Trainer:
         if self.distill and self.val_batches:
             self.val_batches = [with_inputs(micro_batches) for micro_batches in self.val_batches]
         if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
-            from training.objectives.reference import compute_reference
 
             if grid.rank == 0:  # it reads every pair the run will train on before step 1: say so
                 log.info("dpo: computing the reference log-probabilities (forward only, the starting weights) of the "
@@ -111,7 +114,6 @@ class Trainer:
             compute_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
         self.grpo = None
         if OmegaConf.select(cfg, "train.task") == "grpo":  # keeps the starting weights: before any step or resume
-            from training.methods.grpo.step import GrpoStep
 
             self.grpo = GrpoStep(cfg, self.engine, grid, self.tokenizer, self.run_dir)
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
@@ -204,8 +206,6 @@ class Trainer:
                     if not (self.dpo or self.grpo):  # their `tokens` count pairs and completions, not label tokens
                         record["label_tokens_per_s"] = result.tokens / step_time
                     if result.trace is not None:
-                        from parallel.pipeline.trace_files import write_trace
-
                         record["bubble_fraction"] = write_trace(self.run_dir, step + 1, result.trace,
                                                                 self.engine.simulated_step)
                     if evaluated:
@@ -218,7 +218,6 @@ class Trainer:
                     if self.expert_load is not None:  # collective
                         record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank))
                     if traced:  # the cost model's prediction next to the measurement
-                        from training.layout_search.report import prediction_record
 
                         record.update(prediction_record(cfg, self.grid, record))
                     metrics.log(step + 1, record)

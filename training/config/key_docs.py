@@ -8,6 +8,7 @@ from typing import Any
 from training.config.minimind_args import minimind_table
 from training.config.presets import group_presets
 from training.config.schema import CONF_DIR, SchemaKey, compose_config, schema_keys, schema_sections
+from minimind.config import MiniMindConfig
 
 BEGIN = "<!-- keys: {section} (written by scripts/config_docs.py from the schema; do not edit) -->"
 END = "<!-- end of keys -->"
@@ -33,8 +34,6 @@ Every key with its meaning: docs/configuration.md. Hydra's own flags (sweeps, la
 def run_defaults(overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """Each key's value in `python train.py [overrides]`; a model key left null shows MiniMind's default."""
     from omegaconf import OmegaConf
-
-    from minimind.config import MiniMindConfig
 
     cfg = compose_config(list(overrides))
     minimind = inspect.signature(MiniMindConfig.__init__).parameters

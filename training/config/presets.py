@@ -4,6 +4,7 @@ schedule registry is their one home; conf/schedule/ holds only `table` and `modu
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
+from parallel.pipeline.schedules import SCHEDULES
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the config groups of `python train.py`
 
@@ -11,8 +12,6 @@ CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"  # the config 
 def store_presets(schema: type) -> None:
     """`base_config` (the schema, for conf/config.yaml's defaults list) and `schedule=<name>` for every registered
     schedule: its name and the micro-batches it asks for, if any."""
-    from parallel.pipeline.schedules import SCHEDULES
-
     ConfigStore.instance().store(name="base_config", node=schema)
     for name, registered in SCHEDULES.items():
         preset = {"name": name, "n_microbatches": registered.n_microbatches}

@@ -25,6 +25,7 @@ from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometr
 from training.data.split import split_documents
 from training.data.stream import StepBatches
 from training.data.tokenizer import CORPUS_VERSION, build_tokenizer, tokenizer_vocab_size
+from training.data.prompts import build_prompt_stream
 
 log = logging.getLogger("sluice")
 
@@ -151,7 +152,6 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
 
     `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
     if run_data_spec(cfg).train_task == "grpo":  # prompts, held in memory: training.data.prompts
-        from training.data.prompts import build_prompt_stream
 
         spec = run_data_spec(cfg)
         tokenizer = build_tokenizer(spec)

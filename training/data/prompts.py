@@ -22,6 +22,7 @@ from training.data.chat_rules import ChatRules
 from training.data.pair_corpus import synthetic_pairs
 from training.data.spec import DataError, DataSpec
 from training.data.stream import StepBatches
+from training.data.sources import data_source
 
 log = logging.getLogger("sluice")
 
@@ -73,7 +74,6 @@ def prompt_rows(spec: DataSpec) -> tuple[list[list[dict[str, Any]]], int]:
     """(the prompts' turns, bad rows skipped): the embedded prompts, or the rows of `data.path`."""
     if spec.name == "synthetic":
         return synthetic_prompts(spec.num_docs, spec.seed), 0
-    from training.data.sources import data_source
 
     rows = data_source(spec, "data.path").reader()
     prompts = [prompt_turns(payload) for _, payload in rows]

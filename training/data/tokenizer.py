@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from training.data.corpus import synthetic_corpus
 from training.data.spec import DataError, DataSpec
+from checkpoint.confine import files_inside
 
 # MiniMind's special tokens, in id order: 0 = pad/unk, 1 = bos, 2 = eos.
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -135,7 +136,6 @@ def weights_tokenizer_problem(weights: str | Path | None, spec: DataSpec) -> str
     error. The vocabularies are compared, not the `fingerprint`: a chat template of its own changes no token id."""
     folder = Path(weights) if weights else None
     if folder is not None and folder.is_dir():  # what transformers may open there: inside it, regular (a FIFO blocks)
-        from checkpoint.confine import files_inside
 
         files_inside(folder, WEIGHTS_FOLDER_READS, "checkpoint.load_dense", DataError)
     if folder is None or not (folder / "tokenizer.json").is_file():

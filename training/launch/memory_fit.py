@@ -13,6 +13,13 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from training.config.layout import layout_world_size, process_pp, resolved_dp
+from parallel.expert import expert_modules
+from training.config.schema import model_decoder
+from training.layout_search.costs import MeasuredCosts, ADAMW_STATE_BYTES
+from training.layout_search.profile import measured_costs
+from training.specs import resolve_dtype
+from parallel.grid import resolve_backend
+from training.layout_search.predict import candidate_of, predict
 
 GIB = 1 << 30
 MASTER_BYTES = 4  # fp32 master weights, whatever the compute dtype (as the profiler measures them)
@@ -21,12 +28,6 @@ MASTER_BYTES = 4  # fp32 master weights, whatever the compute dtype (as the prof
 def estimated_costs(cfg: DictConfig):
     """The inputs of the cost model's memory model known before launch; times are zero, only bytes are asked."""
     import torch
-
-    from parallel.expert import expert_modules
-    from training.config.schema import model_decoder
-    from training.layout_search.costs import MeasuredCosts
-    from training.layout_search.profile import measured_costs
-    from training.specs import resolve_dtype
 
     decoder = model_decoder(cfg)  # meta device: shapes only, any size
     config, t, mode = decoder.config, cfg.train, cfg.train.recompute
@@ -58,8 +59,6 @@ def estimated_costs(cfg: DictConfig):
 def _state_scale(cfg: DictConfig) -> float:
     """Bytes a parameter really costs over the 16 the memory model prices (weight, gradient, AdamW's two moments):
     under LoRA the base weights have no gradient or optimizer state; DPO keeps a frozen reference copy."""
-    from training.layout_search.costs import ADAMW_STATE_BYTES
-
     priced = 2 * MASTER_BYTES + ADAMW_STATE_BYTES
     held = MASTER_BYTES if cfg.lora.rank > 0 else priced
     if OmegaConf.select(cfg, "train.task") == "dpo":
@@ -69,16 +68,12 @@ def _state_scale(cfg: DictConfig) -> float:
 
 def _on_gpu(cfg: DictConfig) -> bool:
     """The workers compute on CUDA devices (the grid's own rule for parallel.backend)."""
-    from parallel.grid import resolve_backend
-
     return resolve_backend(cfg.parallel.backend)[1].type == "cuda"
 
 
 def per_rank_bytes(cfg: DictConfig, launched: int | None) -> dict[int, int]:
     """Predicted peak bytes of each process this host starts, by global rank (pipeline coordinate from the rank
     grid, TP fastest; under emulation one process holds every stage)."""
-    from training.layout_search.predict import candidate_of, predict
-
     world = layout_world_size(cfg, launched)
     dp = resolved_dp(cfg, launched)
     peaks = predict(candidate_of(cfg, dp=dp), cfg, estimated_costs(cfg)).peak_bytes
@@ -95,8 +90,6 @@ def memory_problem(cfg: DictConfig, launched: int | None = None, this_host: bool
     """One line when the run's predicted memory does not fit: the budget per rank (parallel.memory_budget_gb) when
     set, else (for a run on `this_host`) each GPU's memory, else the host's available memory for all its ranks
     together; None when it fits."""
-    from training.config.schema import model_decoder
-
     if cfg.parallel.layout == "auto":  # the layout search applies its own budget
         return None
     ranks = per_rank_bytes(cfg, launched)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
+from training.config.schema import model_config
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per parameter
@@ -111,8 +112,7 @@ def fixed_parts(at_one: dict[str, float], at_two: dict[str, float]) -> dict[str,
 
 def cost_key(cfg: DictConfig, device: str, dtype: str, backend: str, threads: int) -> dict:
     """What the measurements depend on: model dims, micro-batch shape, dtype, device, backend, threads."""
-    from models import config_record
-    from training.config.schema import model_config
+    from models import config_record  # every model family (seconds to import): only once a model is built
 
     dims = {k: v for k, v in config_record(model_config(cfg)).items() if k != "num_hidden_layers"}  # one layer's
     return {"version": VERSION, "model": dims, "micro_batch_size": cfg.train.micro_batch_size,

@@ -21,7 +21,7 @@ from checkpoint.atomic_write import write_text
 from checkpoint.confine import read_small
 from checkpoint.errors import CheckpointError
 from parallel.pipeline.actions import Action
-from parallel.pipeline.transport import SENDS, Message, Pending, describe
+from parallel.pipeline.transport import SENDS, Message, Pending, describe, LocalTransport
 
 DUMP_DIR = "hang"
 RECORD_LIMIT = 1 << 20  # a dump or failure record is a few KB; larger is not one of ours
@@ -289,8 +289,6 @@ def watch_grid(watch: Watch, grid) -> None:
 
 def watch_engine(engine, watch: Watch, before_action=None) -> None:
     """Wrap a pipeline engine's transport (not the in-process one) and gradient sync so the watch sees every wait."""
-    from parallel.pipeline.transport import LocalTransport
-
     if not hasattr(engine, "sync"):
         return  # the single-device engine: nothing to wait for
     if not isinstance(engine.transport, LocalTransport):

@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from checkpoint.manager import complete_checkpoints
 from training.config.resume_rules import fresh_resume_problem
+from checkpoint.errors import CheckpointError
+from checkpoint.ownership import read_owner, this_run, written_by
 
 log = logging.getLogger("sluice")
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -45,9 +47,6 @@ def earlier_checkpoints(run_dir: Path, checkpoints: Path) -> str | None:
     """One line when a fresh run (no resume) would save into a folder holding this run directory's earlier
     checkpoints, with or without its metrics.jsonl: the run id persists in the run directory, so its saves would
     replace them. Another run's folder is checkpoint.ownership's to refuse, in its own words."""
-    from checkpoint.errors import CheckpointError
-    from checkpoint.ownership import read_owner, this_run, written_by
-
     found = complete_checkpoints(checkpoints)
     if not found:
         return None

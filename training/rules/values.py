@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from training.reliability.faults import parse_fault
 
 Rule = Callable[[str, Any], "str | None"]  # (key, value) -> the one-line problem, or None when fine
 
@@ -109,8 +110,6 @@ def backends(key: str, value: Any) -> str | None:
 
 
 def fault(key: str, value: Any) -> str | None:
-    from training.reliability.faults import parse_fault
-
     try:
         parse_fault(value)
     except ValueError as error:

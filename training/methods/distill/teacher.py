@@ -21,6 +21,18 @@ from parallel.grid import ParallelGrid
 from parallel.spec import EngineSpec
 from parallel.step import MicroBatch
 from training.methods.distill.objective import TOKENS, DistillLoss
+from models import ModelError, config_from_record, model_config, build_model, decoder_of
+from models.model_size import host_memory, size_problem
+from checkpoint.dense import read_dense_state_dict, check_dense_files
+from checkpoint.pth_config import pth_config
+from checkpoint.export import locate, build_model as checkpoint_model, read_training_weights
+from checkpoint.manager import read_meta, find_checkpoint
+from training.data import DataError, run_data_spec
+from training.data.tokenizer import weights_tokenizer_problem
+from checkpoint.distributed import read_metadata
+from checkpoint.dense_source import dense_source
+from parallel.materialize import materialize_
+from checkpoint.lora_merge import merge_adapters
 
 log = logging.getLogger("sluice")
 
@@ -32,20 +44,11 @@ def is_pth(path: str) -> bool:
 
 def teacher_config(path: str):
     """The teacher's transformers config: its folder's config.json, or its training checkpoint's model record."""
-    from models import ModelError, config_from_record, model_config
-    from models.model_size import host_memory, size_problem
-
     if (Path(path) / "config.json").is_file():
         config = model_config({"hf_config": path})  # its values and dimensions checked before it is built
     elif is_pth(path):
-        from checkpoint.dense import read_dense_state_dict
-        from checkpoint.pth_config import pth_config
-
         config = pth_config(read_dense_state_dict(path), f"distill.teacher={path}")  # sizes from the shapes
     else:
-        from checkpoint.export import locate
-        from checkpoint.manager import read_meta
-
         config = config_from_record(read_meta(locate(path))["model"], f"distill.teacher={path}: meta.json's model")
     # The teacher is built whole in each process (load_teacher): its weights must fit this host.
     if problem := size_problem(config.to_dict(), f"distill.teacher={path}:", host_memory()):
@@ -62,8 +65,6 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
     if path is None:
         return ("train.task=distill needs a teacher: set distill.teacher=<an HF folder (save_pretrained, "
                 "scripts/export_hf.py) or a Sluice run directory or checkpoint>")
-    from checkpoint.manager import find_checkpoint
-    from models import ModelError
 
     folder = Path(path)
     if not folder.exists():
@@ -76,13 +77,8 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
                 "run directory")
     try:
         if (folder / "config.json").is_file() or is_pth(path):
-            from checkpoint.dense import check_dense_files
-
             check_dense_files(path)  # inside its folder, regular files: a FIFO would block every rank
         else:
-            from checkpoint.distributed import read_metadata
-            from checkpoint.export import locate
-
             read_metadata(locate(path))  # its shards inside it, regular files (a link to /dev/zero), before launch
         vocab = teacher_config(path).vocab_size
     except (CheckpointError, ModelError) as error:
@@ -91,8 +87,6 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
     if vocab < student_vocab:
         return (f"distill.teacher={path} has a vocabulary of {vocab} tokens, the student {student_vocab}; the "
                 "teacher's logits must cover the student's vocabulary (a teacher of the same tokenizer)")
-    from training.data import DataError, run_data_spec
-    from training.data.tokenizer import weights_tokenizer_problem
 
     try:  # a teacher of another tokenizer teaches other words under the same ids, without any error
         problem = weights_tokenizer_problem(path, run_data_spec(cfg))
@@ -103,20 +97,12 @@ def teacher_problem(cfg: DictConfig, student_vocab: int) -> str | None:
 
 def load_teacher(path: str, device: torch.device) -> Decoder:
     """The teacher, whole on `device`, in eval mode with no parameter requiring a gradient."""
-    from models import build_model, decoder_of
-
     if (Path(path) / "config.json").is_file() or is_pth(path):
-        from checkpoint.dense_source import dense_source
-        from parallel.materialize import materialize_
-
         teacher = decoder_of(build_model(teacher_config(path)))
         expected = {name: tuple(t.shape) for name, t in teacher.module.state_dict().items()}
         materialize_(teacher, dense_source(path, expected, teacher.plan.ties, teacher.config.model_type), 0, 1,
                      device)
     else:
-        from checkpoint.export import build_model as checkpoint_model, read_training_weights
-        from checkpoint.lora_merge import merge_adapters
-
         state, meta = read_training_weights(path)
         if (lora := meta.get("lora")) is not None:
             state = merge_adapters(state, lora["alpha"] / lora["rank"])

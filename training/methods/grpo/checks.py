@@ -6,6 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from training.data.spec import DataError, DataSpec, Geometry, geometry, optional_field, run_data_spec
+from training.methods.grpo.reward_model import reward_model_problem
+from training.methods.grpo.rewards import RewardError, reward_function
+from training.data.tokenizer import EMBEDDED_TOKENIZER, load_tokenizer, synthetic_tokenizer_dir
+from training.data.sources import data_source
 
 HEAD_ROWS = 100  # prompt rows read before launch; the loader checks every row
 
@@ -27,9 +31,6 @@ def layout_problem(cfg: Any, geo: Geometry) -> str | None:
 
 def reward_problem(cfg: Any, spec: DataSpec) -> str | None:
     """A reward `_target_` that does not import, or a reward model folder that cannot score this run's text."""
-    from training.methods.grpo.reward_model import reward_model_problem
-    from training.methods.grpo.rewards import RewardError, reward_function
-
     for entry in cfg.grpo.rewards:
         try:
             reward_function(entry)
@@ -41,8 +42,6 @@ def reward_problem(cfg: Any, spec: DataSpec) -> str | None:
 def known_tokenizer(spec: DataSpec):
     """The run's tokenizer where it exists without training (a folder, or the embedded one already cached)."""
     from pathlib import Path
-
-    from training.data.tokenizer import EMBEDDED_TOKENIZER, load_tokenizer, synthetic_tokenizer_dir
 
     if spec.name == "synthetic" or spec.tokenizer == EMBEDDED_TOKENIZER:
         folder = synthetic_tokenizer_dir(spec)
@@ -57,8 +56,6 @@ def prompts_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
     if spec.name == "synthetic":
         available = spec.num_docs
     else:
-        from training.data.sources import data_source
-
         source = data_source(spec, "data.path")
         if source.kind == "hub":
             return None

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from training.methods.grpo.rewards import THINK_END
+from training.data.tokenizer import load_tokenizer
 
 SCORE_CLIP = 3.0
 
@@ -41,7 +42,6 @@ def reward_model_problem(folder: str | None, tokenizer: PreTrainedTokenizerBase 
     if tokenizer is not None:
         if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
             return f"{key} holds no tokenizer; save the run's tokenizer beside the model (tokenizer.save_pretrained)"
-        from training.data.tokenizer import load_tokenizer
 
         theirs, ours = load_tokenizer(path).get_vocab(), tokenizer.get_vocab()
         if theirs != ours:

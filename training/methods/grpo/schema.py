@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from training.rules.keys import ReadWhen, key
 from training.rules.values import at_least, fraction, non_negative, one_of, optional, positive, text
+from training.methods.grpo.rewards import RULES
 
 GRPO_ONLY = ReadWhen("train.task", ("grpo",), refuse=True)
 GRPO_SETTING = ReadWhen("train.task", ("grpo",), refuse=False)
@@ -13,8 +14,6 @@ GRPO_SETTING = ReadWhen("train.task", ("grpo",), refuse=False)
 
 def reward_entries(key_name: str, value: Any) -> Optional[str]:
     """A non-empty list whose entries are reward names or `{_target_: module.function, ...}` mappings."""
-    from training.methods.grpo.rewards import RULES
-
     entries = list(value or ())
     if not entries:
         return f"{key_name} is empty; give at least one reward, e.g. {key_name}=[minimind_rules]"

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from parallel.grid import ParallelGrid
 from training.methods.grpo.rewards import RewardError, RewardFn, reward_function, reward_name, score
+from training.methods.grpo.reward_model import RewardModel, reward_model_problem
 
 
 def replica_group(grid: ParallelGrid) -> dist.ProcessGroup | None:
@@ -40,7 +41,6 @@ class Scorer:
         if grid.rank == self.lead:
             self.functions = {reward_name(e): reward_function(e) for e in entries}
             if reward_model is not None:  # checked again here: before launch the embedded tokenizer may not exist
-                from training.methods.grpo.reward_model import RewardModel, reward_model_problem
 
                 if problem := reward_model_problem(reward_model, tokenizer):
                     raise RewardError(problem)

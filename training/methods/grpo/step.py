@@ -26,6 +26,7 @@ from training.methods.grpo.reference import StartingWeights
 from training.methods.grpo.rollouts import group_advantages, padded, training_rows, write_samples
 from training.methods.grpo.scoring import Scorer
 from training.methods.grpo.objective import ADVANTAGES, FLAT, OLD_LOGPS, REF_LOGPS, REWARDS, START
+from parallel.generation import Sampling
 
 log = logging.getLogger("sluice")
 SAMPLE_GROUPS = 2  # groups of DP replica 0 written to rollouts.jsonl per sampled step
@@ -69,8 +70,6 @@ class GrpoStep:
         self.samples: list[dict[str, Any]] = []
 
     def sampling(self, step: int):
-        from parallel.generation import Sampling
-
         s, tok = self.spec, self.tokenizer
         return Sampling(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=sampling_seed(s.seed, step))
