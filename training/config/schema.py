@@ -333,14 +333,14 @@ def model_config(cfg: Any):
     """The transformers config of the run's model section (MiniMind's, or the family of `model.hf_config`)."""
     from omegaconf import OmegaConf
 
-    from models import model_config as resolve
+    from models import model_config as resolve  # every model family (seconds to import): only once a model is built
 
     return resolve(OmegaConf.to_container(cfg.model, resolve=True))
 
 
 def model_decoder(cfg: Any):
     """The run's dense model on the meta device (shapes only, no memory), as a `parallel.decoder.Decoder`."""
-    from models import build_model, decoder_of
+    from models import build_model, decoder_of  # every model family (seconds to import): only once a model is built
 
     return decoder_of(build_model(model_config(cfg)))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config.schema import model_config, model_keys, schema_keys
+from training.config.schema import model_config, model_keys, schema_keys, model_decoder
 from training.config.unknown_keys import unknown_key_problem
 from training.rules.values import ConfigError, shown
 from training.config.sharding import zero_problem
@@ -23,6 +23,13 @@ from training.config.layout import resolve_global_batch, resolved_dp
 from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem
 from training.methods.grpo.checks import grpo_problem
 from training.report.loggers import logger_problem
+from training.layout_search.balance import resolve_auto_partition
+from training.methods.lora import lora_targets, file_adapters, layer_linears
+from checkpoint.errors import CheckpointError
+from parallel.materialize import dense_shape
+from training.data import DataError, data_problem, load_tokenizer_vocab_size, run_data_spec, weights_tokenizer_problem
+from checkpoint.dense import check_dense_files
+from training.config.output_paths import output_dir_problem
 
 
 def resolvable_problem(cfg: DictConfig) -> str | None:
@@ -64,7 +71,7 @@ def scope_warnings(cfg: DictConfig) -> list[str]:
 def model_problem(cfg: DictConfig) -> str | None:
     """The model section names a buildable model (a supported family, consistent fields), checked before launch;
     shape rules that would otherwise fail deep inside the first forward."""
-    from models import ModelError
+    from models import ModelError  # every model family (seconds to import): only once a model is built
 
     try:
         c = model_config(cfg)
@@ -122,16 +129,12 @@ def train_warnings(cfg: DictConfig) -> list[str]:
 def resolve_partition(cfg: DictConfig) -> None:
     """parallel.layers_per_stage=auto -> the cost-balanced split (the cost model's; imported only when asked)."""
     if cfg.parallel.layers_per_stage == "auto":
-        from training.layout_search.balance import resolve_auto_partition
-
         resolve_auto_partition(cfg)
 
 
 def lora_problem(cfg: DictConfig) -> str | None:
     """lora.targets match at least one linear of the model's layers (the pass's own check, on the meta model)."""
-    from training.methods.lora import lora_targets
-    from training.config.schema import model_decoder
-    from training.specs import lora_spec
+    from training.specs import lora_spec  # DCP behind the checkpoint spec (seconds): only once a model is checked
 
     spec = lora_spec(cfg)
     if not spec.enabled:
@@ -145,7 +148,7 @@ def lora_problem(cfg: DictConfig) -> str | None:
 
 def lora_warnings(cfg: DictConfig) -> list[str]:
     """lora keys set while lora.rank=0 leaves them unread."""
-    from training.specs import lora_spec
+    from training.specs import lora_spec  # DCP behind the checkpoint spec (seconds): only once a model is checked
 
     if lora_spec(cfg).enabled:
         return []
@@ -158,11 +161,7 @@ def lora_warnings(cfg: DictConfig) -> list[str]:
 def lora_init_problem(cfg: DictConfig) -> str | None:
     """lora.init exists, is a regular file (or a PEFT folder of them) and its adapters fit the linears lora.targets
     adapts in this model (the pass's own reading, on the whole meta model)."""
-    from checkpoint.errors import CheckpointError
-    from parallel.materialize import dense_shape
-    from training.config.schema import model_decoder
-    from training.methods.lora import file_adapters, layer_linears, lora_targets
-    from training.specs import lora_spec
+    from training.specs import lora_spec  # DCP behind the checkpoint spec (seconds): only once a model is checked
 
     spec = lora_spec(cfg)
     if not spec.enabled or spec.init is None:
@@ -182,9 +181,6 @@ def lora_init_problem(cfg: DictConfig) -> str | None:
 def data_tokenizer_problem(cfg: DictConfig, world_size: int | None = None) -> str | None:
     """Data source and files (the data module's own check), and the tokenizer's ids against the model's and against
     the tokenizer beside the initial weights."""
-    from training.data import DataError, data_problem, load_tokenizer_vocab_size, run_data_spec, \
-        weights_tokenizer_problem
-
     dp = resolved_dp(cfg, world_size)
     if problem := data_problem(cfg, dp=dp) or (grpo_problem(cfg, dp) if cfg.train.task == "grpo" else None):
         return problem
@@ -206,12 +202,10 @@ def checkpoint_problem(cfg: DictConfig) -> str | None:
     """A checkpoint to resume exists, is complete and readable, and was written for this model; a distillation
     teacher can teach it; LoRA's starting adapters (lora.init) fit; the folders the run writes (checkpoint.dir,
     data.cache_dir) can be created and written."""
-    from checkpoint.dense import CheckpointError, check_dense_files
-    from checkpoint.manager import find_checkpoint, resume_problem
-    from models import config_record
-    from training.config.output_paths import output_dir_problem
+    from checkpoint.manager import find_checkpoint, resume_problem  # DCP (seconds to import): a checkpoint only
+    from models import config_record  # every model family (seconds to import): only once a model is built
     from training.methods.distill.teacher import teacher_problem  # reads the teacher's config (train.task=distill)
-    from training.specs import lora_record
+    from training.specs import lora_record  # DCP behind the checkpoint spec (seconds): only once a model is checked
 
     dense = cfg.checkpoint.load_dense
     if dense and Path(dense).is_dir() and find_checkpoint(Path(dense)) is not None:

@@ -179,12 +179,12 @@ def main() -> None:
     register_schema()
     flags, overrides = split_argv(sys.argv[1:])
     if {"--help", "-h"} & set(flags):  # the key tables are read from the schema, not kept in a template
-        from training.config.key_docs import help_text
+        from training.config.key_docs import help_text  # the key tables read every model's fields: --help only
 
         print(help_text(tuple(overrides)))
         sys.exit(0)
     preflight(sys.argv[1:])
-    from training.launch.workers import hydra_main, under_torchrun
+    from training.launch.workers import hydra_main, under_torchrun  # the loop, models, DCP: once a run starts
 
     if under_torchrun() and os.environ.get("RANK", "0") != "0":
         # Only rank 0 owns the run directory and its logs; the others learn its path from rank 0.

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import ownership_problem
-from parallel.grid import local_device_problem
+from parallel.grid import local_device_problem, ParallelGrid, resolve_backend
 from parallel.collectives import broadcast_object
 from training.reliability.hang import DUMP_DIR, Watch, read_dumps, summarize, watch_engine, watch_grid
 from training.reliability.heartbeat import Beater
@@ -35,6 +35,7 @@ from training.report.run_log import ConfinedFileHandler, confine_log_files
 from training.launch.restarts import RestartBudget, newest_step, restart_resume
 from training.specs import checkpoint_spec
 from training.reliability.watchdog import EXIT_INTERRUPTED, Interrupted, Limits, exit_code, report_hang, start_watchdog
+from training.reliability.guard import StepGuard
 
 log = logging.getLogger("sluice")
 SELF_LAUNCHED = "SLUICE_SELF_LAUNCHED"  # set for the workers of self_launch: their root reports failures
@@ -58,7 +59,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else layout_world_size(cfg)
     try:
         if cfg.parallel.layout == "auto" and not under_torchrun():  # under torchrun the ranks agree in run_worker
-            from training.layout_search.auto import choose_layout
+            from training.layout_search.auto import choose_layout  # the cost model: layout=auto only
 
             cfg = choose_layout(cfg, world_size)
         validate(cfg, world_size)
@@ -160,9 +161,7 @@ def name_process(name: str) -> None:
 
 def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list[float]:
     """Body of every rank: grid, trainer, loop, clean shutdown. Returns the per-step losses."""
-    from parallel.grid import ParallelGrid, resolve_backend
-    from training.reliability.guard import StepGuard
-    from training.trainer import Trainer
+    from training.trainer import Trainer  # models, DCP: in a worker only
 
     cfg = OmegaConf.create(cfg_dict)
     p = cfg.parallel
@@ -209,7 +208,7 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
 
 def agreed_layout(cfg: DictConfig, watch: Watch, start: AttemptStore | None) -> DictConfig:
     """parallel.layout=auto under torchrun: rank 0's choice, applied and checked on every rank."""
-    from training.layout_search.auto import agree_on_layout
+    from training.layout_search.auto import agree_on_layout  # the cost model: layout=auto only
 
     cfg = agree_on_layout(cfg, watch.rank, start.store if start else None)
     validate(cfg, int(os.environ["WORLD_SIZE"]))
