@@ -218,3 +218,87 @@ def test_no_module_of_parallel_imports_more_than_ten_project_modules_at_run_time
               if name.split(".")[0] == "parallel"}
     over = {name: n for name, n in counts.items() if n > MAX_RUNTIME_IMPORTS}
     assert not over, over
+
+
+# --- training/ inside: its parts in layers, its imports at the top. ---------------------------------------------------
+# training/'s parts, bottom to top (issue 47 item 5): a module imports only from its own layer or below, lazy imports
+# included. A module takes the layer of the longest name listed that it equals or lies under. The order is the one the
+# code has: the value rules and the reliability machinery need nothing else of training/; data is read by the
+# objectives (DPO's reference pass fills pair batches), both by the methods; the config's schema gathers the methods'
+# sections and the specs are made from it; the report and the layout search read config and specs; the pre-launch
+# check asks every part below it (a layout is checked as the search checks its candidates); the loop runs what those
+# build, and launch starts it all.
+TRAINING_LAYERS: list[tuple[str, list[str]]] = [
+    ("base", ["training.rules", "training.reliability"]),
+    ("data", ["training.data"]),
+    ("objectives", ["training.objectives"]),
+    ("methods", ["training.methods"]),
+    ("config", ["training.config", "training.specs"]),
+    ("report", ["training.report"]),
+    ("search", ["training.layout_search"]),
+    ("checks", ["training.config.validate"]),
+    ("loop", ["training.trainer", "training.optim"]),
+    ("launch", ["training.launch", "training"]),
+]
+
+
+def training_layer(module: str) -> int:
+    """The index in TRAINING_LAYERS of a training/ module's layer (its longest listed prefix)."""
+    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(TRAINING_LAYERS) for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".")]
+    return max(found)[1]
+
+
+def upward_imports(deps: dict[str, set[str]]) -> list[str]:
+    """Every import of a training/ module that points to a higher layer of training/, as 'a (layer) -> b (layer)'."""
+    name = [layer for layer, _ in TRAINING_LAYERS]
+    return [f"{a} ({name[training_layer(a)]}) -> {b} ({name[training_layer(b)]})"
+            for a, found in sorted(deps.items()) if a.split(".")[0] == "training"
+            for b in sorted(found) if b.split(".")[0] == "training" and training_layer(b) > training_layer(a)]
+
+
+def test_training_imports_point_down_its_layers_only():
+    offenders = upward_imports(graph())
+    assert not offenders, offenders
+
+
+def test_the_layer_check_catches_an_upward_import():
+    """The check above fails on a data module importing the schema, lazily or not (so it cannot pass vacuously)."""
+    deps = {"training.data.spec": {"training.config.schema", "training.data.rows"},
+            "training.launch.cli": {"training.config.validate"}}
+    assert upward_imports(deps) == ["training.data.spec (data) -> training.config.schema (config)"]
+
+
+PROJECT = set(LAYERS) | {"tests"}
+
+
+def lazy_imports(path: Path) -> list[str]:
+    """The project imports inside a function of the file whose lines carry no comment saying why."""
+    lines = path.read_text().splitlines()
+    found = []
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n.split(".")[0] in PROJECT for n in names) and \
+                    not any("#" in line for line in lines[node.lineno - 1:node.end_lineno]):
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                found.append(f"{where}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def test_training_imports_sit_at_the_top_unless_a_comment_says_why():
+    """A project import inside a function hides a dependency from the reader of the file's top; one there to break
+    an import cycle or to defer a heavy import on purpose says so on its line."""
+    offenders = [hit for path in sorted((ROOT / "training").rglob("*.py")) for hit in lazy_imports(path)]
+    assert not offenders, offenders
+
+
+def test_the_lazy_import_check_catches_an_import_without_a_reason(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from training.data import rows\n\n\ndef f():\n    from training.specs import lora_spec\n"
+                      "    from parallel.grid import resolve_backend  # torch.distributed: only on a launch\n"
+                      "    import json\n")
+    assert [hit.split(":")[1] for hit in lazy_imports(sample)] == ["5"]

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig
+from checkpoint.errors import CheckpointError
+from checkpoint.manager import read_meta, resolve_resume, complete_checkpoints
 
 # Overrides that may differ between a run and its continuation: where it runs, how it resumes, how long it goes.
 CONTINUATION_KEYS = ("hydra.run.dir", "checkpoint.resume", "train.steps", "train.epochs")
@@ -27,9 +29,6 @@ def global_batch(layout: dict[str, Any]) -> int:
 def batch_change_problem(cfg: DictConfig, checkpoints: Path, dp: int) -> str | None:
     """One line when this run (data-parallel size `dp`, its checkpoints in `checkpoints`) would resume a checkpoint
     written at another global batch, unless train.allow_batch_change=true."""
-    from checkpoint.errors import CheckpointError
-    from checkpoint.manager import read_meta, resolve_resume
-
     if cfg.train.allow_batch_change:
         return None
     try:
@@ -63,8 +62,6 @@ def _overrides(run_dir: Path) -> list[str] | None:
 def earlier_run(run_dir: Path) -> tuple[Path, Path] | None:
     """(run directory, newest checkpoint) of the most recent other run whose overrides equal this one's (apart from
     CONTINUATION_KEYS), among the run directory's siblings and cousins; None when there is none."""
-    from checkpoint.manager import complete_checkpoints
-
     run_dir = Path(run_dir).resolve()
     mine = _overrides(run_dir)
     if mine is None:
@@ -84,8 +81,6 @@ def earlier_run(run_dir: Path) -> tuple[Path, Path] | None:
 def fresh_resume_problem(run_dir: Path, checkpoints: Path) -> str | None:
     """One line when `checkpoint.resume=auto` finds nothing in this run's `checkpoints` while an earlier run of the
     same overrides holds some: a new directory would otherwise start over in silence."""
-    from checkpoint.manager import complete_checkpoints
-
     if complete_checkpoints(checkpoints) or (found := earlier_run(run_dir)) is None:
         return None
     other, newest = found
