@@ -2,6 +2,7 @@
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -302,3 +303,36 @@ def test_the_lazy_import_check_catches_an_import_without_a_reason(tmp_path):
                       "    from parallel.grid import resolve_backend  # torch.distributed: only on a launch\n"
                       "    import json\n")
     assert [hit.split(":")[1] for hit in lazy_imports(sample)] == ["5"]
+
+
+# --- One meaning per name (docs/concepts.md#names): the names retired from a second meaning. ----------------------
+RETIRED_NAMES = re.compile(
+    r"parallel\.plan\b|\bplan=auto|scripts/plan\.py|make plan\b|\bplan\.png|\bPLAN\b|load_plan_module|tests/test_plan\b"
+    r"|chunked_ce|CHUNK_ELEMENTS|ChunkedCrossEntropy|DRAIN_CHUNK|\bchunk_of\b|later chunk|list\[Record\]"
+    r"|key reference")
+# Where a retired name is said on purpose: the refusal of the old key, its test, and this list.
+RETIRED_NAMES_SAID = {"training/config/unknown_keys.py", "tests/test_config_catalogue.py", "tests/test_architecture.py"}
+
+
+def retired_name_uses(paths: list[Path]) -> list[str]:
+    """The lines of `paths` (code, config, docs) that use a retired name."""
+    return [hit for path in paths for hit in namings(path, RETIRED_NAMES)]
+
+
+def test_no_retired_name_in_the_code_or_the_docs():
+    """"plan" is only a model's declared plans (the layout key is parallel.layout, the preview script
+    scripts/preview.py), "chunk" only a stage's model piece (a virtual-stage index is a lap, the cross-entropy's row
+    blocks are blocks), a trace's (action, start, end) is Timed, not a record; the key tables are no "reference"."""
+    tracked = [ROOT / name for name in subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()]
+    paths = [p for p in tracked if p.suffix in {".py", ".md", ".yaml", ".sh", ".sbatch"} or p.name == "Makefile"]
+    offenders = retired_name_uses([p for p in paths if p.is_file()
+                                   and str(p.relative_to(ROOT)) not in RETIRED_NAMES_SAID])
+    assert not offenders, offenders
+
+
+def test_the_retired_name_check_catches_each_name(tmp_path):
+    lines = ["python train.py parallel.plan=auto", "python scripts/plan.py model=tiny", "make plan ARGS=...",
+             "from parallel.chunked_ce import cross_entropy_rows", "chunk_of = _chunks(row)", "PLAN = (True, False)",
+             "records: list[Record] | None", "the key reference of --help", "the plan of a model"]
+    assert flagged_lines(tmp_path, lines, RETIRED_NAMES) == list(range(1, len(lines)))
