@@ -28,6 +28,7 @@ from training.methods.lora import lora_targets, file_adapters, layer_linears
 from checkpoint.errors import CheckpointError
 from parallel.materialize import dense_shape
 from training.data import DataError, data_problem, load_tokenizer_vocab_size, run_data_spec, weights_tokenizer_problem
+from checkpoint.dense_shapes import shape_problem
 from checkpoint.dense import check_dense_files
 from training.config.output_paths import output_dir_problem
 
@@ -198,6 +199,13 @@ def data_tokenizer_problem(cfg: DictConfig, world_size: int | None = None) -> st
     return None
 
 
+def dense_shape_problem(cfg: DictConfig, dense: str) -> str | None:
+    """The dense weights' shapes (headers only) against the model's, built on the meta device."""
+    decoder = model_decoder(cfg)
+    return shape_problem(dense, {name: tuple(t.shape) for name, t in decoder.module.state_dict().items()},
+                         decoder.plan.ties)
+
+
 def checkpoint_problem(cfg: DictConfig) -> str | None:
     """A checkpoint to resume exists, is complete and readable, and was written for this model; a distillation
     teacher can teach it; LoRA's starting adapters (lora.init) fit; the folders the run writes (checkpoint.dir,
@@ -216,6 +224,8 @@ def checkpoint_problem(cfg: DictConfig) -> str | None:
             check_dense_files(dense)  # inside its folder, regular files: a FIFO would block every rank
         except CheckpointError as error:
             return str(error)
+        if problem := dense_shape_problem(cfg, dense):
+            return problem
     for key in ("checkpoint.dir", "data.cache_dir"):
         if (value := OmegaConf.select(cfg, key)) and (problem := output_dir_problem(value, key)):
             return problem

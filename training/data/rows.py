@@ -121,9 +121,29 @@ TASKS: dict[str, Task] = {
 }
 
 
+# A row's own shape and the train.task that trains on it: a row of another task says which (MiniMind's files are
+# one task each: pretrain_*.jsonl text, sft_*.jsonl conversations, dpo.jsonl pairs).
+ROW_KINDS = (("chosen", "dpo", "a DPO pair (\"chosen\", \"rejected\")"),
+             ("conversations", "sft", "a conversation (\"conversations\")"), ("text", "pretrain", "a text (\"text\")"))
+TASK_HINT = "; it is "  # how a problem carrying another task's name starts its hint
+
+
+def other_task(record: Any, task: Task) -> str | None:
+    """The hint for a row shaped for another task than `task` (its kind and the train.task that reads it), or None."""
+    if not isinstance(record, dict):
+        return None
+    for column, train_task, kind in ROW_KINDS:
+        if column in record and column not in task.columns:
+            return f"{TASK_HINT}{kind}, which train.task={train_task} trains on: set train.task={train_task}"
+    return None
+
+
 def read_row(record: Any, task: Task) -> tuple[Any, str | None]:
-    """(payload, problem): what `task` encodes of one row, or why the row is unusable."""
+    """(payload, problem): what `task` encodes of one row, or why the row is unusable (naming the train.task that
+    reads it, when the row is shaped for another task)."""
     problem = task.problem(record)
+    if problem is not None and (hint := other_task(record, task)):
+        problem += hint
     return (None, problem) if problem is not None else (task.payload(record), None)
 
 
@@ -147,7 +167,10 @@ class RowReader:
         return f"{self.path}: {self.unit} {number}"
 
     def problem_line(self, number: int, problem: str) -> str:
-        """One line naming the bad row, what is wrong and the fix."""
+        """One line naming the bad row, what is wrong and the fix (a row of another task: the train.task that reads
+        it, not skipping it)."""
+        if TASK_HINT in problem:
+            return f"{self.key}: {self.where(number)}: {problem} (or give a file of this task's rows)"
         return (f"{self.key}: {self.where(number)}: {problem}; fix or remove the {self.unit}, or set "
                 f"data.skip_bad_lines=true to skip bad {self.unit}s")
 
