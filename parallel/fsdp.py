@@ -1,16 +1,16 @@
 """Fully sharded data parallelism (`parallel.zero=2/3`): torch's FSDP2 `fully_shard` as one more pass over built stages.
 
 Each stage's chunk, once pruned, TP-sharded, EP-split, adapted (LoRA), recomputed and materialised, is sharded over
-the data-parallel mesh: one FSDP group per decoder layer (an EP-split layer's experts first, over the ranks holding
-the same experts), one for the pieces around the layers (embedding, final norms, head), and the chunk's module as the
-root. The pass runs after the stages exist, not inside the chunk pass list, because V placement re-ties the embedding
+the data-parallel mesh: one FSDP group per decoder layer, one for the pieces around the layers (embedding, final
+norms, head), and the chunk's module as the root. The pass runs after the stages exist, not inside the chunk pass list, because V placement re-ties the embedding
 and head of two chunks on one rank after they are built, and one Parameter must not enter two FSDP groups.
 
 A parameter FSDP cannot manage here stays whole and keeps the data-parallel buckets of `grad_sync`: a tied embedding
 pair (one Parameter in two chunks, or two copies summed over the embedding group), a parameter whose gradient a hook
-changes (TP's replicated weights summed over TP: FSDP replaces the Parameter, and the hook would be lost), and experts
-held by no other DP rank (nothing to shard). The root owns no parameter: the chunk is never called as a module (the
-Decoder calls its pieces), so FSDP's root hooks never run and the pieces' groups gather their own weights.
+changes (TP's replicated weights summed over TP: FSDP replaces the Parameter, and the hook would be lost), and
+EP-split experts (their stacked module is a container FSDP cannot wrap; they keep the bucketed sum over the edp
+group). The root owns no parameter: the chunk is never called as a module (the Decoder calls its pieces), so FSDP's
+root hooks never run and the pieces' groups gather their own weights.
 
 Gradients are reduced as a sum (the loss is already scaled by the global batch's tokens), once per step and stage,
 after that stage's last backward (`ShardedSync`); compute precision stays autocast's (`train.dtype`), so the gathered
@@ -30,7 +30,6 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from parallel.decoder import submodule
-from parallel.expert import expert_modules
 
 if TYPE_CHECKING:  # names in annotations only
     from parallel.grid import ParallelGrid
@@ -49,28 +48,26 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class ShardMeshes:
-    """The meshes parameters shard over: the DP ranks of this (pp, tp) coordinate, and the experts' own."""
+    """The mesh parameters shard over: the DP ranks of this (pp, tp) coordinate."""
 
-    dense: DeviceMesh  # (dp) or, under HSDP, (dp_replicate, dp_shard)
-    experts: DeviceMesh | None  # (edp) under EP when other DP ranks hold the same experts, else None (kept whole)
+    dense: DeviceMesh  # (dp) or, under HSDP and EP, (dp_replicate, dp_shard)
 
 
 def shard_meshes(grid: ParallelGrid, replicate: int, timeout: timedelta) -> ShardMeshes:
     """The meshes of `grid` (a collective on every rank: HSDP creates its process groups).
 
     Under EP the dense parameters shard over the edp group too, replicated over the ep group (HSDP's shape): then
-    every rank of a shard group counts the same parameters in the global grad norm (dense ones on ep rank 0). Where
-    no other rank holds a rank's experts (ep = dp) they stay whole and the dense ones shard over all of DP."""
+    every rank of a shard group counts the same parameters in the global grad norm (dense ones on ep rank 0); at
+    ep = dp the dense ones shard over all of DP."""
     kind, at = grid.device.type, grid.global_rank_of
     if grid.ep > 1 and grid.edp > 1:
-        experts = DeviceMesh.from_group(grid.edp_group, kind, mesh_dim_names=("edp",))
         ranks = torch.tensor([[at(grid.pp_rank, e * grid.ep + i, grid.tp_rank) for e in range(grid.edp)]
                               for i in range(grid.ep)])
         dense = DeviceMesh.from_group([grid.ep_group, grid.edp_group], kind, mesh=ranks,
                                       mesh_dim_names=("dp_replicate", "dp_shard"))
-        return ShardMeshes(dense, experts)
-    if replicate == 1:  # (at ep = dp too: the experts stay whole)
-        return ShardMeshes(grid.mesh["dp"], None)
+        return ShardMeshes(dense)
+    if replicate == 1:
+        return ShardMeshes(grid.mesh["dp"])
     shard = grid.dp // replicate
     coords = [(p, t) for p in range(grid.pp) for t in range(grid.tp)]
     shards = grid._my_group([[at(p, r * shard + s, t) for s in range(shard)]
@@ -80,10 +77,10 @@ def shard_meshes(grid: ParallelGrid, replicate: int, timeout: timedelta) -> Shar
     ranks = torch.tensor([[at(grid.pp_rank, r * shard + s, grid.tp_rank) for s in range(shard)]
                           for r in range(replicate)])
     dense = DeviceMesh.from_group([replicas, shards], kind, mesh=ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return ShardMeshes(dense, None)
+    return ShardMeshes(dense)
 
 
-def kept_whole(stages: dict[int, Stage], meshes: ShardMeshes) -> set[nn.Parameter]:
+def kept_whole(stages: dict[int, Stage]) -> set[nn.Parameter]:
     """The parameters FSDP leaves whole (see the module's docstring): they keep the DP buckets."""
     chunks: dict[int, int] = {}  # id(param) -> the chunks holding it
     kept: set[nn.Parameter] = set()
@@ -95,8 +92,7 @@ def kept_whole(stages: dict[int, Stage], meshes: ShardMeshes) -> set[nn.Paramete
             twin = stage.chunk.parameter(ties[name]) if name in ties else None
             copy = name in ties.values() or name in ties  # one half of a tied pair...
             one_here = twin is param or any(stage.chunk.parameter(t) is param for t, s in ties.items() if s == name)
-            if (copy and not one_here) or param._backward_hooks or (
-                    meshes.experts is None and getattr(param, "expert_parallel", False)):
+            if (copy and not one_here) or param._backward_hooks or getattr(param, "expert_parallel", False):
                 kept.add(param)  # ...unless both halves are this one Parameter, in one FSDP group here
     for stage in stages.values():
         kept.update(p for p in stage.module.parameters() if chunks[id(p)] > 1)
@@ -107,7 +103,7 @@ def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec,
                  timeout: timedelta) -> dict[int, FSDPModule]:
     """Shard every stage this process holds (in stage order); return each stage's FSDP root."""
     meshes = shard_meshes(grid, spec.replicate, timeout)
-    kept = kept_whole(stages, meshes)
+    kept = kept_whole(stages)
     return {index: _shard_chunk(stages[index], meshes, kept, spec) for index in sorted(stages)}
 
 
@@ -115,11 +111,7 @@ def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spe
     chunk, module = stage.chunk, stage.module
     marks = {name: _marks(p) for name, p in module.named_parameters()}
     options = {"mesh": meshes.dense, "reshard_after_forward": spec.level == 3}
-    experts = {id(m): m for _, m in expert_modules(chunk)} if meshes.experts is not None else {}
     for _, layer in chunk.blocks():
-        for inner in layer.modules():
-            if id(inner) in experts:
-                fully_shard(inner, **{**options, "mesh": meshes.experts}, ignored_params=_within(inner, kept))
         fully_shard(layer, **options, ignored_params=_within(layer, kept))
     ends = [m for name in (chunk.plan.embedding, *chunk.plan.finals, chunk.plan.head)
             if (m := submodule(module, name)) is not None]
@@ -146,7 +138,7 @@ def _within(module: nn.Module, kept: set[nn.Parameter]) -> set[nn.Parameter]:
 
 
 def _marks(param: nn.Parameter) -> dict:
-    """The marks passes set on a Parameter (TP's partition dim, EP's block): FSDP's sharded Parameter is a new object."""
+    """The marks passes set on a Parameter (TP's partition dim, EP's block): FSDP's sharded one is a new object."""
     return {k: v for k, v in vars(param).items() if not k.startswith("_")}
 
 

@@ -166,9 +166,15 @@ def run_training(cfg: DictConfig, grid, run_dir: Path) -> dict:
         metrics = [{k: line[k] for k in LOGGED if k in line} for line in lines]
     experts = sorted(n for n, p in trainer.engine.named_parameters().items() if is_expert(p))
     return {"losses": losses, "metrics": metrics, "grads": grads, "coords": (grid.pp_rank, grid.dp_rank, grid.tp_rank),
-            "ep": grid.ep, "experts": experts,
+            "ep": grid.ep, "experts": experts, **shard_sizes(trainer.engine.named_parameters()),
             "params": _snapshot(trainer.engine.named_parameters(), grads=False), "tied": tied_copies,
             "data": data, "rng": rng}
+
+
+def shard_sizes(named: dict) -> dict:
+    """Each parameter's element count, and this rank's part of those FSDP shards (parallel.zero=2/3)."""
+    return {"whole_numel": {n: p.numel() for n, p in named.items()},
+            "sharded": {n: p.to_local().numel() for n, p in named.items() if isinstance(p, DTensor)}}
 
 
 def layout_worker(rank: int, world_size: int, overrides: list[str], cache_dir: str, run_dir: str) -> dict:

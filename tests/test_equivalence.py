@@ -16,6 +16,7 @@ from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.tables import dump_builtin
 from tests.equivalence import (EMU, Layout, assert_equivalent, assert_equivalent_bf16, baseline, compose_run_config,
                                layout_worker, layouts_worker, run_training)
+from tests.fsdp_layouts import FSDP_LAYOUTS, assert_sharded
 from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.config import model_config
@@ -85,7 +86,7 @@ LAYOUTS = [Layout(*case) for case in [
     # Validation through the pipeline under DP: the held-out loss at steps 2 and 3 equals one process's.
     ("validation-dp2-pp2-emu", ["model=tiny", "data.val_fraction=0.1", "train.eval_every=2", "train.eval_batches=2"],
      ["parallel.dp=2", "parallel.pp=2", EMU], 2, 2),
-]]
+]] + FSDP_LAYOUTS  # parallel.zero=2/3 (tests/fsdp_layouts.py), in the same spawns
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +158,8 @@ def test_layout_equals_single_process(workspace, case):
         assert_equivalent_bf16(results, reference, fp32)
     else:
         assert_equivalent(results, reference, case.tol)
+    if case in FSDP_LAYOUTS:
+        assert_sharded(results, case)
     if any(a.startswith("train.eval_every") for a in case.run):
         assert {m["step"] for m in results[0]["metrics"] if "val_loss" in m} == {2, 3}
     cfg = compose_run_config(overrides(workspace, case), workspace["root"] / "cache")
