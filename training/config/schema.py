@@ -173,13 +173,13 @@ class TrainSchema:
                             one_of("stop", "skip"))
     max_skipped_steps: int = key(3, "with `skip`: stop after this many skipped steps in a row", positive,
                                  ReadWhen("train.on_nonfinite", ("skip",), refuse=True))
+    allow_batch_change: bool = key(
+        False, "resume a checkpoint written at another global batch (dp x n_microbatches x micro_batch_size); refused "
+        "otherwise, since its steps, learning-rate schedule and data position count in its batch")
     max_restarts: int = key(
         0, "self-launch: restart the workers after a crash or kill, from the newest checkpoint, up to N times per "
         "checkpoint ([launching](launching.md#surviving-a-lost-worker-trainmax_restarts))", non_negative)
     peak_tflops: Optional[float] = key(
-    allow_batch_change: bool = key(
-        False, "resume a checkpoint written at another global batch (dp x n_microbatches x micro_batch_size); refused "
-        "otherwise, since its steps, learning-rate schedule and data position count in its batch")
         None, "per-device peak TFLOP/s for `mfu`; `null` = the GPU's known bf16 peak, none on CPU", optional(positive))
 
 
