@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_reduce_
-from parallel.fsdp import shard_stages
-from parallel.pipeline.build import StagesByRank, build_stages, whole_model
+from parallel.pipeline.build import StagesByRank, build_stages, shard_built, whole_model
 from parallel.pipeline.connect import choose_transport, programs_of
 from parallel.pipeline.evaluation import forward_only
 from parallel.generation import Rollout, Sampling
@@ -82,8 +80,7 @@ class ParallelEngine:
         self.objective: Objective = spec.objective
         self.stages_of: StagesByRank = build_stages(spec, self.pipeline, decoder, grid, ranks, weights)
         self.stages = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
-        self.sharded = shard_stages(self.stages, grid, spec.shard, timedelta(seconds=spec.timeout_s)) \
-            if spec.shard is not None else {}  # parallel.zero=2/3: FSDP over DP, after every chunk pass
+        self.sharded = shard_built(self.stages, grid, spec)
         self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)
         self.programs = self._programs_of(self.pipeline.lowered)
         self.pair = tied_pair(decoder.plan.ties, type(decoder.module).__name__, self.stages, self.pipeline.n_stages)

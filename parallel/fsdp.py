@@ -1,9 +1,10 @@
 """Fully sharded data parallelism (`parallel.zero=2/3`): torch's FSDP2 `fully_shard` as one more pass over built stages.
 
-Each stage's chunk, once pruned, TP-sharded, EP-split, adapted (LoRA), recomputed and materialised, is sharded over
-the data-parallel mesh: one FSDP group per decoder layer, one for the pieces around the layers (embedding, final
-norms, head), and the chunk's module as the root. The pass runs after the stages exist, not inside the chunk pass list, because V placement re-ties the embedding
-and head of two chunks on one rank after they are built, and one Parameter must not enter two FSDP groups.
+Each stage's chunk, once every chunk pass (pruning, TP, EP, adapters, recompute, materialising) has run, is sharded
+over the data-parallel mesh: one FSDP group per decoder layer, one for the pieces around the layers (embedding, final
+norms, head), and the chunk's module as the root. The pass runs after the stages exist, not inside the chunk pass
+list, because V placement re-ties the embedding and head of two chunks on one rank after they are built, and one
+Parameter must not enter two FSDP groups.
 
 A parameter FSDP cannot manage here stays whole and keeps the data-parallel buckets of `grad_sync`: a tied embedding
 pair (one Parameter in two chunks, or two copies summed over the embedding group), a parameter whose gradient a hook
@@ -30,20 +31,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from parallel.decoder import submodule
+from parallel.spec import ShardSpec
 
 if TYPE_CHECKING:  # names in annotations only
     from parallel.grid import ParallelGrid
     from parallel.pipeline.stage import Stage
 
 LEVELS = (2, 3)  # parallel.zero values that shard with FSDP (0 and 1 keep whole parameters)
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """What `parallel.zero` >= 2 asks: the level, and how many DP replicas hold each set of shards (HSDP)."""
-
-    level: int  # 2: gradients and optimizer state sharded, parameters kept gathered from forward to the step's end
-    replicate: int = 1  # parallel.dp_replicate: DP ranks (dp // replicate of them) shard within a replica
 
 
 @dataclass(frozen=True)

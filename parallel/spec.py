@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from parallel.fsdp import ShardSpec
     from parallel.step import Objective
 
 
@@ -27,6 +26,14 @@ def resolve_dp(world_size: int, dp: int | None, tp: int, pp: int) -> int:
         raise ValueError(f"world size {world_size} != parallel.dp*tp*pp = {dp}*{tp}*{pp}; "
                          f"launch {dp * tp * pp} processes or change the parallel sizes")
     return dp
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What `parallel.zero` >= 2 asks: the level, and how many DP replicas hold each set of shards (HSDP)."""
+
+    level: int  # 2: gradients and optimizer state sharded, parameters kept gathered from forward to the step's end
+    replicate: int = 1  # parallel.dp_replicate: DP ranks (dp // replicate of them) shard within a replica
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from checkpoint.manager import CheckpointSpec
-from parallel.fsdp import LEVELS, ShardSpec
-from parallel.spec import EngineSpec, PipelineSpec
+from parallel.fsdp import LEVELS
+from parallel.spec import EngineSpec, PipelineSpec, ShardSpec
 from parallel.step import Objective
 from training.config.schema import model_keys, schema_defaults, model_config
 from training.methods.lora import LoraSpec

@@ -1,12 +1,15 @@
 """This rank's model pieces: each stage's chunk made from the dense decoder by the chunk passes (or the whole model as
-one chunk), tied pairs on one rank re-tied, each stage's chunk wrapped in a Stage with the layout's token loss."""
+one chunk), tied pairs on one rank re-tied, each stage's chunk wrapped in a Stage with the layout's token loss;
+at zero=2/3 the stages sharded with FSDP."""
 
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from parallel.decoder import Decoder, set_parameter
+from parallel.fsdp import shard_stages
 from parallel.passes import ChunkPass, Site, build_chunk, chunk_passes
 from parallel.step import TokenLoss, dense_token_loss
 from parallel.tensor import vocab_parallel_cross_entropy
@@ -49,6 +52,14 @@ def build_stages(spec: EngineSpec, pipeline: LoweredPipeline, decoder: Decoder, 
                                  spec.objective)
                         for s, chunk in rank_chunks(pipeline, decoder, grid, rank, passes).items()}
     return stages
+
+
+def shard_built(stages: dict[int, Stage], grid: ParallelGrid, spec: EngineSpec) -> dict:
+    """`parallel.zero=2/3`: the built stages sharded with FSDP over the DP ranks, after every chunk pass (the FSDP
+    modules by stage; none at zero 0/1)."""
+    if spec.shard is None:
+        return {}
+    return shard_stages(stages, grid, spec.shard, timedelta(seconds=spec.timeout_s))
 
 
 def rank_chunks(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, rank: int,
