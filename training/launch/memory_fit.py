@@ -99,7 +99,8 @@ def memory_problem(cfg: DictConfig, launched: int | None = None, this_host: bool
     head = (f"the model (model={cfg.model.name}, {params:.3g}B parameters) needs about {need / GIB:.1f} GiB per rank "
             f"(weights, gradients, AdamW state, activations at train.micro_batch_size={t.micro_batch_size} x "
             f"train.seq_len={t.seq_len})")
-    fixes = ("use a smaller model, more GPUs or hosts (parallel.tp/pp split the weights), parallel.zero=1, "
+    fixes = ("use a smaller model, more GPUs or hosts (parallel.tp/pp split the weights), parallel.zero=3 (with "
+             "parallel.dp>=2: weights, gradients and AdamW state sharded over the DP ranks) or 1, "
              "train.recompute=full or a smaller train.micro_batch_size")
     budget = cfg.parallel.memory_budget_gb
     if budget is not None:

@@ -190,6 +190,21 @@ def _zero_shards(cfg: DictConfig, replicas: int) -> int:
     return replicas if cfg.parallel.zero else 1
 
 
+def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int) -> tuple[float, float]:
+    """Bytes a dense and an EP-split expert parameter hold on a rank: weight, gradient and AdamW's two moments, each
+    divided by the ranks it is sharded over (`parallel.zero`: 1 shards the moments over the DP replicas, 2 the
+    gradient too, 3 the weight too, over dp / dp_replicate ranks, or dp / ep under EP; the experts stay whole at
+    2/3, FSDP keeping them out, and are summed and stepped as at zero=0)."""
+    c, zero = candidate, cfg.parallel.zero
+    if zero < 2:
+        held = param_bytes * 2  # the parameter and its gradient; AdamW's two moments are sharded under ZeRO-1
+        return held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp), held + ADAMW_STATE_BYTES / _zero_shards(
+            cfg, c.dp // c.ep)
+    shards = c.dp // (c.ep if c.ep > 1 and c.dp > c.ep else cfg.parallel.dp_replicate)
+    weight = param_bytes / shards if zero == 3 else param_bytes
+    return weight + (param_bytes + ADAMW_STATE_BYTES) / shards, 2 * param_bytes + ADAMW_STATE_BYTES
+
+
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
     """Predicted step time (simulated pipeline + TP/EP/DP communication + optimizer) and peak bytes per rank."""
     config = model_config(cfg)
@@ -204,9 +219,7 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
     post = after_pipeline(c, cfg, costs, rank_params, tied_copy, rank_experts)
     ends = [max(row, default=0.0) for row in sim.end]
     step = max(end + extra for end, extra in zip(ends, post))
-    held = costs.param_bytes * 2  # the parameter and its gradient; AdamW's two moments are sharded under ZeRO-1
-    dense_state = held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp)
-    expert_state = held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp // c.ep)
+    dense_state, expert_state = state_bytes_per_param(cfg, c, costs.param_bytes)
     peaks = tuple(int((n - e) * dense_state + e * expert_state) + live_peak(actions, model.saved, model.deferred)
                   for n, e, actions in zip(rank_params, rank_experts, pipeline.lowered))
     return Prediction(step_s=step, peak_bytes=peaks, sim=sim)
