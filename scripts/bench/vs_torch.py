@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (ActivationMeter, alternate, bench_parser, boundary, paired, run_workers, stamped,  # noqa: E402
-                    update_results, watch_outputs)
+from common import ActivationMeter, boundary, run_workers, stamped, watch_outputs  # noqa: E402
+from harness import alternate, bench_parser, paired, update_results  # noqa: E402
 from torch_pipe import COUNTERPARTS  # noqa: E402
 
 import torch  # noqa: E402
