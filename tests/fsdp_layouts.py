@@ -31,12 +31,14 @@ def shard_degree(case: Layout) -> int:
 
 
 def assert_sharded(results: list[dict], case: Layout) -> None:
-    """Every decoder layer's dense weight is an FSDP shard on every rank, and the DP ranks of a (pp, tp) coordinate
-    hold each one `dp / degree` times over (once per replica) between them."""
+    """Every decoder layer's linear weight (not an expert's) is an FSDP shard on every rank, and the DP ranks of a
+    (pp, tp) coordinate hold each one `dp / degree` times over (once per replica) between them. (Under TP the q/k norms
+    stay whole: their gradient hook sums over TP.)"""
     degree, dp = shard_degree(case), case.dp
     held: dict[tuple, int] = {}  # (pp, tp, name) -> elements held by the coordinate's DP ranks
     for result in results:
-        layers = {n: numel for n, numel in result["whole_numel"].items() if ".layers." in n and "experts" not in n}
+        layers = {n: numel for n, numel in result["whole_numel"].items() if ".layers." in n and "_proj." in n
+                  and "experts" not in n}
         assert layers, "no decoder layer weight on this rank"
         unsharded = sorted(n for n in layers if n not in result["sharded"])
         assert not unsharded, f"{case.name}: kept whole on rank {result['coords']}: {unsharded[:3]}"

@@ -55,7 +55,9 @@ BAD = [
     (["parallel.backend=mpi"], "parallel.backend=mpi is not supported; use one of auto, gloo, nccl"),
     (["parallel.timeout_s=inf"], "parallel.timeout_s=inf must be a finite number > 0"),
     (["parallel.timeout_s=0"], "parallel.timeout_s=0.0 must be positive"),
-    (["parallel.zero=2"], "parallel.zero=2 is not supported; use one of 0, 1"),
+    (["parallel.zero=2"], "parallel.zero=2 shards over the data-parallel ranks and this layout has one (dp=1): "
+                            "nothing to shard"),
+    (["parallel.zero=4"], "parallel.zero=4 is not supported; use one of 0, 1, 2, 3"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb=0.0 must be positive"),
     (["parallel.transport=tcp"], "parallel.transport=tcp is not supported; use one of auto, shm, p2p"),
     (["parallel.layout=manual"], "parallel.layout=manual is not supported; use one of auto"),
