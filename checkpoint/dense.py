@@ -26,6 +26,24 @@ def load_weights_only(path: Path, **kwargs) -> Any:
                               "one from a source you trust") from None
 
 
+def mapped_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A MiniMind .pth (or pytorch_model.bin) memory-mapped, a wrapping {"model": ...} unwrapped and torch.compile's
+    `_orig_mod.` prefix dropped; one CheckpointError line unless it is a state_dict of tensors under string names."""
+    try:
+        state = load_weights_only(path, mmap=True)
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(f"checkpoint.load_dense={path} cannot be read as a state_dict: "
+                              f"{str(error).splitlines()[0]}") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors under string names")
+    return {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+
+
 WEIGHTS, INDEX, TORCH_BIN = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
 LOAD_DENSE = "checkpoint.load_dense"  # how a refused file of a weights folder or file is introduced
 

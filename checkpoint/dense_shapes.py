@@ -8,7 +8,7 @@ from pathlib import Path
 
 from checkpoint.confine import regular_file
 from checkpoint.dense import INDEX, LOAD_DENSE, WEIGHTS, CheckpointError, folder_weights, index_shards, \
-    load_weights_only, read_index
+    mapped_state_dict, read_index
 from checkpoint.safetensors_file import SafetensorsFile
 
 
@@ -22,18 +22,7 @@ def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         files = [regular_file(path, LOAD_DENSE)]
     if all(f.suffix == ".safetensors" or f.name == WEIGHTS for f in files):
         return {key: shape for f in files for key, (_, shape) in SafetensorsFile(f).table.items()}
-    try:
-        state = load_weights_only(files[0], mmap=True)  # mapped: the shapes, not the bytes
-    except CheckpointError:
-        raise
-    except Exception as error:
-        raise CheckpointError(f"checkpoint.load_dense={path} cannot be read as a state_dict: "
-                              f"{str(error).splitlines()[0]}") from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors under string names")
-    return {str(k).removeprefix("_orig_mod."): tuple(getattr(v, "shape", ())) for k, v in state.items()}
+    return {key: tuple(value.shape) for key, value in mapped_state_dict(files[0]).items()}  # the shapes, not bytes
 
 
 def shape_problem(path: str | Path, expected: dict[str, tuple[int, ...]], ties: dict[str, str]) -> str | None:

@@ -14,7 +14,7 @@ import torch
 from checkpoint.conversions import build, converted_keys
 from checkpoint.confine import regular_file
 from checkpoint.dense import INDEX, LOAD_DENSE, WEIGHTS, CheckpointError, check_keys, folder_weights, index_shards, \
-    load_weights_only, read_index
+    mapped_state_dict, read_index
 from checkpoint.safetensors_file import SafetensorsFile
 from parallel.materialize import WeightSource
 
@@ -87,19 +87,7 @@ def _open_safetensors(files: dict[str | None, Path]) -> tuple[list[str], Reader]
 
 def _open_torch(path: Path) -> tuple[list[str], Reader]:
     """A MiniMind .pth (or pytorch_model.bin), memory-mapped; a wrapping {"model": ...} is unwrapped."""
-    try:
-        state = load_weights_only(path, mmap=True)
-    except CheckpointError:
-        raise
-    except Exception as error:
-        raise CheckpointError(f"checkpoint.load_dense={path} cannot be read as a state_dict: "
-                              f"{str(error).splitlines()[0]}") from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
-        raise CheckpointError(f"checkpoint.load_dense={path} is not a state_dict of tensors under string names")
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # torch.compile's prefix
+    state = mapped_state_dict(path)
     # A copy per read: a tied model's embedding and head share one storage in the file, and a Parameter must own
     # its memory (WeightSource's contract), not alias the mapped file or another Parameter.
     return list(state), lambda name: state[name].clone()
