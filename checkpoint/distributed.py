@@ -31,6 +31,8 @@ from checkpoint.checksums import checksum_problem, dcp_files, digests
 from checkpoint.dense import CheckpointError
 from checkpoint.disk import write_problem
 from checkpoint.safe_reader import SafeReader
+from checkpoint.sharded import (block_buffer, dcp_native, gathered, is_shard, local_part, scatter_into,
+                                written_on_every_dp_rank)
 from parallel.collectives import all_gather_cat, all_reduce_, broadcast_object
 from parallel.grid import ParallelGrid
 from parallel.step import Engine
@@ -68,8 +70,19 @@ def _packed(param: nn.Parameter, grid: ParallelGrid) -> bool:
     return grid.tp > 1 and getattr(param, "tp_packed", 1) != 1  # a count of equal parts, or their sizes
 
 
+def _split(param: nn.Parameter, grid: ParallelGrid) -> bool:
+    """Whether a TP or EP pass split this parameter (its shards lie within the dense tensor at an offset)."""
+    return _packed(param, grid) or (grid.tp > 1 and getattr(param, "tensor_parallel", False)) or (
+        grid.ep > 1 and getattr(param, "expert_block", None) is not None)
+
+
 def _global_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid) -> torch.Tensor:
-    """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP or EP, else whole."""
+    """`tensor` (shaped like this rank's `param`) as DCP should see it: a DTensor shard under TP or EP, else whole;
+    FSDP's shard (zero=2/3) as it is where nothing else split it, else gathered first (`checkpoint.sharded`)."""
+    if is_shard(tensor):
+        if dcp_native(param, _split(param, grid)):
+            return tensor
+        tensor = gathered(tensor)
     if _packed(param, grid):
         blocks = all_gather_cat(tensor.unsqueeze(0), grid.tp_group, dim=0).unbind(0)
         return _sharded(join_blocks(list(blocks), param.partition_dim, param.tp_packed), param, grid, tp_split=False)
@@ -90,9 +103,16 @@ def _sharded(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid, tp_s
 
 
 def _load_view(tensor: torch.Tensor, param: nn.Parameter, grid: ParallelGrid,
-               unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]]) -> torch.Tensor:
+               unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter | None]]) -> torch.Tensor:
     """What DCP loads into for `tensor`: its global view, or for a packed shard a whole buffer that `unpack`
-    remembers to slice into `tensor` afterwards."""
+    remembers to slice into `tensor` afterwards; an FSDP shard of a TP block reads the block, then its rows."""
+    if is_shard(tensor):
+        if dcp_native(param, _split(param, grid)):
+            return tensor
+        block = block_buffer(tensor)
+        view = _load_view(block, param, grid, unpack)  # a packed block is sliced into `block` first, then scattered
+        unpack.append((block, tensor, None))
+        return view
     if not _packed(param, grid):
         return _global_view(tensor, param, grid)
     shape = list(tensor.shape)
@@ -143,7 +163,8 @@ def state_to_save(state: TrainingState) -> dict[str, torch.Tensor]:
 
 def check_finite(state: TrainingState, what: str) -> None:
     """Raise on every rank (they agree via an all-reduce) when any parameter holds NaN or Inf."""
-    bad = [name for name, p in state.engine.named_parameters().items() if not bool(torch.isfinite(p).all())]
+    bad = [name for name, p in state.engine.named_parameters().items()
+           if not bool(torch.isfinite(local_part(p)).all())]
     flag = torch.tensor([1.0 if bad else 0.0], device=state.grid.device)
     if _distributed():
         all_reduce_(flag, dist.group.WORLD, dist.ReduceOp.MAX)
@@ -163,7 +184,8 @@ def saved_bytes(tensors: dict[str, torch.Tensor], state: TrainingState) -> int:
     for key, tensor in tensors.items():
         sharded = isinstance(tensor, DTensor)
         local = tensor.to_local() if sharded else tensor
-        if key.startswith(RNG) or ((grid.dp_rank == 0 or (zero and key.startswith(OPTIM))) and (
+        if key.startswith(RNG) or ((grid.dp_rank == 0 or written_on_every_dp_rank(tensor) or (
+                zero and key.startswith(OPTIM))) and (
                 sharded or grid.tp_rank == 0)):
             total += local.numel() * local.element_size() + FRAMING
     if _distributed():
@@ -287,7 +309,7 @@ def load_state(path: Path, state: TrainingState) -> None:
     if problem := agreed(checksum_problem(path, share)):  # the ranks check the checksums together, before DCP reads
         raise CheckpointError(problem)
     stored = read_keys(path)
-    unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter]] = []  # packed TP shards: whole -> this block
+    unpack: list[tuple[torch.Tensor, torch.Tensor, nn.Parameter | None]] = []  # packed TP shards: whole -> this block
     into, optim, copies = _targets(state, stored, path, unpack)
     rng = {k: torch.empty(s, dtype=torch.uint8) for k, s in stored.items()
            if k.startswith(f"{RNG}rank{state.grid.rank}/")}
@@ -299,7 +321,10 @@ def load_state(path: Path, state: TrainingState) -> None:
         raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({detail}); delete it or resume from "
                               "another checkpoint") from None
     for whole, local, param in unpack:
-        local.copy_(local_block(whole, state.grid.tp_rank, state.grid.tp, param.partition_dim, param.tp_packed))
+        if param is None:  # an FSDP shard: this rank's rows of the block read
+            scatter_into(local, whole)
+        else:
+            local.copy_(local_block(whole, state.grid.tp_rank, state.grid.tp, param.partition_dim, param.tp_packed))
     optim_state = _local_optimizer(state.optimizer).state
     for param, fields in optim.items():
         if fields:
