@@ -33,7 +33,8 @@ COMMON = [f"train.steps={STEPS}", "schedule.n_microbatches=4", "train.grad_clip=
 PADDED = ["model=tiny", "data.format=padded", "train.seq_len=128"]  # one document per sample: counts differ
 CASES = {"dense": ["model=tiny"], "moe": ["model=tiny-moe", "model.num_experts_per_tok=2"], "padded": PADDED,
          "chat": ["model=tiny", "data=jsonl", "data.format=chat", "train.seq_len=64", "{chat}"]}
-DP2 = {"padded-dp2": PADDED, "moe-dp2": ["model=tiny-moe", "model.num_experts_per_tok=2"]}
+DP2 = {"padded-dp2": PADDED, "moe-dp2": ["model=tiny-moe", "model.num_experts_per_tok=2"],
+       "padded-dp2-zero3": [*PADDED, "parallel.zero=3"]}  # FSDP's shards: the same numbers as whole parameters
 
 
 def reference_lr(step: int, total: int, lr: float, warmup: int, min_ratio: float) -> float:
