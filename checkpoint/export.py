@@ -157,18 +157,25 @@ def pth_path(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE) -> P
     return out if out.suffix == ".pth" else out / stage_file(stage, model.config)
 
 
-def save_pth(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE) -> Path:
-    """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects."""
+PTH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # export_hf.py --pth-dtype
+
+
+def save_pth(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE, dtype: torch.dtype = torch.float16) -> Path:
+    """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects; its floating
+    tensors in `dtype` (fp16, as MiniMind saves them: half the bytes of fp32)."""
     path = pth_path(model, out, stage)
     output_folder(path.parent, "export")
-    save_torch({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, path, "export")
+    weights = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).clone().contiguous()
+               for k, v in model.state_dict().items()}
+    save_torch(weights, path, "export")
     return path
 
 
-def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapters_only: bool = False) -> Path:
+def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapters_only: bool = False,
+                      pth_dtype: torch.dtype = torch.float16) -> Path:
     """Export the training checkpoint at `path` (or the newest in a run dir) as an HF folder (`hf`: the stock
     family, `minimind`: MiniMind's own code) or a .pth; a LoRA checkpoint's adapters merged into the weights, or alone
-    (`adapters_only`) as a PEFT folder (`hf`) or MiniMind's LoRA .pth (`pth`)."""
+    (`adapters_only`) as a PEFT folder (`hf`) or MiniMind's LoRA .pth (`pth`); a `pth` model in `pth_dtype`."""
     if fmt not in FORMATS:
         raise CheckpointError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     state, meta = read_training_weights(path)
@@ -188,6 +195,6 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapte
         state = merge_adapters(state, lora["alpha"] / lora["rank"])
     model = build_model(meta["model"], state)
     if fmt == "pth":
-        return save_pth(model, out, stage_name(meta))  # named by the run's task: full_sft_<hidden>.pth after SFT
+        return save_pth(model, out, stage_name(meta), pth_dtype)  # named by the run's task: full_sft_<hidden>.pth after SFT
     folder = locate(path)
     return save_hf_folder(model, out, folder / TOKENIZER, root=folder, fmt=fmt)  # a tokenizer link stays inside

@@ -2,6 +2,7 @@
 
 Usage:
   python scripts/export_hf.py RUN_DIR_OR_CHECKPOINT OUT [--format hf|minimind|pth] [--adapters-only] [--force]
+                          [--pth-dtype fp16|bf16|fp32]
   python scripts/export_hf.py DENSE.pth|DENSE.safetensors|HF_DIR OUT [--format hf|minimind|pth] [--tokenizer DIR] \
 [model=...]
 
@@ -11,8 +12,8 @@ own config.json gives it (model.hf_config=HF_DIR, unless model overrides are giv
 --format hf (default) writes the stock transformers family that computes the model: a MiniMind model as Qwen3 or
 Qwen3-MoE (checked on the weights: same keys, same logits), so `AutoModelForCausalLM.from_pretrained(OUT)` and
 `AutoTokenizer.from_pretrained(OUT)` load it without custom code; --format minimind writes MiniMind's own classes
-(load with trust_remote_code=True); --format pth a MiniMind state_dict named as MiniMind names the run's stage
-(pretrain_<hidden>.pth, full_sft_<hidden>.pth, dpo_..., grpo_..., full_dist_...; a dense source: pretrain_...).
+(load with trust_remote_code=True); --format pth a MiniMind state_dict (fp16 as MiniMind's; --pth-dtype fp32 keeps
+every trained bit) named as MiniMind names the run's stage (pretrain_<hidden>.pth, full_sft_<hidden>.pth, dpo_..., grpo_..., full_dist_...; a dense source: pretrain_...).
 A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone: a PEFT
 folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`, or with
 --format pth MiniMind's LoRA .pth for its `apply_lora(model)` then `load_lora(model, OUT)`.
@@ -29,16 +30,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 
 from checkpoint.dense import CheckpointError, load_dense_into  # noqa: E402
 from checkpoint.disk import disk_cause  # noqa: E402
 from models import ModelError  # noqa: E402
-from checkpoint.export import FORMATS, export_checkpoint, save_hf_folder, save_pth  # noqa: E402
+from checkpoint.export import FORMATS, PTH_DTYPES, export_checkpoint, save_hf_folder, save_pth  # noqa: E402
 from checkpoint.manager import find_checkpoint, read_meta  # noqa: E402
 
 
-def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrides: list[str]) -> Path:
+def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrides: list[str],
+                 pth_dtype: torch.dtype = torch.float16) -> Path:
     """A dense checkpoint needs the model config from Hydra overrides."""
     from hydra import compose, initialize_config_dir
 
@@ -56,7 +59,7 @@ def export_dense(source: str, out: str, fmt: str, tokenizer: str | None, overrid
             raise CheckpointError(f"overrides {' '.join(overrides)}: {str(error).strip().splitlines()[0]}") from None
     model = build_model(model_config(cfg), "cpu")
     load_dense_into(model, source)
-    return save_pth(model, out) if fmt == "pth" else save_hf_folder(model, out, tokenizer, fmt=fmt)
+    return save_pth(model, out, dtype=pth_dtype) if fmt == "pth" else save_hf_folder(model, out, tokenizer, fmt=fmt)
 
 
 def written(out: Path, adapters_only: bool) -> str:
@@ -109,6 +112,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out")
     parser.add_argument("--format", choices=FORMATS, default="hf")
     parser.add_argument("--tokenizer", help="tokenizer folder (dense sources only)")
+    parser.add_argument("--pth-dtype", choices=PTH_DTYPES, default="fp16",
+                        help="--format pth: the weights' precision (fp16, as MiniMind saves its .pth; fp32 keeps every "
+                        "trained bit)")
     parser.add_argument("--force", action="store_true", help="replace an existing, non-empty OUT as a whole")
     parser.add_argument("--adapters-only", action="store_true",
                         help="a LoRA checkpoint's adapters alone: a PEFT folder, or MiniMind's LoRA .pth with "
@@ -119,12 +125,12 @@ def main(argv: list[str]) -> int:
         if (checkpoint := find_checkpoint(Path(args.source))) is not None:
             if overrides or args.tokenizer:
                 parser.error("a training checkpoint carries its model and tokenizer: drop the overrides")
-            out = export_checkpoint(checkpoint, args.out, args.format, args.adapters_only)
+            out = export_checkpoint(checkpoint, args.out, args.format, args.adapters_only, PTH_DTYPES[args.pth_dtype])
             print(f"exported step {read_meta(checkpoint)['step']} ({checkpoint})")
         elif args.adapters_only:
             parser.error("--adapters-only exports a LoRA run's training checkpoint; dense weights hold no adapters")
         else:
-            out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides)
+            out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides, PTH_DTYPES[args.pth_dtype])
     except (CheckpointError, ModelError) as error:
         print(f"export_hf: {error}", file=sys.stderr)
         return 2

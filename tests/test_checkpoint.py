@@ -296,7 +296,7 @@ def test_export_loads_without_the_repository(trained, tmp_path):
     assert export.main([str(root / "tp2pp2"), str(tmp_path / "hf")]) == 0
     from checkpoint.export import export_checkpoint
 
-    export_checkpoint(root / "tp2pp2", tmp_path / "pth", fmt="pth")  # the script's --format pth, in-process
+    export_checkpoint(root / "tp2pp2", tmp_path / "pth", fmt="pth", pth_dtype=torch.float32)  # --pth-dtype fp32
     written = {p.name for p in (tmp_path / "hf").iterdir()}
     assert {"model.safetensors", "tokenizer.json"} <= written and "model.py" not in written  # no custom code
 

@@ -54,13 +54,16 @@ def test_export_names_the_pth_by_the_run_task(stages, tmp_path, capsys):
     export = script("export_hf")
     assert export.main([str(stages / "sft"), str(tmp_path / "pth"), "--format", "pth"]) == 0
     assert [p.name for p in (tmp_path / "pth").iterdir()] == ["full_sft_64.pth"]
+    half = torch.load(tmp_path / "pth" / "full_sft_64.pth", weights_only=True)
+    state, _ = read_training_weights(stages / "sft")
+    assert {v.dtype for v in half.values()} == {torch.float16}  # MiniMind's precision, half the bytes of fp32
+    assert all(torch.equal(half[k], state[k].half()) for k in state)
     assert export.main([str(stages / "sft"), str(tmp_path / "hf")]) == 0
     capsys.readouterr()
     # an HF folder to .pth: its config.json gives the model (no model=... needed)
-    assert export.main([str(tmp_path / "hf"), str(tmp_path / "again.pth"), "--format", "pth"]) == 0, \
-        capsys.readouterr().err
+    assert export.main([str(tmp_path / "hf"), str(tmp_path / "again.pth"), "--format", "pth", "--pth-dtype", "fp32"]) \
+        == 0, capsys.readouterr().err
     again = torch.load(tmp_path / "again.pth", weights_only=True)
-    state, _ = read_training_weights(stages / "sft")
     assert set(again) == set(state) and all(torch.equal(again[k], state[k]) for k in state)
 
 
