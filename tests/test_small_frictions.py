@@ -1,13 +1,16 @@
 """The small frictions of a MiniMind user (issue 48 item 8), in this process: rows of another task name the train.task
 that reads them (not data.skip_bad_lines), a `checkpoint.load_dense` of another size is one line before launch (its
-shapes read from the headers), and scripts/generate.py takes a `.pth` and chats over several turns."""
+shapes read from the headers), scripts/generate.py takes a `.pth` and chats over several turns, and what the README's
+commands write is ignored by git."""
 
 import io
 import json
+import subprocess
 
 import pytest
 
 from parallel.grid import ParallelGrid
+from tests.conftest import ROOT
 from tests.equivalence import compose_run_config
 from tests.test_scripts import script
 from training.config import ConfigError
@@ -79,3 +82,10 @@ def test_generate_takes_a_pth_and_chats_over_turns(stage_run, capsys, monkeypatc
     assert seen == [[], ["user", "assistant"], ["user", "assistant", "user", "assistant"]]
     assert generate.main([str(stage_run), "--interactive"]) == 2
     assert "--interactive chats with an exported folder or a .pth" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["runs/recipe/pretrain/metrics.jsonl", "runs/recipe/pretrain/out/pretrain_128.pth",
+                                  "out/full_sft_512.pth", "outputs/2026-12-06/10-00-00/train.log", "multirun/x/0/a"])
+def test_what_the_readme_commands_write_is_ignored_by_git(path):
+    """The run folders and stage weights of the README's and the recipe's commands never show as untracked files."""
+    assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path
