@@ -119,6 +119,11 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert experts["ep4_s"] > 0 and experts["ep1_s"] > 0
     for name, row in r["data_parallel"]["rows"].items():  # the same model, data and optimizer on both sides
         assert row["losses_equal"] is True and row["sluice_s"] > 0 and row["peak_mib"]["torch"] > 0, (name, row)
+    for dp, table in r["fsdp"]["memory"].items():  # counted bytes, exact whatever the load: zero=3 holds 1/dp
+        rows = table["rows"]
+        assert rows["zero3"]["total"] < rows["zero1"]["total"] < rows["dp"]["total"] and table["goal_met"], (dp, rows)
+    step = r["fsdp"]["step"]  # zero=3 and the fully_shard loop trained the same model on the same data
+    assert step["losses_equal"] is True and step["sluice_s"] > 0 and step["torch_s"] > 0, step
     tp = r["tensor_parallel"]  # Sluice's TP layers and DTensor's on the same plan: the same losses, step after step
     assert tp["losses_equal"] is True and tp["last_losses_close"] is True, (tp["first_loss"], tp["last_loss"])
     assert tp["sluice_s"] > 0 and tp["torch_s"] > 0 and len(tp["peak_mib_by_rank"]["torch"]) == 2
@@ -140,6 +145,7 @@ def test_make_bench_smoke_writes_results_page_and_timelines(tmp_path, monkeypatc
     assert "## Expert parallelism: ep=4 against replicated experts (dp=4)" in page
     assert "## Compiled layers: `train.compile=true` against eager" in page
     assert "## Data parallelism against DistributedDataParallel (dp=2)" in page
+    assert "## Sharded data parallelism: `parallel.zero` 0 to 3" in page
     assert "## Tensor parallelism against DTensor `parallelize_module` (tp=2)" in page
     assert "## Recomputation against `torch.utils.checkpoint`" in page
     assert "## Rollouts: decoding against transformers' `generate`" in page

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from parallel.fsdp import local  # noqa: E402
 from training.optim import clip_grad_norm, lr_at, set_lr  # noqa: E402
 
 
@@ -131,7 +132,7 @@ class TrainerStep(LoopStep):
         self.grad_bytes: dict[int, int] = {}
 
     def _count_grads(self, params: list) -> None:
-        self.grad_bytes = {id(p): _nbytes(p.grad) for p in params if p.grad is not None}
+        self.grad_bytes = grad_bytes(params)
 
     def __call__(self) -> float:
         return super().__call__(self.micro)
@@ -139,15 +140,29 @@ class TrainerStep(LoopStep):
     def memory(self, among: set[int] | None = None) -> dict:
         """This rank's bytes of parameters, gradients (as the last backward left them) and optimizer state; of the
         parameters whose id is in `among` only, if given."""
-        held = [p for p in self.params if among is None or id(p) in among]
-        optimizer = self.trainer.optimizer.state
-        params = sum(_nbytes(p) for p in held)
-        grads = sum(self.grad_bytes.get(id(p), 0) for p in held)
-        state = sum(_nbytes(v) for p in held for v in optimizer.get(p, {}).values() if isinstance(v, torch.Tensor))
-        return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
+        return held_bytes([p for p in self.params if among is None or id(p) in among], self.grad_bytes,
+                          self.trainer.optimizer)
+
+
+def grad_bytes(params: list) -> dict[int, int]:
+    """This rank's bytes of each parameter's gradient now (a sharded one's local part), by id(param): a
+    `LoopStep.on_grads` hook's record of the gradients the backward left."""
+    return {id(p): _nbytes(p.grad) for p in params if p.grad is not None}
+
+
+def held_bytes(params: list, grads: dict[int, int], optimizer) -> dict:
+    """This rank's bytes of `params`, of their gradients as `grads` (`grad_bytes`) recorded them and of their state
+    in `optimizer` (ZeRO-1's: this rank's part); DTensors (FSDP's shards) by their local part."""
+    state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer keeps this rank's in .optim
+    params = list({id(p): p for p in params}.values())
+    weights = sum(_nbytes(p) for p in params)
+    grads = sum(grads.get(id(p), 0) for p in params)
+    states = sum(_nbytes(v) for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return {"params": weights, "grads": grads, "optimizer": states, "total": weights + grads + states}
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    t = local(t)
     return t.numel() * t.element_size()
 
 

@@ -19,6 +19,7 @@ ratios Sluice / peer and their spread (half the interquartile range of those rat
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from models import decoder_of  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
 from parallel.grid import ParallelGrid  # noqa: E402
-from parallel.spec import PipelineSpec  # noqa: E402
+from parallel.fsdp import LEVELS  # noqa: E402
+from parallel.spec import PipelineSpec, ShardSpec  # noqa: E402
 from parallel.step import MicroBatch  # noqa: E402
 from training.config.schema import OptimSchema, schema_defaults  # noqa: E402
 from training.objectives.lm import shifted_loss_sum  # noqa: E402
@@ -51,14 +53,15 @@ BUCKET_MB = schema_defaults()["parallel.bucket_mb"]  # Sluice's default, given t
 
 
 class SluiceDP(LoopStep):
-    """The Trainer's step at dp=2: the engine's bucketed, overlapped gradient sums, clipping, AdamW."""
+    """The Trainer's step at dp=2 (or the grid's dp): the engine's bucketed, overlapped gradient sums, clipping,
+    AdamW; at `zero` 2 or 3 the layers sharded by FSDP instead (scripts/bench/fsdp.py)."""
 
-    def __init__(self, setup: Setup, optim_cfg, grid: ParallelGrid, zero: int):
+    def __init__(self, setup: Setup, optim_cfg, grid: ParallelGrid, zero: int, on_grads=None):
         spec = default_engine_spec(PipelineSpec(n_microbatches=setup.microbatches), setup.micro_batch_size,
-                                   setup.seq, bucket_mb=BUCKET_MB)
+                                   setup.seq, bucket_mb=BUCKET_MB, shard=ShardSpec(zero) if zero in LEVELS else None)
         engine = build_engine(spec, decoder_of(dense_model(setup)), grid)
         optimizer = build_optimizer(engine.parameters(), optim_cfg, grid.dp_group, zero=zero)
-        super().__init__(engine, optimizer, grid, optim_cfg, STEPS, GRAD_CLIP)
+        super().__init__(engine, optimizer, grid, optim_cfg, STEPS, GRAD_CLIP, on_grads)
 
 
 class DDPStep:
@@ -66,12 +69,19 @@ class DDPStep:
     loss summed over the replicas (as Sluice returns it)."""
 
     def __init__(self, setup: Setup, optim_cfg, zero: int):
-        self.model = DistributedDataParallel(dense_model(setup), bucket_cap_mb=BUCKET_MB)
+        self.model, self.dp = self.wrap(dense_model(setup)), dist.get_world_size()
         options = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
                        weight_decay=optim_cfg.weight_decay)
         self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.AdamW, **options) if zero \
             else torch.optim.AdamW(self.model.parameters(), **options)
         self.cfg, self.step_no = optim_cfg, 0
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+
+    def accumulating(self, last: bool):
+        """The context of one micro-batch's forward and backward: no gradient sum but on the last."""
+        return self.model.no_sync() if not last else nullcontext()
 
     def __call__(self, micro: list[MicroBatch]) -> float:
         for group in self.optimizer.param_groups:
@@ -79,10 +89,10 @@ class DDPStep:
         total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
-            with self.model.no_sync() if not last else _nothing():
+            with self.accumulating(last):
                 # DDP averages over the replicas: times dp, each gradient is the global token-mean's.
                 loss = shifted_loss_sum(self.model(input_ids=mb.input_ids).logits, mb.labels) / mb.global_tokens
-                (loss * DP).backward()
+                (loss * self.dp).backward()
             total += loss.detach().double()
         dist.all_reduce(total)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
@@ -92,20 +102,12 @@ class DDPStep:
         return float(total)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def replica_batches(setup: Setup, rank: int) -> list[MicroBatch]:
-    """This replica's micro-batches, each carrying the label-token count of both replicas' (the global batch)."""
+def replica_batches(setup: Setup, rank: int, dp: int = DP) -> list[MicroBatch]:
+    """This replica's micro-batches, each carrying the label-token count of all `dp` replicas' (the global batch)."""
     vocab = dense_model(setup).config.vocab_size
-    mine = [batches(setup, vocab) for _ in range(DP)]  # the same generator seed: shift each replica's ids apart
+    mine = [batches(setup, vocab) for _ in range(dp)]  # the same generator seed: shift each replica's ids apart
     every = [[MicroBatch((mb.input_ids + 97 * r) % vocab, (mb.labels + 97 * r) % vocab) for mb in mine[r]]
-             for r in range(DP)]
+             for r in range(dp)]
     tokens = sum(mb.num_label_tokens() for replica in every for mb in replica)
     return [MicroBatch(mb.input_ids, mb.labels, tokens) for mb in every[rank]]
 

@@ -1,6 +1,7 @@
 """`make bench`: the sleep benchmark, the real model against torch.distributed.pipelining, the single-process
 overhead, rollout decoding against transformers' generate, the transports' hop latency, expert parallelism against
-replicated experts, data parallelism against DDP (and ZeRO-1 against ZeroRedundancyOptimizer), tensor parallelism
+replicated experts, data parallelism against DDP (and ZeRO-1 against ZeroRedundancyOptimizer), sharded data
+parallelism (zero 0-3 memory per rank, zero=3 against a `fully_shard` loop), tensor parallelism
 against DTensor's parallelize_module, recomputation against torch.utils.checkpoint, compiled layers against eager,
 and the size sweep's quick cells (scripts/bench/sizes.py --quick), one after the other; then bench/results.json and
 docs/benchmarks.md (tables, ratios, timelines, the sizes heat map). `--sizes` runs the size sweep alone over every
@@ -28,7 +29,8 @@ from report import write  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("schedules.py", "vs_torch.py", "vs_torch.py --size default --pp 2", "vs_torch.py --size default --pp 4",
-              "overhead.py", "rollout.py", "hop_latency.py", "experts.py", "data_parallel.py", "tensor_parallel.py", "recompute.py",
+              "overhead.py", "rollout.py", "hop_latency.py", "experts.py", "data_parallel.py", "fsdp.py",
+              "tensor_parallel.py", "recompute.py",
               "compiled.py", "sizes.py --quick --rounds 4")
 SMOKE_SKIPS = ("vs_torch.py --size default --pp 4",)  # the smoke checks scripts work: pp2 runs the same code
 
