@@ -62,7 +62,8 @@ def _refusal(file: Path, error: Exception, key: str | None = None) -> Checkpoint
         reason = reason.removeprefix(prefix)
     reason = reason.split(", expected one of")[0][:160]  # the library lists every dtype it knows
     key = key or _culprit(file)
-    at = f" (key {key})" if key and f"`{key}`" not in reason else ""
+    shown = key if key is None or key.isprintable() else repr(key)  # a newline in a key must not break the line
+    at = f" (key {shown})" if key and f"`{key}`" not in reason else ""
     return CheckpointError(f"checkpoint.load_dense={file} is not a valid safetensors file{at}: {reason}; write it "
                            "again (save_file, save_pretrained) or download it again")
 

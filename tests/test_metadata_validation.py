@@ -210,6 +210,8 @@ CRAFTED = {  # (header, data bytes, header length or None, what the one line hol
     "a 2^62 header": ({W: tensor("F32", [64], 0, 256)}, 256, 2**62, r"header too large"),
     "a truncated file": ({W: tensor("F32", [64], 0, 256)}, 100, None, r"incomplete metadata, file not fully covered"),
     "a size its bytes disagree with": ({W: tensor("F32", [65], 0, 256)}, 256, None, r"invalid shape, data type"),
+    # found by a 30-minute fuzz soak: the key's newline broke the one line; it is shown escaped
+    "a key holding a newline": ({"\n": None}, 0, None, r"\(key '\\n'\): invalid JSON in header"),
 }
 
 
