@@ -1,7 +1,5 @@
 """From the run config to the typed specs the parallel layer takes: the only place that reads both."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path

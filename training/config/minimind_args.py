@@ -1,8 +1,6 @@
 """MiniMind's trainer arguments (trainer/train_*.py: `--batch_size 32`) and the Sluice keys that mean the same: the
 answer to a `--flag value` on train.py's command line, and the table of docs/configuration.md (one home for both)."""
 
-from __future__ import annotations
-
 import re
 
 # MiniMind's argument -> the Sluice override(s) that do what it does; `{value}` is the value the user gave.

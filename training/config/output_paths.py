@@ -1,8 +1,6 @@
 """Output locations checked before anything runs: a folder (or file) that exists as the wrong kind, cannot be
 created or cannot be written is one line naming the setting, never a traceback after hours of training."""
 
-from __future__ import annotations
-
 import os
 import tempfile
 from pathlib import Path

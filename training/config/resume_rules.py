@@ -5,8 +5,6 @@ An earlier run is found by its overrides (Hydra's `.hydra/overrides.yaml`), not 
 Hydra's timestamped directories stay as they are, and the search covers the run directory's siblings (`runs/<name>`),
 or every date's runs under Hydra's default `outputs/<date>/<time>`."""
 
-from __future__ import annotations
-
 import re
 from pathlib import Path
 from typing import Any

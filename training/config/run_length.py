@@ -3,8 +3,6 @@
 The samples are known once the data is read (packing decides how many a file gives), so the steps of an epoch run are
 derived where the data is built; the command line may set one of the two, not both."""
 
-from __future__ import annotations
-
 import math
 from typing import Any
 

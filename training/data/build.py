@@ -1,7 +1,5 @@
 """Entry points for the trainer: the training step stream and the validation batches of one DP replica."""
 
-from __future__ import annotations
-
 import logging
 from dataclasses import dataclass
 from pathlib import Path

@@ -6,8 +6,6 @@ by side: its chosen conversation, then its rejected one. The key hashes the sour
 identity, the tokenizer and the reading rules, so a changed file or tokenizer gets a new folder.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os

@@ -9,8 +9,6 @@ sample is read; here each row's draws are fixed by (`data.seed`, the row's numbe
 every layout and a resumed run see the same samples, and the shares hold over the data set.
 """
 
-from __future__ import annotations
-
 import random
 from dataclasses import dataclass
 from typing import Any

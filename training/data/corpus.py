@@ -1,7 +1,5 @@
 """The embedded synthetic corpus: deterministic English-like documents with learnable structure."""
 
-from __future__ import annotations
-
 import random
 
 _NOUNS = [  # (singular, plural) subjects: the verb must agree with their number

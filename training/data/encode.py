@@ -1,8 +1,6 @@
 """Documents -> token ids: pretraining text as [bos] + tokens + [eos], chat rendered with the chat template
 and an assistant-only label mask. Token ids are stored per document, independent of seq_len and format."""
 
-from __future__ import annotations
-
 import json
 import re
 from dataclasses import dataclass

@@ -4,8 +4,6 @@ Hand-written rather than `datasets.load_dataset("json")`: the Arrow JSON reader 
 becomes several GB), cannot name the line of a bad row, and cannot skip one.
 """
 
-from __future__ import annotations
-
 import json
 import re
 from collections.abc import Iterator

@@ -2,8 +2,6 @@
 train.seq_len train on nothing and measure nothing. One rule for every split and side: refused above
 MAX_UNLABELED_SHARE, named with its share otherwise."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import numpy as np

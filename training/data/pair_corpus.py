@@ -3,8 +3,6 @@ the synthetic corpus's words, where the chosen answer is right and the rejected 
 wrong sum, a verb that disagrees with its subject, a skipped count, a misremembered code. Their right answers alone
 are the embedded SFT conversations (`data=synthetic data.format=chat`)."""
 
-from __future__ import annotations
-
 import random
 from typing import Any
 

@@ -2,8 +2,6 @@
 rejected), shuffled, split and sharded over DP as one sample, so a pair never straddles two micro-batches or
 replicas; each micro-batch carries its rows' reference log-probabilities once they are computed."""
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 

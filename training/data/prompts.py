@@ -8,8 +8,6 @@ a prompt counts `num_generations`). The step stream (shuffle, DP shards, resume 
 uses. A prompt longer than its width keeps its end, as MiniMind cuts (`[:, -max_seq_len:]`), and the cut is counted.
 """
 
-from __future__ import annotations
-
 import logging
 import random
 from typing import Any

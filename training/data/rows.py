@@ -6,8 +6,6 @@ order: the number names the row in messages ("line N" of a JSONL file, 1-based a
 table, 0-based as `dataset[N]` and pandas count), the payload is what the task encodes (a text, a conversation).
 """
 
-from __future__ import annotations
-
 import json
 import logging
 from collections.abc import Callable, Iterator

@@ -4,8 +4,6 @@ A sample set is anything with `len()`, `seq_len` and `take(index) -> (input_ids,
 only the rows asked for are read, so memory-mapped documents stay on disk.
 """
 
-from __future__ import annotations
-
 from typing import Protocol
 
 import numpy as np

@@ -3,8 +3,6 @@
 names, wherever it lies. Here each JSON file must hold the fields `save_to_disk` writes, with their types, and every
 data file must sit inside the folder as a regular file (checkpoint/confine.py: refused before any open)."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import Any

@@ -6,8 +6,6 @@ file a table, any other file MiniMind JSONL, and a name that is no local path bu
 give the same tokens, samples and global order whatever holds them.
 """
 
-from __future__ import annotations
-
 import os
 import re
 from dataclasses import dataclass, field

@@ -1,7 +1,5 @@
 """The data config as a typed, frozen spec, the batch geometry the data serves, and the data error type."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any

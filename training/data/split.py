@@ -1,7 +1,5 @@
 """The held-out split: which documents validate, the same for every layout and disjoint from training."""
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 

@@ -1,7 +1,5 @@
 """The step stream: one optimizer step's micro-batches for one DP replica, in a layout-independent order."""
 
-from __future__ import annotations
-
 from collections.abc import Iterator, Mapping
 from typing import Any
 

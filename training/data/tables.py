@@ -7,8 +7,6 @@ batches reach them). Parquet is read with pyarrow, the engine `datasets` reads i
 Sluice needs. Only the columns the task declares are read.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any

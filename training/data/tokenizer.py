@@ -1,7 +1,5 @@
 """The tokenizer: MiniMind-style byte-level BPE trained on the synthetic corpus (cached), or a local folder."""
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os

@@ -6,8 +6,6 @@ after its workers started, or train on the row with its calls silently missing. 
 bytes `"tool_calls"` (no JSON parsed for other lines); the first rows that hold them are parsed and rendered.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase

@@ -2,8 +2,6 @@
 for one global batch, or for chat data whose first rows put every assistant token beyond train.seq_len. Pure: it
 reads files and never writes one, trains nothing, tokenises only the first rows of each file."""
 
-from __future__ import annotations
-
 import itertools
 import os
 from pathlib import Path

@@ -2,8 +2,6 @@
 dense weights, each rank's share built by the engine's own passes, then `engine.generate` (the generation schedule)
 on every rank; the first rank's completions come back."""
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path

@@ -6,8 +6,6 @@ and the activations live at once under the schedule), fed with what is known wit
 counts from the meta model and activation bytes from the family's closed formula (a cached measurement where the
 family has none; else only the head's, so the figure stays a lower bound and never refuses a run that fits)."""
 
-from __future__ import annotations
-
 import os
 
 from omegaconf import DictConfig, OmegaConf

@@ -11,8 +11,6 @@ store and found the token in it: a stale announcement names a store that died wi
 The same store tells every rank the run directory, so a rank >= 1 writes its reports there from its first second.
 """
 
-from __future__ import annotations
-
 import json
 import socket
 import time

@@ -8,8 +8,6 @@ that loses a node a day must keep going. torchrun users get the same with `--max
 `checkpoint.resume=auto` (docs/launching.md).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -1,7 +1,5 @@
 """`parallel.layout=auto`: search the layouts of the launched world on measured costs and run the best one."""
 
-from __future__ import annotations
-
 import os
 from datetime import timedelta
 

@@ -1,8 +1,6 @@
 """`parallel.layers_per_stage=auto`: split the layers so that stage costs (embedding on the first stage, head
 and loss on the last) are as even as possible, from measured costs where cached, else from FLOPs."""
 
-from __future__ import annotations
-
 import logging
 
 from omegaconf import DictConfig

@@ -1,8 +1,6 @@
 """The model of one layout's optimizer step: the pipeline simulated with measured per-stage costs, plus TP and
 DP communication and the optimizer; and its peak memory per pipeline rank."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from omegaconf import DictConfig

@@ -2,8 +2,6 @@
 
 Only torch is imported here: each spawned process pays for its imports, and this module is all they load."""
 
-from __future__ import annotations
-
 import multiprocessing as mp
 import os
 import queue

@@ -4,8 +4,6 @@ One decoder layer, the embedding and the head with its loss are timed as the sta
 project's I/W split, its recompute pass), their saved bytes counted with saved-tensor hooks; the transport is
 timed with two real processes (`probe.py`). Medians of a few repeats, at the thread count a rank will have."""
 
-from __future__ import annotations
-
 import copy
 import logging
 import os

@@ -1,7 +1,5 @@
 """After a traced step: the cost model's prediction for this layout next to what the step measured."""
 
-from __future__ import annotations
-
 import logging
 
 from omegaconf import DictConfig

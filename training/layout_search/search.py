@@ -2,8 +2,6 @@
 ranks) at a fixed global batch, checked by the pre-launch rules, predicted with measured costs, held to the memory
 budget and ranked by predicted step time."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 

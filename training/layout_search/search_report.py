@@ -1,8 +1,6 @@
 """What a search says to the user: the ranked table, the rejections, the chosen overrides, and the one line when
 nothing fits the memory budget (with what would)."""
 
-from __future__ import annotations
-
 from dataclasses import replace
 
 from omegaconf import DictConfig

@@ -21,8 +21,6 @@ the base weights from the weight source. The frozen base weights are out of ever
 split like any other; a frozen weight's linear computes its input gradient only.
 """
 
-from __future__ import annotations
-
 import fnmatch
 import re
 import zlib

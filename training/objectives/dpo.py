@@ -8,8 +8,6 @@ as the LM loss is a mean over label tokens. A pair never straddles two micro-bat
 per-pair terms as one process.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import ClassVar
 

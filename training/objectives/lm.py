@@ -1,7 +1,5 @@
 """The language-model loss: next-token cross-entropy, a mean over the global batch's label tokens."""
 
-from __future__ import annotations
-
 from typing import ClassVar
 
 import torch

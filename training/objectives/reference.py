@@ -11,8 +11,6 @@ forward + backward), paid once before the first step; the cache costs 16 bytes p
 split over the DP replicas (each computes its share of every global batch) and gathered, so each is computed once.
 """
 
-from __future__ import annotations
-
 import itertools
 import logging
 import time

@@ -4,8 +4,6 @@ A failing rank writes `failures/rank{R}.json` (its line and the time) into the r
 root prints the earliest one, once. Under torchrun (no launcher of ours) each failing rank prints its line.
 """
 
-from __future__ import annotations
-
 import json
 import sys
 import time

@@ -18,8 +18,6 @@ waits and the launcher names the stalled rank. Steps are 1-based, as in metrics.
 quote the value for Hydra: `python train.py parallel.pp=2 "debug.fault='stall@rank=1,step=3,action=F0@s1'"`.
 """
 
-from __future__ import annotations
-
 import math
 import os
 import signal

@@ -6,8 +6,6 @@ rank before NCCL's longer timeout would, writes the same trace itself beside the
 `python -m torch.distributed.flight_recorder.fr_trace <run dir>/hang --prefix nccl_trace_rank_`.
 """
 
-from __future__ import annotations
-
 import os
 from collections.abc import MutableMapping
 from pathlib import Path

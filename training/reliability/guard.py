@@ -1,7 +1,5 @@
 """StepGuard: the trainer loop's reliability hooks in one object (fault injection, hang watch, non-finite policy)."""
 
-from __future__ import annotations
-
 import math
 
 import torch

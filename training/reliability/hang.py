@@ -7,8 +7,6 @@ gradient all-reduces without the runtime knowing. `summarize` merges every rank'
 launcher prints: the stalled rank(s) first, then who waits for whom.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import threading

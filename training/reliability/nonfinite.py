@@ -6,8 +6,6 @@ had been computed and thrown away. So a skipped step k leaves the parameters equ
 simply did not step at k. More than `train.max_skipped_steps` skips in a row stop the run.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -19,8 +19,6 @@ a C call that never returns, and it must not print a traceback per rank):
   does not end within parallel.timeout_s.
 """
 
-from __future__ import annotations
-
 import os
 import select
 import signal

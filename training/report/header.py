@@ -4,8 +4,6 @@ The figures are exact and counted from the things themselves: the parameters of 
 device, LoRA's adapters added by their shapes), the rows and samples of the data splits, the pipeline partition the
 engine uses (one cached `lower_pipeline`), and the label tokens of the steps this run reads."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -5,8 +5,6 @@ in a reused run directory (hydra.run.dir) to whatever file it names. Before anyt
 that handler for this one on the same file (`confine_log_files`); the self-launched workers' logging
 (training.launch.workers) uses it from the start."""
 
-from __future__ import annotations
-
 import logging
 import sys
 

@@ -10,8 +10,6 @@ full-vocabulary logits live for one micro-batch's loss, never for a whole step. 
 teacher's probabilities of its own vocabulary shard and the KL's normaliser is summed over the TP group.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any, ClassVar
 

@@ -6,8 +6,6 @@ checkpoints folder or a run directory, LoRA adapters merged); it may have
 another size than the student, and at least the student's vocabulary (MiniMind cuts its logits to the student's).
 """
 
-from __future__ import annotations
-
 import logging
 from dataclasses import replace
 from pathlib import Path

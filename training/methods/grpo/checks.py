@@ -1,8 +1,6 @@
 """The pre-launch check of a GRPO run (`train.task=grpo`): one line for what would fail at step 1 or later, read
 from the config and the data's first rows, writing nothing."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from training.data.spec import DataError, DataSpec, Geometry, geometry, optional_field, run_data_spec

@@ -15,8 +15,6 @@ elsewhere), and the payload says where among the shifted positions its completio
 width.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import ClassVar

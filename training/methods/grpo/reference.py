@@ -8,8 +8,6 @@ the rank's own shard: memory = this rank's trainable parameters once more, plus 
 current weights set aside). The pass is the engine's own forward (`Engine.forward_sums`), so it runs in any layout.
 """
 
-from __future__ import annotations
-
 import itertools
 from dataclasses import dataclass, replace
 

@@ -5,8 +5,6 @@ jingyaogong/minimind). As there, the answer is the completion after its `</think
 The folder is a stock family (no `auto_map`: no code of its own runs) whose tokenizer gives every token the id the
 run's tokenizer gives it, so the policy's text means the same to it."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 import torch

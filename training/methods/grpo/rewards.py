@@ -8,8 +8,6 @@ punctuation tokens) times 2 * 0.5, at most 0.5. A reward callable takes the prom
 strings, one prompt per completion) and returns one float per completion.
 """
 
-from __future__ import annotations
-
 import math
 import re
 from collections.abc import Callable, Sequence

@@ -6,8 +6,6 @@ context generation saw (positions from 0 at the first real token, no padding bef
 and positions make them), and the padding at the end is never attended by a real token (causal attention).
 """
 
-from __future__ import annotations
-
 import json
 import os
 import stat

@@ -3,8 +3,6 @@ the rewards (and holds the reward model, the only rank of the replica that does)
 to the replica's other ranks, so a reward that is not deterministic (a sampled judge, a clock) still gives every
 stage the same advantages. A failure is broadcast too: every rank of the replica stops with the step named."""
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
