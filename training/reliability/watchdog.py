@@ -4,19 +4,13 @@ Every 0.2 s it checks three things and ends the process itself (os._exit: the ma
 a C call that never returns, and it must not print a traceback per rank):
 - the launcher died (the parent pid changed): exit at once, so no worker outlives its torchrun agent or
   self-launching root (polling works whatever the launcher is; PR_SET_PDEATHSIG follows the parent *thread*);
-- this rank has waited for peers (P2P, a collective) longer than parallel.timeout_s, or during start-up (peers
-  still importing and joining) longer than parallel.startup_timeout_s: write the hang dump and a one-line
-  failure, exit 1 (local work is not timed: its peers time out waiting for it, unless the heartbeats say a peer
-  froze meanwhile: a collective inside that work waits for it); under NCCL a P2P wait only orders
-  the device's stream, so the thread also polls `is_completed()` of the transfers waited for (`Watch.device_wait`);
+- this rank has waited for peers (P2P, a collective) longer than parallel.timeout_s (during start-up, while peers
+  still import and join: parallel.startup_timeout_s): write the hang dump and a one-line failure, exit 1; local work
+  is not timed (its peers time out waiting for it), but see `_peer_stopped` and `_device_stuck`;
 - SIGTERM / SIGINT arrived: their Python handlers do nothing, and the C-level handler writes the signal
   number to a wakeup socket this thread selects on, so it acts even while the main thread sits in a C call
-  (a blocked sigmask does not work: torch starts threads at import that would take the signal).
-  The first one during training is a request (Ctrl-C, Slurm's preemption SIGTERM): it is set on the watch as an
-  `Interrupt`, the ranks agree on it in the step's non-finite vote, finish that step, save and exit 128+signal.
-  It ends the process at once instead (a dump if this rank was blocked, as before) during start-up, when a peer
-  already failed or died (the launcher stopping the survivors), on a second signal, and when the step in flight
-  does not end within parallel.timeout_s.
+  (a blocked sigmask does not work: torch starts threads at import that would take the signal). The first one
+  during training asks the ranks to save after the step (`Interrupt`); `_on_signal` says when it ends the process.
 """
 
 import os
