@@ -16,7 +16,6 @@ from tqdm import tqdm
 
 from checkpoint.distributed import TrainingState
 from checkpoint.manager import CheckpointManager, find_checkpoint
-from models import build_model as build_module, decoder_of
 from parallel.compile import CompileTrial, compile_mode
 from parallel.decoder import Decoder
 from parallel.engine import build_engine
@@ -25,7 +24,7 @@ from parallel.expert_load import ExpertLoad
 from parallel.grid import ParallelGrid
 from parallel.materialize import WeightSource, seeded_init
 from parallel.recompute import unknown_roles
-from training.config import model_config
+from training.config.schema import model_decoder
 from training.config.run_length import resolve_epochs
 from training.report.console import resume_command
 from training.data import build_data, build_val_batches, run_data_spec
@@ -50,7 +49,7 @@ def build_model(cfg: DictConfig) -> tuple[Decoder, WeightSource]:
     """The dense model on the meta device (as a Decoder: its plan and adapter) and where its weights come from:
     the dense checkpoint, or an initialisation seeded per parameter name by train.seed (the same weights in
     every layout)."""
-    decoder = decoder_of(build_module(model_config(cfg)))
+    decoder = model_decoder(cfg)
     if not cfg.checkpoint.load_dense:
         return decoder, seeded_init(decoder, cfg.train.seed)
 
@@ -107,15 +106,12 @@ class Trainer:
         if self.distill and self.val_batches:
             self.val_batches = [with_inputs(micro_batches) for micro_batches in self.val_batches]
         if self.dpo:  # before any step (or resume) moves the weights: they are the frozen reference now
-
             if grid.rank == 0:  # it reads every pair the run will train on before step 1: say so
                 log.info("dpo: computing the reference log-probabilities (forward only, the starting weights) of the "
                          "pairs the %d steps read; step 1 follows", cfg.train.steps)
             compute_reference(self.engine, self.data, self.val_batches, cfg.train.steps, grid)
-        self.grpo = None
-        if OmegaConf.select(cfg, "train.task") == "grpo":  # keeps the starting weights: before any step or resume
-
-            self.grpo = GrpoStep(cfg, self.engine, grid, self.tokenizer, self.run_dir)
+        self.grpo = (GrpoStep(cfg, self.engine, grid, self.tokenizer, self.run_dir)  # keeps the starting weights:
+                     if OmegaConf.select(cfg, "train.task") == "grpo" else None)  # before any step or resume
         self.tokens_per_step = grid.dp * cfg.schedule.n_microbatches * cfg.train.micro_batch_size * cfg.train.seq_len
         state = TrainingState(self.engine, self.optimizer, grid, decoder.plan.ties)
         self.checkpoints = CheckpointManager(checkpoint_spec(cfg, self.run_dir), state, self.data,
@@ -218,7 +214,6 @@ class Trainer:
                     if self.expert_load is not None:  # collective
                         record.update(self.expert_load.record(world_group(self.grid), self.grid.tp_rank))
                     if traced:  # the cost model's prediction next to the measurement
-
                         record.update(prediction_record(cfg, self.grid, record))
                     metrics.log(step + 1, record)
                 guard.checkpointing(step + 1)

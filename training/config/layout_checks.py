@@ -1,6 +1,7 @@
 """The pre-launch checks of a layout: its sizes against each other, the device and the world size; the model split
-over it (TP divisibility, the pipeline lowered and verified); expert parallelism. The pre-launch check
-(training/config/validate.py) runs them on the run config, the layout search on each candidate."""
+over it (TP divisibility, the pipeline lowered and verified); expert parallelism; sharded data parallelism (ZeRO,
+FSDP, HSDP). The pre-launch check (training/config/validate.py) runs them on the run config, the layout search on each
+candidate."""
 
 import torch
 from omegaconf import DictConfig
@@ -11,7 +12,7 @@ from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.partition import layer_partition
 from parallel.tensor_pass import check_tp_divisibility
 from training.config.layout import layout_world_size, resolved_dp
-from training.config.schema import model_config
+from training.config.schema import model_config, model_decoder
 from training.rules.values import ConfigError
 
 
@@ -20,13 +21,11 @@ def parallel_problem(cfg: DictConfig, world_size: int | None = None) -> str | No
     p = cfg.parallel
     if p.vpp > 1 and p.pp == 1:
         return f"parallel.vpp={p.vpp} needs a pipeline; set parallel.pp>=2 or parallel.vpp=1"
-    if p.backend == "nccl":
-        if not torch.cuda.is_available():
-            return "parallel.backend=nccl needs CUDA GPUs and none is visible; use parallel.backend=auto or gloo"
-    if p.transport == "shm":
-        if resolve_backend(p.backend)[1].type != "cpu":
-            return (f"parallel.transport=shm carries CPU tensors, but parallel.backend={p.backend} computes "
-                    "on CUDA; use parallel.transport=auto (NCCL's P2P on GPUs) or parallel.backend=gloo")
+    if p.backend == "nccl" and not torch.cuda.is_available():
+        return "parallel.backend=nccl needs CUDA GPUs and none is visible; use parallel.backend=auto or gloo"
+    if p.transport == "shm" and resolve_backend(p.backend)[1].type != "cpu":
+        return (f"parallel.transport=shm carries CPU tensors, but parallel.backend={p.backend} computes "
+                "on CUDA; use parallel.transport=auto (NCCL's P2P on GPUs) or parallel.backend=gloo")
     if world_size is not None:
         try:
             layout_world_size(cfg, world_size)
@@ -37,13 +36,12 @@ def parallel_problem(cfg: DictConfig, world_size: int | None = None) -> str | No
 
 def model_split_problem(cfg: DictConfig) -> str | None:
     """TP divisibility, then the pipeline lowered (partition, schedule, vpp; lowered and verified) before launch."""
-    from models import build_model, decoder_of  # every model family (seconds to import): only once a model is checked
     from training.specs import pipeline_spec  # DCP behind the checkpoint spec (seconds): only once a model is checked
 
     p = cfg.parallel
     config = model_config(cfg)
     try:
-        check_tp_divisibility(decoder_of(build_model(config)).adapter.tp_sizes(), p.tp)  # meta: shapes only
+        check_tp_divisibility(model_decoder(cfg).adapter.tp_sizes(), p.tp)  # meta: shapes only
         if p.pp > 1:  # lower_pipeline is the one home of schedule/vpp/partition rules
             lower_pipeline(pipeline_spec(cfg), config.num_hidden_layers)
         else:
@@ -56,12 +54,36 @@ def model_split_problem(cfg: DictConfig) -> str | None:
 
 def experts_problem(cfg: DictConfig, world_size: int | None = None) -> str | None:
     """parallel.ep against the model's experts and the DP size (the EP pass's own check, on the meta model)."""
-    from models import build_model, decoder_of  # every model family (seconds to import): only once a model is checked
-
     if cfg.parallel.ep == 1:
         return None
     try:
-        check_expert_parallel(decoder_of(build_model(model_config(cfg))), resolved_dp(cfg, world_size), cfg.parallel.ep)
+        check_expert_parallel(model_decoder(cfg), resolved_dp(cfg, world_size), cfg.parallel.ep)
     except ValueError as error:
         return str(error).strip().splitlines()[0]
+    return None
+
+
+def zero_problem(cfg: DictConfig, dp: int) -> str | None:
+    """Why `parallel.zero` / `parallel.dp_replicate` cannot run at the data-parallel size `dp`, or None."""
+    p = cfg.parallel
+    zero, replicate, ep = p.zero, p.dp_replicate, p.ep
+    if replicate > 1 and zero < 2:
+        return (f"parallel.dp_replicate={replicate} replicates FSDP's shards (HSDP) and is read only with "
+                f"parallel.zero=2 or 3 (here {zero}); set parallel.zero=3 or parallel.dp_replicate=1")
+    if zero < 2:
+        return None
+    if dp == 1:
+        return (f"parallel.zero={zero} shards over the data-parallel ranks and this layout has one (dp=1): nothing "
+                "to shard; use parallel.zero=0, or parallel.dp>=2 (with that many more workers)")
+    if dp % replicate:
+        choices = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        return (f"parallel.dp_replicate={replicate} does not divide the data-parallel size {dp}; choose one of "
+                f"{{{choices}}}")
+    if replicate == dp:
+        return (f"parallel.dp_replicate={replicate} leaves one rank per shard group (dp={dp}): nothing to shard; "
+                f"use a dp_replicate below {dp}, or parallel.zero=0 (plain data parallelism)")
+    if ep > 1 and replicate > 1:
+        return (f"parallel.dp_replicate={replicate} with parallel.ep={ep}: under EP the dense weights already "
+                "replicate over the ep group and shard over the ranks holding the same experts; set "
+                "parallel.dp_replicate=1")
     return None

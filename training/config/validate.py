@@ -18,9 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config.schema import model_config, model_keys, schema_keys, model_decoder
 from training.config.unknown_keys import unknown_key_problem
 from training.rules.values import ConfigError, shown
-from training.config.sharding import zero_problem
 from training.config.layout import resolve_global_batch, resolved_dp
-from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem
+from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem, zero_problem
 from training.methods.grpo.checks import grpo_problem
 from training.report.loggers import logger_problem
 from training.layout_search.balance import resolve_auto_partition
@@ -62,11 +61,6 @@ def key_problem(cfg: DictConfig) -> str | None:
         if problem := key.rule(key.name, OmegaConf.select(cfg, key.name)):
             return problem
     return next((line for refused, line in _out_of_scope(cfg) if refused), None)
-
-
-def scope_warnings(cfg: DictConfig) -> list[str]:
-    """Keys set outside their scope that are harmless: ignored, said aloud."""
-    return [line for refused, line in _out_of_scope(cfg) if not refused]
 
 
 def model_problem(cfg: DictConfig) -> str | None:
@@ -125,12 +119,6 @@ def train_warnings(cfg: DictConfig) -> list[str]:
         warnings.append(f"train.trace_step={t.trace_step} traces the pipeline schedule, and parallel.pp=1 has none: "
                         "nothing is written")
     return warnings
-
-
-def resolve_partition(cfg: DictConfig) -> None:
-    """parallel.layers_per_stage=auto -> the cost-balanced split (the cost model's; imported only when asked)."""
-    if cfg.parallel.layers_per_stage == "auto":
-        resolve_auto_partition(cfg)
 
 
 def lora_problem(cfg: DictConfig) -> str | None:
@@ -249,7 +237,7 @@ def problems(cfg: DictConfig, world_size: int | None = None) -> Iterator[str | N
     yield logger_problem(cfg)  # wandb credentials and modes: the logger module's own rule
     yield parallel_problem(cfg, world_size)
     resolve_global_batch(cfg, world_size)
-    resolve_partition(cfg)
+    resolve_auto_partition(cfg)  # parallel.layers_per_stage=auto -> the cost-balanced split
     yield model_split_problem(cfg)
     yield experts_problem(cfg, world_size)
     yield zero_problem(cfg, resolved_dp(cfg, world_size))
@@ -259,11 +247,9 @@ def problems(cfg: DictConfig, world_size: int | None = None) -> Iterator[str | N
 
 
 def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
-    """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings.
-
-    The values it sets: schedule.n_microbatches where train.global_batch_size derives it, and
-    parallel.layers_per_stage where it is auto."""
+    """Raise ConfigError with one readable line for the first bad value in cfg; return the warnings."""
     for problem in problems(cfg, world_size):
         if problem:
             raise ConfigError(problem)
-    return [*scope_warnings(cfg), *train_warnings(cfg), *lora_warnings(cfg)]
+    harmless = [line for refused, line in _out_of_scope(cfg) if not refused]  # ignored, said aloud
+    return [*harmless, *train_warnings(cfg), *lora_warnings(cfg)]

@@ -10,12 +10,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from models import build_model, decoder_of
 from parallel.expert import expert_modules
 from parallel.materialize import dense_shape
 from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.partition import rank_stages
-from training.config import model_config
+from training.config.schema import model_decoder
 from training.data import PackedSamples, PaddedSamples, StepBatches, run_data_spec
 from training.data.pairs import PairSamples
 from training.data.samples import Samples
@@ -42,7 +41,7 @@ class ModelSize:
 def model_size(cfg: DictConfig) -> ModelSize:
     """The run's model counted on the meta device (no memory): every parameter of the dense model, plus the adapters
     LoRA gives its targets (rank x (in + out) each; the base is then frozen)."""
-    decoder = decoder_of(build_model(model_config(cfg)))
+    decoder = model_decoder(cfg)
     config = decoder.config
     description = f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}"
     base = sum(p.numel() for p in decoder.module.parameters())  # a tied embedding is one Parameter: counted once
