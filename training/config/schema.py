@@ -155,8 +155,7 @@ class TrainSchema:
     dtype: str = key("auto", "compute dtype: `auto` (bf16 on CUDA, fp32 on CPU), `fp32`, `bf16`",
                      one_of("auto", "fp32", "bf16"))
     grad_clip: float = key(1.0, "global gradient-norm clipping threshold; `0` = off", non_negative)
-    log_every: int = key(10, "log a metrics record every N steps (the first and last step are always logged)",
-                         positive)
+    log_every: int = key(10, "log a metrics record every N steps (the first and last step are always logged)", positive)
     trace_step: Optional[int] = key(
         None, "step (1-based) to trace: Chrome trace and measured-vs-simulated PNG in the run directory",
         optional(positive))

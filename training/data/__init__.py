@@ -5,13 +5,6 @@ stream.
 The trainer needs `build_data(cfg, dp_rank, dp_size) -> (StepBatches, tokenizer)` and, for evaluation,
 `build_val_batches(cfg, dp_rank, dp_size, n_batches)`; config validation needs `data_problem(cfg)`.
 The sample order is a property of the *global* batch, never of the layout (see `StepBatches`).
-
-Files, one concept each: spec (typed config, DataError), corpus, pair_corpus (the embedded DPO pairs and SFT
-conversations), tokenizer, rows (the columns each task reads, row checks, the reader base), jsonl and tables (the
-two readers), saved (a save_to_disk folder's files checked before `datasets` reads them), sources (what data.path
-names), encode (documents -> ids, chat masks), cache (memory-mapped token cache), samples (packed / padded), labels
-(samples without a label token, per split and DPO side), pairs (DPO pairs as samples and steps), split (held-out
-documents), stream (steps, DP sharding, resume position), validate (pre-launch), build (entry points).
 """
 
 from parallel.step import IGNORE_INDEX, MicroBatch
@@ -23,18 +16,9 @@ from training.data.samples import PackedSamples, PaddedSamples, TensorSamples
 from training.data.spec import DataError, DataSpec, Geometry, data_spec, geometry, run_data_spec
 from training.data.split import split_documents
 from training.data.stream import StepBatches
-from training.data.tokenizer import (
-    BOS_TOKEN,
-    CHATML_TEMPLATE,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    build_tokenizer,
-    load_tokenizer,
-    save_atomically,
-    synthetic_tokenizer_dir,
-    train_bpe_tokenizer,
-    weights_tokenizer_problem,
-)
+from training.data.tokenizer import (BOS_TOKEN, CHATML_TEMPLATE, EOS_TOKEN, PAD_TOKEN, build_tokenizer, load_tokenizer,
+                                     save_atomically, synthetic_tokenizer_dir, train_bpe_tokenizer,
+                                     weights_tokenizer_problem)
 
 __all__ = [
     "BOS_TOKEN", "CHATML_TEMPLATE", "EOS_TOKEN", "IGNORE_INDEX", "PAD_TOKEN", "DataError", "DataSpec", "Documents",

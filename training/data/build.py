@@ -150,7 +150,6 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
 
     `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
     if run_data_spec(cfg).train_task == "grpo":  # prompts, held in memory: training.data.prompts
-
         spec = run_data_spec(cfg)
         tokenizer = build_tokenizer(spec)
         return build_prompt_stream(spec, tokenizer, cfg, dp_rank, dp_size, verbose), tokenizer

@@ -50,8 +50,7 @@ def parse_row(line: bytes, task: Task) -> tuple[Any, str | None]:
     except RecursionError:  # arrays or objects nested past Python's stack: no row any task reads
         return None, "line is not usable JSON: its arrays or objects nest too deeply"
     if SURROGATE_ESCAPE.search(line):
-        problem = _lone_surrogate(record)
-        if problem is not None:
+        if (problem := _lone_surrogate(record)) is not None:
             return None, problem
     return read_row(record, task)
 

@@ -46,8 +46,7 @@ def _pair_problem(record: Any) -> str | None:
     for column in ("chosen", "rejected"):
         if not isinstance(record, dict) or column not in record:
             return f"no \"{column}\" key (a DPO row holds \"chosen\" and \"rejected\" conversations)"
-        problem = _conversation_problem(record[column], column)
-        if problem is not None:
+        if (problem := _conversation_problem(record[column], column)) is not None:
             return problem if problem.startswith(f"\"{column}\"") else f"\"{column}\": {problem}"
     return None
 

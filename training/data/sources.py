@@ -86,8 +86,7 @@ class Source:
             except DataError as error:
                 raise DataError(f"{self.key}: {error}") from None
             reader = "train.task=dpo" if self.spec.preference else f"data.format={self.spec.format}"
-            problem = missing_columns(table, self.key, self.task, reader)
-            if problem is not None:
+            if (problem := missing_columns(table, self.key, self.task, reader)) is not None:
                 raise DataError(problem)
             self._table = table
         return self._table
@@ -109,15 +108,13 @@ class Source:
     def reader(self, limit: int | None = None) -> RowReader:
         """The source's rows, checked; `limit` stops after that many lines or rows (the pre-launch check)."""
         if self.kind == "jsonl":
-            return JsonlRows(self.path, self.key, self.task, self.spec.skip_bad_lines, self.spec.max_line_bytes,
-                             limit)
+            return JsonlRows(self.path, self.key, self.task, self.spec.skip_bad_lines, self.spec.max_line_bytes, limit)
         return TableRows(self.table(), self.key, self.task, self.spec.skip_bad_lines, limit)
 
 
 def data_source(spec: DataSpec, key: str) -> Source:
     """The source of `key` ("data.path" or "data.val_path"); its problems are one DataError line."""
     path = spec.path if key == "data.path" else spec.val_path
-    problem = source_problem(key, path, spec.chat, spec.preference)
-    if problem is not None:
+    if (problem := source_problem(key, path, spec.chat, spec.preference)) is not None:
         raise DataError(problem)
     return Source(spec, key, path, source_kind(path))

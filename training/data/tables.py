@@ -133,8 +133,7 @@ def _without_nulls(value: Any) -> Any:
     """A conversation without the null fields Arrow adds: a struct column gives every turn every field, so a turn
     written without `tool_calls` reads back with `tool_calls: None`; dropped, the row is the one that was written."""
     if isinstance(value, list):
-        return [{k: v for k, v in turn.items() if v is not None} if isinstance(turn, dict) else turn
-                for turn in value]
+        return [{k: v for k, v in turn.items() if v is not None} if isinstance(turn, dict) else turn for turn in value]
     return value
 
 

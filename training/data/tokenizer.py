@@ -134,7 +134,6 @@ def weights_tokenizer_problem(weights: str | Path | None, spec: DataSpec) -> str
     error. The vocabularies are compared, not the `fingerprint`: a chat template of its own changes no token id."""
     folder = Path(weights) if weights else None
     if folder is not None and folder.is_dir():  # what transformers may open there: inside it, regular (a FIFO blocks)
-
         files_inside(folder, WEIGHTS_FOLDER_READS, "checkpoint.load_dense", DataError)
     if folder is None or not (folder / "tokenizer.json").is_file():
         return None  # a single weights file or a MiniMind .pth: nothing to compare with

@@ -55,14 +55,11 @@ def spec_problem(spec: DataSpec) -> str | None:
             return "data.num_docs: must be >= 1"
         if spec.vocab_size < 256 + len(SPECIAL_TOKENS):
             return f"data.vocab_size: must be >= {256 + len(SPECIAL_TOKENS)} (256 bytes + 3 special tokens)"
-    else:
-        problem = source_problem("data.path", spec.path, spec.chat, spec.preference)
-        if problem is not None:
-            return problem
-    if spec.val_path is not None:
-        problem = source_problem("data.val_path", spec.val_path, spec.chat, spec.preference)
-        if problem is not None:
-            return problem
+    elif problem := source_problem("data.path", spec.path, spec.chat, spec.preference):
+        return problem
+    if spec.val_path is not None and (problem := source_problem("data.val_path", spec.val_path, spec.chat,
+                                                                 spec.preference)):
+        return problem
     if spec.name == "jsonl" and spec.tokenizer != EMBEDDED_TOKENIZER:
         hint = f"pass data.tokenizer=<folder with tokenizer.json>, or {EMBEDDED_TOKENIZER} for the embedded one"
         if spec.tokenizer is None:

@@ -65,11 +65,6 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def config_groups() -> set[str]:
-    """Names of the config groups (`model`, `data`, ...) that overrides may pick a preset of."""
-    return {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
-
-
 def expand_jobs(overrides: list[str]) -> Iterator[list[str]]:
     """The override lists of every job of a sweep (one list when nothing sweeps); Hydra's own groups dropped."""
     choices, keys = [], []
@@ -83,7 +78,7 @@ def expand_jobs(overrides: list[str]) -> Iterator[list[str]]:
             choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
         else:
             choices.append([override.input_line])
-    if problem := override_key_problem(keys, config_groups()):
+    if problem := override_key_problem(keys, {p.name for p in CONF_DIR.iterdir() if p.is_dir()}):  # config groups
         raise ConfigError(problem)
     return (list(job) for job in itertools.product(*choices))
 

@@ -192,7 +192,8 @@ def run_worker(cfg_dict: dict, run_dir: str, watch: Watch | None = None) -> list
                                       store=start.store if start else None)
         watch_grid(watch, grid)
         watch.collective("start-up: agreeing on the run directory", "world", startup=True)
-        run_dir = agree_on_run_dir(run_dir, grid)
+        # Under torchrun each rank ran Hydra; rank 0's output directory is the run's one directory.
+        run_dir = broadcast_object(run_dir, None if grid.world_size == 1 else dist.group.WORLD, src=0)
         watch.run_dir = Path(run_dir)
         watch.enter("start-up: building model, engine and data")
         configure_worker_logging(Path(run_dir), grid.rank)
@@ -226,11 +227,6 @@ def configure_worker_logging(run_dir: Path, rank: int) -> None:
         handler.setFormatter(form)
         root.addHandler(handler)
     root.setLevel(logging.INFO)
-
-
-def agree_on_run_dir(run_dir: str, grid) -> str:
-    """Under torchrun each rank ran Hydra; rank 0's output directory is the run's one directory."""
-    return broadcast_object(run_dir, None if grid.world_size == 1 else dist.group.WORLD, src=0)
 
 
 def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
@@ -299,8 +295,7 @@ def launch_workers(node, attempt: int, cfg_dict: dict, run_dir: Path) -> None:
         monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=str(scratch / "agent")),
     )
     try:
-        elastic_launch(config, entrypoint=sys.executable)(str(WORKER_ENTRY), str(scratch / "config.json"),
-                                                          str(run_dir))
+        elastic_launch(config, entrypoint=sys.executable)(str(WORKER_ENTRY), str(scratch / "config.json"), str(run_dir))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

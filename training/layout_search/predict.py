@@ -82,11 +82,6 @@ def lowered_of(candidate: Candidate, num_layers: int, table_path: str | None = N
     return lower_pipeline(spec, num_layers)
 
 
-def _tp_allreduce(costs: MeasuredCosts, tp: int, nbytes: float) -> float:
-    """One TP all-reduce of `nbytes` (zero without TP)."""
-    return 0.0 if tp == 1 else costs.allreduce.time(nbytes)
-
-
 def _piece(costs: MeasuredCosts, name: str, scale: float) -> float:
     """Seconds of one piece (`layer_b.full`, `head_f`, ...) at `scale` times the profiled micro-batch."""
     field, _, mode = name.partition(".")
@@ -106,7 +101,7 @@ def stage_model(candidate: Candidate, pipeline: LoweredPipeline, costs: Measured
     c, n = candidate, pipeline.n_stages
     scale = c.micro_batch_size / costs.key["micro_batch_size"]
     act = costs.boundary_bytes * scale
-    tp_ar = _tp_allreduce(costs, c.tp, act)
+    tp_ar = 0.0 if c.tp == 1 else costs.allreduce.time(act)  # one TP all-reduce of the activations
     split_experts = c.ep > 1 and costs.layer_expert_params > 0
     a2a = (c.ep - 1) * costs.p2p.time(act * top_k / c.ep) if split_experts else 0.0
     layer_experts = costs.layer_expert_params // c.ep if split_experts else 0

@@ -118,7 +118,7 @@ class _Layer:
     def __init__(self, decoder: Decoder, seq_len: int):
         ((self.layer_id, self.layer),) = decoder.blocks()
         self.adapter = decoder.adapter
-        shape_of = torch.zeros(1, seq_len, decoder.config.hidden_size, device=_device_of(decoder))
+        shape_of = torch.zeros(1, seq_len, decoder.config.hidden_size, device=next(decoder.module.parameters()).device)
         positions = torch.arange(seq_len, device=shape_of.device)[None]
         self.inputs = self.adapter.layer_inputs(decoder.module.get_submodule(decoder.plan.base), shape_of, positions)
         self.params = list(self.layer.parameters())
@@ -152,10 +152,6 @@ class _Embed:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.adapter.embed(self.base, self.embed, ids)
-
-
-def _device_of(decoder: Decoder) -> torch.device:
-    return next(decoder.module.parameters()).device
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -264,8 +260,7 @@ def measure(cfg: DictConfig, key: dict, device: torch.device, dtype: torch.dtype
         log.warning("one CUDA device: transport not measured, communication predicted as free")
         return MeasuredCosts(key=key, **compute)
     transport = measure_transport(backend, threads, transport_sizes(compute["boundary_bytes"]))
-    return MeasuredCosts(key=key, p2p=Fit.of(transport["p2p"]), allreduce=Fit.of(transport["allreduce"]),
-                         **compute)
+    return MeasuredCosts(key=key, p2p=Fit.of(transport["p2p"]), allreduce=Fit.of(transport["allreduce"]), **compute)
 
 
 def run_setting(cfg: DictConfig, world_size: int | None = None) -> tuple[torch.device, torch.dtype, str, int]:

@@ -209,8 +209,7 @@ def rank_key(option: Option) -> tuple:
 
 def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Predictor = predict) -> SearchResult:
     """Enumerate, check, predict and rank every layout of `world_size` processes at the config's global batch."""
-    result = SearchResult(world_size, global_batch(cfg), OmegaConf.select(cfg, "parallel.memory_budget_gb"),
-                          predictor)
+    result = SearchResult(world_size, global_batch(cfg), OmegaConf.select(cfg, "parallel.memory_budget_gb"), predictor)
     problems: dict[tuple, str | None] = {}  # layout rules depend on the shape only: check each once
     for item in structures(cfg, world_size, costs):
         if isinstance(item, Rejected):

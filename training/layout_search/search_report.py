@@ -28,11 +28,6 @@ def short(candidate: Candidate) -> str:
             f"recompute={c.recompute} layers={split}")
 
 
-def override_line(candidate: Candidate) -> str:
-    """The Hydra overrides that select the candidate, as one command-line fragment."""
-    return " ".join(candidate.overrides())
-
-
 def table(result: SearchResult) -> list[str]:
     """The ranked table: fitting candidates by predicted step time, then those over the budget."""
     width = max((len(short(o.candidate)) for o in result.options[:TABLE_ROWS]), default=10)
@@ -58,7 +53,7 @@ def rejections(result: SearchResult) -> list[str]:
 
 def chosen(option: Option) -> str:
     """What the best candidate is and what it is predicted to do."""
-    return (f"{override_line(option.candidate)} (predicted {option.step_s:.4g} s/step, "
+    return (f"{' '.join(option.candidate.overrides())} (predicted {option.step_s:.4g} s/step, "
             f"peak {gib(option.peak)} per rank)")
 
 

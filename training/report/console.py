@@ -109,8 +109,7 @@ class TqdmHandler(logging.Handler):
 
 
 def _is_console(handler: logging.Handler) -> bool:
-    return (type(handler) is logging.StreamHandler
-            and getattr(handler, "stream", None) in (sys.stdout, sys.stderr))
+    return type(handler) is logging.StreamHandler and getattr(handler, "stream", None) in (sys.stdout, sys.stderr)
 
 
 @contextmanager

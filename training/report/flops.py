@@ -52,8 +52,7 @@ def process_peak_memory(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     status = Path("/proc/self/status")
     if status.exists():  # VmHWM: ru_maxrss survives exec and would count the launcher's memory at fork
-        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
-                    if line.startswith("VmHWM"))
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line.startswith("VmHWM"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
 

@@ -98,8 +98,7 @@ def load_teacher(path: str, device: torch.device) -> Decoder:
     if (Path(path) / "config.json").is_file() or is_pth(path):
         teacher = decoder_of(build_model(teacher_config(path)))
         expected = {name: tuple(t.shape) for name, t in teacher.module.state_dict().items()}
-        materialize_(teacher, dense_source(path, expected, teacher.plan.ties, teacher.config.model_type), 0, 1,
-                     device)
+        materialize_(teacher, dense_source(path, expected, teacher.plan.ties, teacher.config.model_type), 0, 1, device)
     else:
         state, meta = read_training_weights(path)
         if (lora := meta.get("lora")) is not None:

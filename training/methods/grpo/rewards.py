@@ -100,7 +100,6 @@ def score(functions: dict[str, RewardFn], prompts: list[str], completions: list[
             raise RewardError(f"grpo.rewards: {name} returned a value that is not a number at step {step}; return "
                               "one float per completion") from None
         if not all(math.isfinite(v) for v in values):
-            raise RewardError(f"grpo.rewards: {name} returned a non-finite value at step {step}; return finite "
-                              "floats")
+            raise RewardError(f"grpo.rewards: {name} returned a non-finite value at step {step}; return finite floats")
         totals = [t + v for t, v in zip(totals, values)]
     return totals

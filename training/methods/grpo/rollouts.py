@@ -36,8 +36,7 @@ def training_rows(tokens: torch.Tensor, prompt_mask: torch.Tensor, completion_ma
     completion = tokens[:, prompt:]
     pad = width - completion.shape[1]
     ids = torch.cat([tokens, completion.new_full((rows, pad), pad_id)], dim=1)
-    mask = torch.cat([torch.zeros_like(prompt_mask), completion_mask,
-                      completion_mask.new_zeros(rows, pad)], dim=1)
+    mask = torch.cat([torch.zeros_like(prompt_mask), completion_mask, completion_mask.new_zeros(rows, pad)], dim=1)
     labels = torch.where(mask, ids, IGNORE_INDEX)
     padding = (~prompt_mask).sum(dim=1)
     order = (torch.arange(ids.shape[1]) + padding[:, None]) % ids.shape[1]

@@ -39,7 +39,6 @@ class Scorer:
         if grid.rank == self.lead:
             self.functions = {reward_name(e): reward_function(e) for e in entries}
             if reward_model is not None:  # checked again here: before launch the embedded tokenizer may not exist
-
                 if problem := reward_model_problem(reward_model, tokenizer):
                     raise RewardError(problem)
                 self.functions["grpo.reward_model"] = RewardModel(reward_model, tokenizer, grid.device)
