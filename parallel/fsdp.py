@@ -14,7 +14,10 @@ group). The root owns no parameter: the chunk is never called as a module (the D
 root hooks never run and the pieces' groups gather their own weights.
 
 Gradients are reduced as a sum (the loss is already scaled by the global batch's tokens), once per step and stage,
-after that stage's last backward (`ShardedSync`); compute precision stays autocast's (`train.dtype`), so the gathered
+after that stage's last backward (`ShardedSync`); until then they accumulate unsharded. At zero=3 a layer's gathered
+weights are freed after each backward too (and gathered again by the next micro-batch's forward), so a step holds one
+layer's weights whole at a time; at zero=2, and on a stage whose backward is split into I and W (zero-bubble: W needs
+the gathered weights' gradients after I), they stay gathered until the stage's reduce. Compute precision stays autocast's (`train.dtype`), so the gathered
 weights keep the master dtype and every layout computes the same numbers.
 """
 
@@ -38,6 +41,14 @@ if TYPE_CHECKING:  # names in annotations only
     from parallel.pipeline.stage import Stage
 
 LEVELS = (2, 3)  # parallel.zero values that shard with FSDP (0 and 1 keep whole parameters)
+
+
+@dataclass(frozen=True)
+class ShardedStage:
+    """A stage's FSDP root, and whether its layers free their gathered weights after every backward (zero=3)."""
+
+    root: FSDPModule
+    reshard_each_backward: bool
 
 
 @dataclass(frozen=True)
@@ -94,11 +105,12 @@ def kept_whole(stages: dict[int, Stage]) -> set[nn.Parameter]:
 
 
 def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec,
-                 timeout: timedelta) -> dict[int, FSDPModule]:
+                 timeout: timedelta) -> dict[int, ShardedStage]:
     """Shard every stage this process holds (in stage order); return each stage's FSDP root."""
     meshes = shard_meshes(grid, spec.replicate, timeout)
     kept = kept_whole(stages)
-    return {index: _shard_chunk(stages[index], meshes, kept, spec) for index in sorted(stages)}
+    return {index: ShardedStage(_shard_chunk(stages[index], meshes, kept, spec),
+                                spec.level == 3 and stages[index].weight_grads is None) for index in sorted(stages)}
 
 
 def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spec: ShardSpec) -> FSDPModule:
@@ -136,12 +148,12 @@ def _marks(param: nn.Parameter) -> dict:
     return {k: v for k, v in vars(param).items() if not k.startswith("_")}
 
 
-def begin_step(roots: dict[int, FSDPModule]) -> None:
-    """Micro-batches accumulate unreduced, gathered gradients until each stage's last backward (`reduce_stage`)."""
-    for root in roots.values():
-        root.set_is_last_backward(False)
-        root.set_reshard_after_backward(False)
-        root.set_requires_gradient_sync(False)
+def begin_step(stages: dict[int, ShardedStage]) -> None:
+    """Micro-batches accumulate unreduced, unsharded gradients until each stage's last backward (`reduce_stage`)."""
+    for stage in stages.values():
+        stage.root.set_is_last_backward(False)
+        stage.root.set_reshard_after_backward(stage.reshard_each_backward)
+        stage.root.set_requires_gradient_sync(False)
 
 
 def reduce_stage(root: FSDPModule) -> None:

@@ -1,16 +1,14 @@
 """The gradient sync of a sharded step (`parallel.zero=2/3`): FSDP's reductions once per stage, beside the buckets.
 
 `GradientSync` still carries the step's loss sums and reduces the parameters FSDP keeps whole (`parallel.fsdp`);
-here each stage's FSDP gradients wait, gathered and unreduced, through every micro-batch, and are reduce-scattered
+here each stage's FSDP gradients wait, unsharded and unreduced, through every micro-batch, and are reduce-scattered
 right after that stage's final backward (its last B, or last W under I/W), as torch's pipelining does with
 `set_requires_gradient_sync`. Every DP rank of a stage runs the same actions, so the collectives match by order.
 """
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import FSDPModule
-
-from parallel.fsdp import begin_step, reduce_stage
+from parallel.fsdp import ShardedStage, begin_step, reduce_stage
 from parallel.grad_sync import GradientSync
 from parallel.pipeline.actions import Action
 
@@ -18,7 +16,7 @@ from parallel.pipeline.actions import Action
 class ShardedSync(GradientSync):
     """A `GradientSync` that also reduces each stage's FSDP gradients after its final backward."""
 
-    def __init__(self, *args, roots: dict[int, FSDPModule], **kwargs):
+    def __init__(self, *args, roots: dict[int, ShardedStage], **kwargs):
         super().__init__(*args, **kwargs)
         self.roots = roots  # stage -> its FSDP root
 
@@ -28,5 +26,5 @@ class ShardedSync(GradientSync):
 
     def after(self, action: Action) -> None:
         if self.final_actions.get(action.stage) == action and action.stage in self.roots:
-            reduce_stage(self.roots[action.stage])
+            reduce_stage(self.roots[action.stage].root)
         super().after(action)

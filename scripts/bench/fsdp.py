@@ -86,8 +86,8 @@ class Counted:
         return held_bytes(self.params, self.grads, self.step.optimizer)
 
     def before_reduce(self, root: FSDPModule) -> None:
-        self.in_step = max(self.in_step, held_now(self.params, self.step.optimizer,
-                                                  [m for r in self.step.engine.sharded.values() for m in r.modules()]))
+        modules = [m for stage in self.step.engine.sharded.values() for m in stage.root.modules()]
+        self.in_step = max(self.in_step, held_now(self.params, self.step.optimizer, modules))
 
     def __call__(self, micro: list) -> float:
         return self.step(micro)
