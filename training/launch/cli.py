@@ -28,9 +28,6 @@ INFO_FLAGS = {"--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--
 MULTIRUN_FLAGS = {"-m", "--multirun"}
 HYDRA_FLAGS = VALUE_FLAGS | INFO_FLAGS | MULTIRUN_FLAGS | {"--run", "-r", "--resolve", "--version"}
 
-__all__ = ["CONF_DIR", "explain_compose_error", "fail", "main", "preflight"]
-
-
 def fail(message: str) -> None:
     """Print one line and leave with the config-error exit code."""
     print(f"sluice: config error: {message}", file=sys.stderr)
@@ -138,9 +135,8 @@ def job_problems(job: list[str], world_size: int | None, multirun: bool, warning
 
 
 def preflight(argv: list[str]) -> None:
-    """Compose and validate every job of this command line; exit 2 with one line on the first problem.
-
-    Every job of a sweep is checked before Hydra starts the first one, so a bad value never runs half a sweep."""
+    """Compose and validate every job of this command line; exit 2 with one line on the first problem. Every job of a
+    sweep is checked before Hydra starts the first one, so a bad value never runs half a sweep."""
     if problem := minimind_flag_problem(argv, HYDRA_FLAGS):  # `--epochs 2`: MiniMind's habit, not Hydra's grammar
         fail(problem)
     flags, overrides = split_argv(argv)

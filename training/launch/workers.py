@@ -65,15 +65,14 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         validate(cfg, world_size)
         if problem := local_device_problem(cfg.parallel.backend, local_workers(world_size)):
             raise ConfigError(problem)  # CUDA would say 'invalid device ordinal' in the workers past the last GPU
-        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restart continues its own run
-        if is_launch_leader(os.environ) and first_start and (problem := run_dir_problem(
-                run_dir, cfg.checkpoint.resume, checkpoint_spec(cfg, run_dir).dir)):
-            raise ConfigError(problem)
-        if is_launch_leader(os.environ) and (problem := ownership_problem(checkpoint_spec(cfg, run_dir))):
-            raise ConfigError(problem)  # another run's checkpoint.dir: refused before any worker starts
-        if is_launch_leader(os.environ) and (problem := batch_change_problem(
-                cfg, checkpoint_spec(cfg, run_dir).dir, resolved_dp(cfg, world_size))):
-            raise ConfigError(problem)  # a resume at another global batch: its steps and data position would shift
+        if is_launch_leader(os.environ):  # the run directory and the checkpoints, before any worker starts
+            first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # a restart continues its own run
+            checkpoints = checkpoint_spec(cfg, run_dir)
+            problem = ((first_start and run_dir_problem(run_dir, cfg.checkpoint.resume, checkpoints.dir))
+                       or ownership_problem(checkpoints)  # another run's checkpoint.dir
+                       or batch_change_problem(cfg, checkpoints.dir, resolved_dp(cfg, world_size)))
+            if problem:  # batch_change_problem: a resume at another global batch would shift its steps and data
+                raise ConfigError(problem)
     except ConfigError as error:
         print(f"sluice: config error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -231,9 +230,8 @@ def configure_worker_logging(run_dir: Path, rank: int) -> None:
 
 def self_launch(cfg: DictConfig, world_size: int, run_dir: Path) -> None:
     """Start world_size local workers through the torchrun launcher API and wait for all of them; with
-    train.max_restarts, start them again after a failure, from the newest complete checkpoint.
-
-    A failure is reported once: the culprit's line, and with a timeout the merged hang summary."""
+    train.max_restarts, start them again after a failure, from the newest complete checkpoint. A failure is reported
+    once: the culprit's line, and with a timeout the merged hang summary."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -289,11 +287,10 @@ def launch_workers(node, attempt: int, cfg_dict: dict, run_dir: Path) -> None:
     # The agent's error files and the workers' config: ours to remove, not left in the system's temp folder.
     scratch = Path(tempfile.mkdtemp(prefix="sluice-launch-"))
     (scratch / "config.json").write_text(json.dumps(cfg_dict))
-    config = LaunchConfig(
-        min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=node.nproc_per_node,
-        run_id=f"{node.run_id}-{attempt}", rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint, max_restarts=0,
-        monitor_interval=0.1, logs_specs=DefaultLogsSpecs(log_dir=str(scratch / "agent")),
-    )
+    config = LaunchConfig(min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=node.nproc_per_node,
+                          run_id=f"{node.run_id}-{attempt}", rdzv_backend="c10d", rdzv_endpoint=node.rdzv_endpoint,
+                          max_restarts=0, monitor_interval=0.1,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(scratch / "agent")))
     try:
         elastic_launch(config, entrypoint=sys.executable)(str(WORKER_ENTRY), str(scratch / "config.json"), str(run_dir))
     finally:
