@@ -67,12 +67,11 @@ def kernel(params: list[torch.nn.Parameter]) -> dict[str, bool]:
 
 
 def prepare_fused_step(optimizer: torch.optim.Optimizer, *_) -> None:
-    """Before a fused step: each gradient made contiguous, and a resumed `step` count (loaded as a host scalar) moved
-    to its parameter's device as float32, where the fused kernel reads it; a no-op once so.
-
-    The fused kernel walks a gradient in memory order: given a non-contiguous one (a transposed or recomputed
-    view), torch 2.13's CPU kernel pairs the wrong elements (a transposed 300x70 gradient: 4e-3 relative error in
-    five steps; tests/test_gpu_ready.py); contiguous, the fused kernel sees what the loop sees."""
+    """Before a fused step: each gradient made contiguous, and a resumed `step` count (loaded as a host scalar) moved to
+    its parameter's device as float32, where the fused kernel reads it; a no-op once so. The fused kernel walks a
+    gradient in memory order: given a non-contiguous one (a transposed or recomputed view), torch 2.13's CPU kernel
+    pairs the wrong elements (a transposed 300x70 gradient: 4e-3 relative error in five steps; tests/test_gpu_ready.py);
+    contiguous, the fused kernel sees what the loop sees."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None and not param.grad.is_contiguous():

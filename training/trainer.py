@@ -58,11 +58,10 @@ def build_model(cfg: DictConfig) -> tuple[Decoder, WeightSource]:
 
 
 def seed_rng(seed: int, grid: ParallelGrid) -> None:
-    """Seed this rank's RNG (dropout draws from it) from train.seed and its (pp, dp) coordinate.
-
-    Every TP rank of a stage gets the same seed: they run the same ops on replicated activations (the embedding's
-    dropout), whose masks must agree, or the replicated parameters drift apart. DP replicas and pipeline stages get
-    their own streams, as a single process draws a fresh mask for every micro-batch and layer."""
+    """Seed this rank's RNG (dropout draws from it) from train.seed and its (pp, dp) coordinate. Every TP rank of a
+    stage gets the same seed: they run the same ops on replicated activations (the embedding's dropout), whose masks
+    must agree, or the replicated parameters drift apart. DP replicas and pipeline stages get their own streams, as a
+    single process draws a fresh mask for every micro-batch and layer."""
     torch.manual_seed(seed * 1_000_003 + grid.pp_rank * 1_009 + grid.dp_rank)
 
 
@@ -80,9 +79,7 @@ class Trainer:
     """One rank's training loop; every layout differs only in the engine it builds."""
 
     def __init__(self, cfg: DictConfig, grid: ParallelGrid, run_dir: Path, guard: StepGuard | None = None):
-        self.cfg = cfg
-        self.grid = grid
-        self.run_dir = Path(run_dir)
+        self.cfg, self.grid, self.run_dir = cfg, grid, Path(run_dir)
         self.guard = guard if guard is not None else StepGuard(cfg, grid)  # faults, hang watch, non-finite policy
         seed_rng(cfg.train.seed, grid)
         decoder, weights = build_model(cfg)
@@ -133,11 +130,10 @@ class Trainer:
     def fit(self, on_step: Callable[[int], None] | None = None,
             on_grads: Callable[[int], None] | None = None) -> list[float]:
         """Train for train.steps optimizer steps; return the per-step losses (the same on every rank).
-
-        `on_grads(step)` runs once the step's gradients are final and synchronised, before clipping;
-        `on_step(step)` runs after each optimizer step (tests use both to inspect gradients and weights).
-        SIGINT/SIGTERM (agreed by every rank in the step's vote) end the loop after that step: it is saved where
-        checkpointing is on, and Interrupted carries the exit status (130/143)."""
+        `on_grads(step)` runs once the step's gradients are final and synchronised, before clipping; `on_step(step)`
+        runs after each optimizer step (tests use both to inspect gradients and weights). SIGINT/SIGTERM (agreed by
+        every rank in the step's vote) end the loop after that step: it is saved where checkpointing is on, and
+        Interrupted carries the exit status (130/143)."""
         cfg, steps = self.cfg, self.cfg.train.steps
         first = self.checkpoints.resume()
         header = (run_header(cfg, self.data, self.grid.dp, self.grid.world_size, first, self.checkpoints.resumed_from)

@@ -16,9 +16,8 @@ def process_pp(cfg: DictConfig) -> int:
 
 def layout_world_size(cfg: DictConfig, launched: int | None = None) -> int:
     """Processes the layout needs, dp * tp * process_pp; checked against `launched` when a launcher chose it.
-
-    Without a launcher an unset parallel.dp means 1; under one, `parallel.spec.resolve_dp` (the rule's one
-    home, shared with the grid) derives it and refuses a world it does not fit."""
+    Without a launcher an unset parallel.dp means 1; under one, `parallel.spec.resolve_dp` (the rule's one home, shared
+    with the grid) derives it and refuses a world it does not fit."""
     p, pp = cfg.parallel, process_pp(cfg)
     if launched is None:
         return (p.dp or 1) * p.tp * pp
@@ -38,9 +37,8 @@ def resolved_dp(cfg: DictConfig, launched: int | None = None) -> int:
 
 
 def resolve_global_batch(cfg: DictConfig, launched: int | None = None) -> None:
-    """Set schedule.n_microbatches from train.global_batch_size (sequences per optimizer step), when that is set.
-
-    As in Megatron-LM the global batch wins: n_microbatches = global_batch_size / (dp * micro_batch_size)."""
+    """Set schedule.n_microbatches from train.global_batch_size (sequences per optimizer step), when that is set. As in
+    Megatron-LM the global batch wins: n_microbatches = global_batch_size / (dp * micro_batch_size)."""
     t = cfg.train
     if t.global_batch_size is None:
         return

@@ -147,7 +147,6 @@ def unlabeled_findings(spec: DataSpec, splits: Splits) -> list[Unlabeled]:
 def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
                ) -> tuple[StepBatches, PreTrainedTokenizerBase]:
     """The training step stream of DP replica `dp_rank` of `dp_size`, and the tokenizer, from the run config.
-
     `verbose` (pass True on one rank only) shows the tokenizing bar and the skipped-line count."""
     if run_data_spec(cfg).train_task == "grpo":  # prompts, held in memory: training.data.prompts
         spec = run_data_spec(cfg)
@@ -162,11 +161,8 @@ def build_data(cfg: Any, dp_rank: int, dp_size: int, *, verbose: bool = True
 
 
 def build_val_batches(cfg: Any, dp_rank: int, dp_size: int, n_batches: int) -> list[list[MicroBatch]]:
-    """Up to `n_batches` evaluation steps of held-out micro-batches for this DP replica.
-
-    Same contract as training without shuffling: eval step k covers held-out samples [k*G, (k+1)*G) in order,
-    replica d takes [k*G + d*M, k*G + (d+1)*M); so every layout with the same global batch sees the same set.
-    (Samples are pairs under DPO: a micro-batch holds micro_batch_size / 2 of them.)"""
+    """Up to `n_batches` evaluation steps of held-out micro-batches for this DP replica, in StepBatches' global order
+    without shuffling, so every layout with the same global batch sees the same set."""
     _, geo, _, splits = _prepare(cfg, verbose=False)
     if splits.val is None:
         raise DataError("validation needs a held-out split; set data.val_path=<file> or data.val_fraction>0")

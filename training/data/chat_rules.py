@@ -2,11 +2,10 @@
 
 MiniMind's chat template writes an empty `<think>\\n\\n</think>\\n\\n` before an assistant reply that has no reasoning;
 its datasets remove it from 80% of the rendered conversations (`post_processing_chat`, SFT and both DPO sides) and
-put a system prompt drawn from a list before 20% of the SFT conversations that have none (`pre_processing_chat`).
-`data.think`: `keep` (the template's text as it is), `drop` (always removed), `minimind` (removed with probability
-0.8); `data.system_prompts` (a list; none: no augmentation) with `data.system_ratio`. MiniMind draws anew each time a
-sample is read; here each row's draws are fixed by (`data.seed`, the row's number, the DPO side), so the cached tokens,
-every layout and a resumed run see the same samples, and the shares hold over the data set.
+put a system prompt drawn from a list before 20% of the SFT conversations that have none (`pre_processing_chat`);
+`data.think` and `data.system_prompts` choose (the schema says how). MiniMind draws anew each time a sample is read;
+here each row's draws are fixed by (`data.seed`, the row's number, the DPO side), so the cached tokens, every layout
+and a resumed run see the same samples, and the shares hold over the data set.
 """
 
 import random

@@ -94,10 +94,9 @@ class PackedSamples:
 
 
 class PaddedSamples:
-    """One sample per selected document, right-padded (MiniMind's datasets).
-
-    Text: `[bos] + tokens[:S-2] + [eos]`, labels = ids with pad ids set to -100 (MiniMind's PretrainDataset).
-    Chat: the rendered conversation cut to S tokens, labels only on assistant tokens (MiniMind's SFTDataset)."""
+    """One sample per selected document, right-padded (MiniMind's datasets). Text: `[bos] + tokens[:S-2] + [eos]`,
+    labels = ids with pad ids set to -100 (MiniMind's PretrainDataset). Chat: the rendered conversation cut to S
+    tokens, labels only on assistant tokens (MiniMind's SFTDataset)."""
 
     def __init__(self, docs: Documents, seq_len: int, pad_id: int, eos_id: int, doc_ids: np.ndarray | None = None):
         self.docs, self.seq_len, self.pad_id, self.eos_id = docs, seq_len, pad_id, eos_id

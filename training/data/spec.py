@@ -150,10 +150,7 @@ def rows_per_sample(cfg: Any) -> int:
 def geometry(cfg: Any) -> Geometry:
     """The batch geometry of a whole run config (train.* and schedule.n_microbatches)."""
     train, schedule = section(cfg, "train"), section(cfg, "schedule")
-    return Geometry(
-        seq_len=int(_field(train, "seq_len", "train")),
-        micro_batch_size=int(_field(train, "micro_batch_size", "train")),
-        n_microbatches=int(_field(schedule, "n_microbatches", "schedule")),
-        seed=int(_field(train, "seed", "train")),
-        rows_per_sample=rows_per_sample(cfg),
-    )
+    return Geometry(seq_len=int(_field(train, "seq_len", "train")),
+                    micro_batch_size=int(_field(train, "micro_batch_size", "train")),
+                    n_microbatches=int(_field(schedule, "n_microbatches", "schedule")),
+                    seed=int(_field(train, "seed", "train")), rows_per_sample=rows_per_sample(cfg))

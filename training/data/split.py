@@ -12,10 +12,9 @@ def val_count(n_docs: int, val_fraction: float) -> int:
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """(train document ids or None for all, validation document ids), both in file order.
-
-    The held-out documents are a seeded random subset (data.seed), so a file sorted by length or topic still
-    validates on a representative sample; whole documents, so no sequence straddles the two sides."""
+    """(train document ids or None for all, validation document ids), both in file order. The held-out documents are a
+    seeded random subset (data.seed), so a file sorted by length or topic still validates on a representative sample;
+    whole documents, so no sequence straddles the two sides."""
     k = val_count(n_docs, val_fraction)
     if k == 0:
         return None, np.empty(0, np.int64)

@@ -38,12 +38,10 @@ class StepBatches:
         self.num_samples, self.seq_len = len(samples), samples.seq_len
         self.skipped_lines = skipped_lines  # bad JSONL lines skipped with data.skip_bad_lines (for the metrics)
         if self.num_samples < self.global_batch_size:
-            raise DataError(
-                f"the data set has {self.num_samples} sequences of {self.seq_len} tokens, fewer than one global "
-                f"batch of {self.global_batch_size} = dp {dp_size} x schedule.n_microbatches {n_microbatches} x "
-                f"train.micro_batch_size {micro_batch_size}; use more data (data.num_docs or a larger "
-                f"data.path), a shorter train.seq_len, or a smaller global batch"
-            )
+            raise DataError(f"the data set has {self.num_samples} sequences of {self.seq_len} tokens, fewer than one "
+                            f"global batch of {self.global_batch_size} = dp {dp_size} x schedule.n_microbatches "
+                            f"{n_microbatches} x train.micro_batch_size {micro_batch_size}; use more data "
+                            "(data.num_docs or a larger data.path), a shorter train.seq_len, or a smaller global batch")
         self.position = 0  # global samples consumed: the start of the next step
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -69,10 +67,9 @@ class StepBatches:
         return self._indices(position + self.dp_rank * self.replica_batch_size, self.replica_batch_size)
 
     def global_tokens_at(self, position: int) -> int:
-        """Label tokens of the whole global step starting at `position`, every replica's share included.
-
-        Every replica knows the global order, so it counts them itself and the engine needs no collective
-        for the loss scale (free for packed text; other formats read the other replicas' rows too)."""
+        """Label tokens of the whole global step starting at `position`, every replica's share included. Every replica
+        knows the global order, so it counts them itself and the engine needs no collective for the loss scale (free for
+        packed text; other formats read the other replicas' rows too)."""
         return int(self.samples.label_counts(self._indices(position, self.global_batch_size)).sum())
 
     def batch_at(self, position: int) -> list[MicroBatch]:

@@ -155,9 +155,7 @@ class TableRows(RowReader):
 
     def __init__(self, table: Table, key: str, task: Task, skip_bad_lines: bool, limit: int | None = None):
         super().__init__(table.path, key, task, skip_bad_lines, limit)
-        self.table = table
-        self.rows_read = 0
-        self.total = table.num_rows
+        self.table, self.rows_read, self.total = table, 0, table.num_rows
 
     def progress(self) -> int:
         return self.rows_read

@@ -42,17 +42,12 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenize
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,  # listed first, so they get ids 0, 1, 2
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unk
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,  # listed first: ids 0, 1, 2
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable: no unk
+                                  show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=PAD_TOKEN,
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
+                                   pad_token=PAD_TOKEN, unk_token=PAD_TOKEN)
     fast.chat_template = CHATML_TEMPLATE
     return fast
 
@@ -108,11 +103,8 @@ EMBEDDED_TOKENIZER = "synthetic"
 
 
 def build_tokenizer(spec: DataSpec) -> PreTrainedTokenizerBase:
-    """The tokenizer of `spec`: loaded for "jsonl"; for "synthetic" (or data.tokenizer=synthetic) trained once by
-    one process and cached.
-
-    Concurrent ranks serialise on a lock file beside the cache folder: the first trains and saves, the others
-    wait and load its file (the OS releases the lock if the holder dies)."""
+    """The tokenizer of `spec`: loaded for "jsonl"; for "synthetic" (or data.tokenizer=synthetic) trained by the first
+    rank to take a lock file beside the cache folder and loaded by the others (the OS releases a dead holder's lock)."""
     if spec.name == "jsonl" and spec.tokenizer != EMBEDDED_TOKENIZER:
         if spec.tokenizer is None:
             raise DataError("data.tokenizer: not set; pass data.tokenizer=<folder with tokenizer.json>, or "

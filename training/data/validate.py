@@ -109,9 +109,8 @@ def _head_problem(spec: DataSpec, key: str, tokenizer: PreTrainedTokenizerBase |
 
 def _head_documents(rows: RowReader, tokenizer: PreTrainedTokenizerBase, spec: DataSpec, seq_len: int
                     ) -> tuple[Documents, bool]:
-    """The first rows encoded as the token cache encodes them, in memory, and whether they are the whole source.
-
-    One tokenizer call at most (its batch bounds the text), and a padded sample reads no further than seq_len."""
+    """The first rows encoded as the token cache encodes them, in memory, and whether they are the whole source: one
+    tokenizer call at most (its batch bounds the text), and a padded sample reads no further than seq_len."""
     keep = None if spec.format in PACKED_FORMATS else seq_len
     parts, masks = [], []
     remaining = iter(rows)
@@ -154,11 +153,10 @@ def _source_bound(spec: DataSpec, key: str, seq_len: int, fraction: float) -> tu
 
 
 def _synthetic_bounds(spec: DataSpec, seq_len: int, enough: int) -> tuple[int, int]:
-    """Upper bounds on (training, held-out) samples of the synthetic corpus, except that a count at or above
-    `enough` may be a lower bound: enough to pass, known from the document count without generating the corpus
-    (a pp=64 run of 10^5 documents would spend seconds writing text only to count it).
-
-    Byte-level BPE gives each whitespace-separated word at least one token and each byte at most one."""
+    """Upper bounds on (training, held-out) samples of the synthetic corpus, except that a count at or above `enough`
+    may be a lower bound: enough to pass, known from the document count without generating the corpus (a pp=64 run of
+    10^5 documents would spend seconds writing text only to count it). Byte-level BPE gives each whitespace-separated
+    word at least one token and each byte at most one."""
     train_ids, val_ids = split_documents(spec.num_docs, spec.val_fraction, spec.seed)
     n_train = spec.num_docs if train_ids is None else len(train_ids)
     if spec.format not in PACKED_FORMATS:

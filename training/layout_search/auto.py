@@ -33,9 +33,8 @@ def choose_layout(cfg: DictConfig, world_size: int) -> DictConfig:
 
 
 def agree_on_layout(cfg: DictConfig, rank: int, store: dist.Store | None = None) -> DictConfig:
-    """Under torchrun: rank 0 chooses and every rank applies its choice, so no two ranks run different layouts.
-
-    Joins the default process group (the grid reuses it); a rank-0 failure reaches every rank as its message."""
+    """Under torchrun: rank 0 chooses and every rank applies its choice, so no two ranks run different layouts. Joins
+    the default process group (the grid reuses it); a rank-0 failure reaches every rank as its message."""
     backend, device = resolve_backend(cfg.parallel.backend)
     if not dist.is_initialized():
         if device.type == "cuda":

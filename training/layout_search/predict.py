@@ -92,12 +92,11 @@ def _piece(costs: MeasuredCosts, name: str, scale: float) -> float:
 def stage_model(candidate: Candidate, pipeline: LoweredPipeline, costs: MeasuredCosts, tied: bool,
                 top_k: int = 1) -> StageModel:
     """Per-stage durations and bytes: layers x per-layer cost, the embedding on stage 0, the head on the last.
-
     Measured at tp=1 and the profiled micro-batch: compute (past its fixed part) and activations scale with it and
-    divide by tp; TP adds two activation all-reduces per layer in F and two in B (Megatron's f/g). EP keeps 1/ep of
-    each layer's experts and moves each token's `top_k` rows out and back: two all_to_alls per MoE layer in F and
-    two in B, each a 1/ep share of the rows to each of the ep-1 peers. The expert compute per rank is unchanged
-    (balanced routing: the rows of ep ranks for 1/ep of the experts)."""
+    divide by tp; TP adds two activation all-reduces per layer in F and two in B (Megatron's f/g). EP keeps 1/ep of each
+    layer's experts and moves each token's `top_k` rows out and back: two all_to_alls per MoE layer in F and two in B,
+    each a 1/ep share of the rows to each of the ep-1 peers. The expert compute per rank is unchanged (balanced routing:
+    the rows of ep ranks for 1/ep of the experts)."""
     c, n = candidate, pipeline.n_stages
     scale = c.micro_batch_size / costs.key["micro_batch_size"]
     act = costs.boundary_bytes * scale

@@ -274,9 +274,7 @@ def run_setting(cfg: DictConfig, world_size: int | None = None) -> tuple[torch.d
 
 def measured_costs(cfg: DictConfig, world_size: int | None = None, refresh: bool = False,
                    cached_only: bool = False) -> MeasuredCosts | None:
-    """The costs of `cfg`'s shape on this machine: from the cache, else measured now and cached.
-
-    `cached_only`: None rather than measuring (callers that must stay fast)."""
+    """The costs of `cfg`'s shape on this machine: from the cache, else measured now and cached (cached_only: None)."""
     device, dtype, backend, threads = run_setting(cfg, world_size)
     key = cost_key(cfg, device.type if device.type == "cpu" else torch.cuda.get_device_name(device),
                    str(dtype).removeprefix("torch."), backend, threads)

@@ -26,9 +26,8 @@ VIRTUAL_STAGES = (2, 4)  # vpp tried by the schedules that need virtual stages (
 
 @dataclass(frozen=True)
 class Option:
-    """A valid candidate with its predicted step and peaks; `fits` is False when its peak exceeds the budget.
-
-    The simulated timeline is not kept (at pp=64, m=1024 each holds millions of times): `timeline` redoes it."""
+    """A valid candidate with its predicted step and peaks; `fits` is False when its peak exceeds the budget. The
+    simulated timeline is not kept (at pp=64, m=1024 each holds millions of times): `timeline` redoes it."""
 
     candidate: Candidate
     step_s: float
@@ -201,9 +200,8 @@ def evaluate(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, result
 
 def rank_key(option: Option) -> tuple:
     """Fitting first, then faster; equal predictions (to 6 digits) prefer the larger micro-batch, then less memory.
-
-    Costs scale linearly with the micro-batch from the measured one, so m x b = constant predicts a tie; a real
-    device runs fewer, larger kernels no slower (per-kernel overheads), so the tie goes to the larger b."""
+    Costs scale linearly with the micro-batch from the measured one, so m x b = constant predicts a tie; a real device
+    runs fewer, larger kernels no slower (per-kernel overheads), so the tie goes to the larger b."""
     return not option.fits, float(f"{option.step_s:.6g}"), -option.candidate.micro_batch_size, option.peak
 
 

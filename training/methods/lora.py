@@ -151,10 +151,9 @@ def file_adapters(spec: LoraSpec, shapes: dict[str, tuple[int, int]], targets: s
 
 
 def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
-    """Freeze every parameter of `decoder` (a chunk, after TP and EP) and give each targeted linear its adapters,
-    their initial values drawn or (lora.init) read from the file, once per chunk.
-
-    A chunk may hold no target (the patterns name another stage's layers): it then trains nothing itself."""
+    """Freeze every parameter of `decoder` (a chunk, after TP and EP) and give each targeted linear its adapters, their
+    initial values drawn or (lora.init) read from the file, once per chunk. A chunk may hold no target (the patterns
+    name another stage's layers): it then trains nothing itself."""
     if not spec.enabled:
         return decoder
     styles = [(plan_pattern(key), style) for key, style in decoder.plan.tp_plan.items()]

@@ -22,9 +22,8 @@ from training.objectives.lm import sequence_logps
 @dataclass(frozen=True)
 class PreferenceLoss:
     """The DPO loss (MiniMind's train_dpo: summed log-probabilities, beta 0.1 there); rewards are beta * (pi - ref).
-
-    Sums per micro-batch: the loss, the chosen rewards, the rejected rewards, and the pairs whose chosen reward is
-    above the rejected one (float64)."""
+    Sums per micro-batch: the loss, the chosen rewards, the rejected rewards, and the pairs whose chosen reward is above
+    the rejected one (float64)."""
 
     beta: float
     width: ClassVar[int] = 4

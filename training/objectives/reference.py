@@ -59,10 +59,9 @@ def row_logps(engine: Engine, micro_batches: list[MicroBatch]) -> torch.Tensor:
 
 def reference_table(engine: Engine, stream: PairBatches, steps: int, grid: ParallelGrid) -> torch.Tensor:
     """[pairs, 2] float64: the summed label log-probability of each pair's chosen and rejected conversation under the
-    engine's current (starting) weights, for every pair the first `steps` steps read (NaN for the others).
-
-    The pairs go through in ascending order, one global batch of them per forward-only pass (the last one padded
-    with copies of its last pair, whose values are dropped): replica d takes its share as in a training step."""
+    engine's current (starting) weights, for every pair the first `steps` steps read (NaN for the others). The pairs go
+    through in ascending order, one global batch of them per forward-only pass (the last one padded with copies of its
+    last pair, whose values are dropped): replica d takes its share as in a training step."""
     needed = stream.pairs_read(steps)
     per_step, per_replica = stream.global_batch_size, stream.replica_batch_size
     order = torch.cat([needed, needed[-1:].repeat((-len(needed)) % per_step)])

@@ -79,12 +79,11 @@ def read_failures(run_dir: Path) -> list[dict]:
 
 
 def first_failure(run_dir: Path, killed: dict[int, str] | None = None) -> str | None:
-    """The cause of a failed group, as one line: the rank the heartbeats blame (its own line where it left one),
-    a rank killed by a signal (`killed`: rank -> signal name, as its launcher saw it), else the earliest line.
-
-    A rank the heartbeats saw stalled comes before the launcher's word (a stalled rank is ended by SIGKILL: "stalled
-    at step 7" says more than "died (SIGKILL)"). A rank they saw dead comes after it: the launcher saw which rank a
-    signal ended before it stopped the others, where a peer reading the heartbeats may find those others gone too."""
+    """The cause of a failed group, as one line: the rank the heartbeats blame (its own line where it left one), a rank
+    killed by a signal (`killed`: rank -> signal name, as its launcher saw it), else the earliest line. A rank the
+    heartbeats saw stalled comes before the launcher's word (a stalled rank is ended by SIGKILL: "stalled at step 7"
+    says more than "died (SIGKILL)"). A rank they saw dead comes after it: the launcher saw which rank a signal ended
+    before it stopped the others, where a peer reading the heartbeats may find those others gone too."""
     records = read_failures(run_dir)
     own = {r["rank"]: r for r in records}
     blamed = [r for r in records if r.get("culprit") is not None]

@@ -151,11 +151,10 @@ def _at(beat: Beat) -> str:
 
 def find_culprit(beats: dict[int, Beat], me: int, now: float, world_size: int, waited_s: float = 0.0
                  ) -> Culprit | None:
-    """The rank that stopped progressing, judged from every rank's last beat (`now` on the clock of their `time`);
-    None when the beats cannot say.
-
-    In order: a rank whose process is gone (this host), a rank whose beats stopped (the oldest), a rank busy with
-    local work rather than waiting for a peer (the longest, and for about as long as `me` has waited)."""
+    """The rank that stopped progressing, judged from every rank's last beat (`now` on the clock of their `time`); None
+    when the beats cannot say. In order: a rank whose process is gone (this host), a rank whose beats stopped (the
+    oldest), a rank busy with local work rather than waiting for a peer (the longest, and for about as long as `me` has
+    waited)."""
     here = socket.gethostname()
     others = [b for r, b in sorted(beats.items()) if r != me]
     # A rank killed by a signal before one that exits on its own: its peers exit too (their launcher stops them,

@@ -12,16 +12,14 @@ from parallel.collectives import all_gather_cat
 # substring of torch.cuda.get_device_name() wins, so the more specific names come first.
 BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
-    ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0),
-)
+    ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0))
 
 
 def flops_per_token(decoder, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L H Q T.
-
-    N counts the matmul weights a token meets (the family's `matmul_params_per_token`), L layers, H attention
-    heads, Q head dim, T the sequence length; attention scores are counted over the whole sequence (no causal
-    halving), as PaLM, Megatron-LM and torchtitan do, so MFU figures compare across those reports."""
+    """Training FLOPs per token (forward + backward), PaLM appendix B: 6 N + 12 L H Q T. N counts the matmul weights a
+    token meets (the family's `matmul_params_per_token`), L layers, H attention heads, Q head dim, T the sequence
+    length; attention scores are counted over the whole sequence (no causal halving), as PaLM, Megatron-LM and
+    torchtitan do, so MFU figures compare across those reports."""
     c = decoder.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 6.0 * decoder.adapter.matmul_params_per_token() + \

@@ -30,18 +30,13 @@ def peak_tflops_for(cfg: DictConfig, device) -> float | None:
 
 
 class MetricsLogger:
-    """Writes one record per logged step to every configured sink; a no-op on ranks other than 0.
-
-    Opening prints the run directory and the run's `header` lines, then starts the bar (at `start_step` when
-    resuming: metrics.jsonl keeps only the rows up to it, as the steps after it are done again); closing prints the
-    summary. `device` is the compute device (for the MFU peak); the world size is the process count, for per-device
-    TFLOP/s."""
+    """Writes one record per logged step to every configured sink; a no-op on ranks other than 0. Opening prints the run
+    directory and the run's `header` lines, then starts the bar (at `start_step` when resuming: metrics.jsonl keeps only
+    the rows up to it, as the steps after it are done again); closing prints the summary."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, enabled: bool, start_step: int = 0, device=None,
                  header: Sequence[str] = ()):
-        self.enabled = enabled
-        self.run_dir = Path(run_dir)
-        self.cfg = cfg
+        self.enabled, self.run_dir, self.cfg = enabled, Path(run_dir), cfg
         self.records: list[dict[str, Any]] = []
         self.start_step, self.steps = start_step, 0  # this run's steps, counted as the bar moves
         if not enabled:

@@ -27,7 +27,6 @@ TOKENS = "input_ids"  # the payload key: the micro-batch's token ids [B, S], the
 @dataclass(frozen=True, eq=False)
 class DistillLoss:
     """The distillation loss; its sums are the loss, the CE and the `T^2`-scaled KL, each summed over label tokens.
-
     `tp_group` / `tp_rank`: the student's logits are the vocabulary shard `tp_rank` of the group (None: whole)."""
 
     teacher: Decoder  # frozen, eval mode, on the compute device

@@ -64,12 +64,11 @@ def token_terms(logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, advan
 
 @dataclass(frozen=True)
 class GroupPolicyLoss:
-    """MiniMind's GRPO / CISPO loss, a mean over the completions of the global batch.
-
-    Sums per micro-batch (float64): the loss, the rewards and their squares, the advantages and their squares, the
-    reference KL `q - p` over completion tokens (MiniMind's logged `kl_ref`), the completion tokens, the clipped
-    tokens, the rows of zero-spread groups, and the rows' absolute losses (the loss is a sum of terms that cancel
-    within a group, whose advantages sum to 0: their size, not the loss's, says how near two layouts' losses are)."""
+    """MiniMind's GRPO / CISPO loss, a mean over the completions of the global batch. Sums per micro-batch (float64):
+    the loss, the rewards and their squares, the advantages and their squares, the reference KL `q - p` over completion
+    tokens (MiniMind's logged `kl_ref`), the completion tokens, the clipped tokens, the rows of zero-spread groups, and
+    the rows' absolute losses (the loss is a sum of terms that cancel within a group, whose advantages sum to 0: their
+    size, not the loss's, says how near two layouts' losses are)."""
 
     loss_type: str
     beta: float

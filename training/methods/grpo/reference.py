@@ -21,9 +21,8 @@ ROW = "row"  # the payload key: each row's place among the pass's rows [B] long
 
 @dataclass(frozen=True)
 class TokenLogps:
-    """A forward-only objective: each row's log-probabilities of its `tokens` completion positions (from its
-    `START`), at the row's place among `rows` (zeros elsewhere), so summing the micro-batches' values keeps every
-    value exact."""
+    """A forward-only objective: each row's log-probabilities of its `tokens` completion positions (from its `START`),
+    at the row's place among `rows` (zeros elsewhere), so summing the micro-batches' values keeps every value exact."""
 
     rows: int
     tokens: int

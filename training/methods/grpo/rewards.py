@@ -1,11 +1,8 @@
 """GRPO's rewards: MiniMind's rule rewards by name, any callable by Hydra `_target_`, summed per completion.
 
 The rules restate `calculate_rewards` and `rep_penalty` of MiniMind's trainer/train_grpo.py (jingyaogong/minimind):
-a completion of 20 to 800 characters (stripped) earns +0.5, else -0.5; one with a `</think>` gets +1.0 when its
-thinking part is 20 to 300 characters (stripped), else -0.5, and +0.25 when `</think>` appears once, else -0.25, and
-its answer is what follows the first `</think>`; the answer loses its repeated-trigram share (of lower-cased word and
-punctuation tokens) times 2 * 0.5, at most 0.5. A reward callable takes the prompts and the completions (two lists of
-strings, one prompt per completion) and returns one float per completion.
+the constants below are its ranges and rewards, `rule_reward` its arithmetic. A reward callable takes the prompts and
+the completions (two lists of strings, one prompt per completion) and returns one float per completion.
 """
 
 import math
