@@ -182,7 +182,8 @@ def test_a_7b_model_on_a_24_gb_host_is_refused_with_the_figure(monkeypatch, tmp_
         f"sluice: config error: the model (model=tiny, 6.74B parameters) needs about {need:.1f} GiB per rank "
         "(weights, gradients, AdamW state, activations at train.micro_batch_size=1 x train.seq_len=2048) but this "
         "host has 24.0 GiB available; use a smaller model, more GPUs or hosts (parallel.tp/pp split the weights), "
-        "parallel.zero=1, train.recompute=full or a smaller train.micro_batch_size, or set "
+        "parallel.zero=3 (with parallel.dp>=2: weights, gradients and AdamW state sharded over the DP ranks) or 1, "
+        "train.recompute=full or a smaller train.micro_batch_size, or set "
         "parallel.memory_budget_gb (GiB per rank) where this figure is wrong")
     assert not (tmp_path / "run").exists()
 

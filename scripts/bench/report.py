@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+from report_fsdp import fsdp_acceptance, fsdp_section
 from report_rollout import rollout_acceptance, rollout_section
 from report_speedups import compiled_section, sizes_section
 
@@ -61,7 +62,7 @@ def write(results_path: Path, doc_path: Path, command: str, root: Path) -> Path:
                   + (f" ({took})." if took else "."), ""]
     lines += _acceptance(r) + _sleep(r, doc_path, root) + _real(r) + _full_size(r) + _memory(r) + _overhead(r)
     lines += rollout_section(r)
-    lines += _transport(r) + _experts(r) + _data_parallel(r) + _fsdp(r) + _tensor_parallel(r) + _recompute(r)
+    lines += _transport(r) + _experts(r) + _data_parallel(r) + fsdp_section(r) + _tensor_parallel(r) + _recompute(r)
     lines += compiled_section(r)
     lines += sizes_section(r, doc_path, root, _machine(r))
     lines += ["## Method", "", METHOD]
@@ -117,18 +118,7 @@ def _acceptance(r: dict) -> list[str]:
         rows.append((f"Sluice {name} at most 1.00x {peer} in step time and peak memory, equal losses",
                      f"step {row['sluice_over_torch']:.3f}, memory {row['memory_over_torch']:.3f}",
                      row["sluice_over_torch"] <= 1.0 and row["memory_over_torch"] <= 1.0 and row["losses_equal"]))
-    if "fsdp" in r:
-        f = r["fsdp"]
-        held = {dp: t["rows"]["zero3"]["over_ideal"] for dp, t in f["memory"].items()}
-        rows.append((f"zero=3 per-rank parameters + gradients + AdamW within {f['goal']:.2f}x of zero=0's / dp "
-                     "(held between steps)", ", ".join(f"{dp} {v:.3f}" for dp, v in held.items()),
-                     all(t["goal_met"] for t in f["memory"].values())))
-        rows.append(("the same at the step's fullest moment (weights gathered, gradients accumulated unsharded)",
-                     ", ".join(f"{dp} {t['rows']['zero3']['in_step_over_ideal']:.3f}" for dp, t in f["memory"].items()),
-                     all(t["rows"]["zero3"]["in_step_over_ideal"] <= f["goal"] for t in f["memory"].values())))
-        s = f["step"]
-        rows.append((f"Sluice zero=3 at most 1.00x a `fully_shard` loop in step time (dp{s['dp']}), equal losses",
-                     f"{s['sluice_over_torch']:.3f}", s["sluice_over_torch"] <= 1.0 and s["losses_equal"]))
+    rows += fsdp_acceptance(r)
     if "tensor_parallel" in r:
         t = r["tensor_parallel"]
         rows.append((f"Sluice tp{t['tp']} at most 1.00x DTensor `parallelize_module` + `loss_parallel` in step time "
@@ -321,44 +311,6 @@ def _data_parallel(r: dict) -> list[str]:
                    f"{row['sluice_over_torch']:.3f} | {row['sluice_wins']} of {row['rounds']} | "
                    f"{row['peak_mib']['sluice']:.1f} | {row['peak_mib']['torch']:.1f} | {row['memory_over_torch']:.3f} |")
     return out + [""]
-
-
-def _fsdp(r: dict) -> list[str]:
-    f = r.get("fsdp")
-    if not f:
-        return []
-    s, step, grown = f["setup"], f["step"], f["peak_growth_mib"]
-    out = ["## Sharded data parallelism: `parallel.zero` 0 to 3", "",
-           f"MiniMind, {s['layers']} layers, hidden {s['hidden']}, vocab 6400 (tied), seq {s['seq']}, micro-batch size "
-           f"{s['micro_batch_size']}, {s['microbatches']} micro-batches per replica; fp32 on gloo "
-           "(`scripts/bench/fsdp.py`). Memory is counted tensor by tensor on each rank, a shard by its local part, "
-           "and the fullest rank is given: *held* is what a rank keeps from one step to the next (parameters, the "
-           "gradients as the backward left them, AdamW state); *in step* is the same count at the step's fullest "
-           "moment, at zero 2/3 just before a stage's gradients are reduce-scattered (its weights still gathered, "
-           "every micro-batch's gradients accumulated unsharded). The ideal is zero=0's held bytes / dp.", "",
-           "| variant | dp | params (MiB) | grads (MiB) | AdamW (MiB) | held (MiB) | held / ideal | in step (MiB) "
-           "| in step / ideal |", "|---|---|---|---|---|---|---|---|---|"]
-    for dp, table in f["memory"].items():
-        for name, v in table["rows"].items():
-            out.append(f"| {name} | {dp.removeprefix('dp')} | {v['params'] / MIB:.1f} | {v['grads'] / MIB:.1f} | "
-                       f"{v['optimizer'] / MIB:.1f} | {v['total'] / MIB:.1f} | {v['over_ideal']:.3f} | "
-                       f"{v['in_step'] / MIB:.1f} | {v['in_step_over_ideal']:.3f} |")
-        out.append(f"| `fully_shard` loop, before its last micro-batch | {dp.removeprefix('dp')} | | | | | | "
-                   f"{table['fully_shard_in_step'] / MIB:.1f} | {table['fully_shard_in_step_over_ideal']:.3f} |")
-    out += ["", f"Peak resident set above the process's before building the model, dp{f['peak_growth_dp']}, each "
-            "variant alone in fresh processes over three steps (activations and buffers included; glibc returning "
-            "freed memory at once): " + ", ".join(f"{k} {v:.1f} MiB" for k, v in grown.items()) + ".", "",
-            f"Step time at dp{step['dp']}: Sluice `parallel.zero=3` against the loop a user writes with FSDP2 "
-            "(`fully_shard` per decoder layer, then the model; `set_requires_gradient_sync` on the last micro-batch; "
-            "`clip_grad_norm_`; AdamW), alternated in the same processes "
-            f"({s['rounds']} rounds after {s['warmup']} warm-up).", "",
-            "| Sluice zero=3 (s) | `fully_shard` (s) | Sluice / torch | per-round ratio | Sluice faster in | "
-            "CPU s, Sluice / torch | first losses |", "|---|---|---|---|---|---|---|",
-            f"| {step['sluice_s']:.3f} | {step['torch_s']:.3f} | {step['sluice_over_torch']:.3f} | "
-            f"{step['ratio']:.3f} ± {step['spread']:.3f} | {step['sluice_wins']} of {step['rounds']} | "
-            f"{step['sluice_cpu_s']:.3f} / {step['torch_cpu_s']:.3f} | {step['first_loss']['sluice']:.6f} / "
-            f"{step['first_loss']['torch']:.6f} ({'equal' if step['losses_equal'] else '**not equal**'}) |", ""]
-    return out
 
 
 def _tensor_parallel(r: dict) -> list[str]:
