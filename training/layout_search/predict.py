@@ -182,19 +182,17 @@ def _zero_shards(cfg: DictConfig, replicas: int) -> int:
     return replicas if cfg.parallel.zero else 1
 
 
-def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int) -> tuple[float, float]:
-    """Bytes a dense and an EP-split expert parameter hold on a rank: weight, gradient and AdamW's two moments, each
-    divided by the ranks it is sharded over (`parallel.zero`: 1 shards the moments over the DP replicas, 2 the
-    gradient too, 3 the weight too, over dp / dp_replicate ranks, or dp / ep under EP; the experts stay whole at
-    2/3, FSDP keeping them out, and are summed and stepped as at zero=0)."""
+def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int, split: bool) -> tuple[float, float]:
+    """Bytes a dense and an EP-split expert parameter hold on a rank at the step's fullest moment: weight, gradient
+    and AdamW's moments (`parallel.zero`: 1 shards the moments over the DP replicas; 2/3 all three between steps, over
+    dp / dp_replicate ranks or dp / ep under EP, but a step accumulates the gradients whole until the stage's reduce
+    and, at 2 or on a `split` (I/W) stage, keeps the weights gathered too; experts stay whole, as at zero=0)."""
     c, zero = candidate, cfg.parallel.zero
-    if zero < 2:
-        held = param_bytes * 2  # the parameter and its gradient; AdamW's two moments are sharded under ZeRO-1
-        return held + ADAMW_STATE_BYTES / _zero_shards(cfg, c.dp), held + ADAMW_STATE_BYTES / _zero_shards(
-            cfg, c.dp // c.ep)
+    if zero < 2:  # weight and gradient whole; AdamW's two moments over the DP replicas (the experts' edp) at zero=1
+        return tuple(2 * param_bytes + ADAMW_STATE_BYTES / _zero_shards(cfg, n) for n in (c.dp, c.dp // c.ep))
     shards = c.dp // (c.ep if c.ep > 1 and c.dp > c.ep else cfg.parallel.dp_replicate)
-    weight = param_bytes / shards if zero == 3 else param_bytes
-    return weight + (param_bytes + ADAMW_STATE_BYTES) / shards, 2 * param_bytes + ADAMW_STATE_BYTES
+    gathered = param_bytes if zero == 2 or split else 0
+    return gathered + param_bytes * (1 + 1 / shards) + ADAMW_STATE_BYTES / shards, 2 * param_bytes + ADAMW_STATE_BYTES
 
 
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
@@ -211,7 +209,8 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
     post = after_pipeline(c, cfg, costs, rank_params, tied_copy, rank_experts)
     ends = [max(row, default=0.0) for row in sim.end]
     step = max(end + extra for end, extra in zip(ends, post))
-    dense_state, expert_state = state_bytes_per_param(cfg, c, costs.param_bytes)
-    peaks = tuple(int((n - e) * dense_state + e * expert_state) + live_peak(actions, model.saved, model.deferred)
-                  for n, e, actions in zip(rank_params, rank_experts, pipeline.lowered))
+    state = [state_bytes_per_param(cfg, c, costs.param_bytes, any(a.kind is I for a in actions))
+             for actions in pipeline.lowered]
+    peaks = tuple(int((n - e) * dense + e * expert) + live_peak(actions, model.saved, model.deferred)
+                  for n, e, (dense, expert), actions in zip(rank_params, rank_experts, state, pipeline.lowered))
     return Prediction(step_s=step, peak_bytes=peaks, sim=sim)
