@@ -13,11 +13,13 @@ EP-split experts (their stacked module is a container FSDP cannot wrap; they kee
 group). The root owns no parameter: the chunk is never called as a module (the Decoder calls its pieces), so FSDP's
 root hooks never run and the pieces' groups gather their own weights.
 
-Gradients are reduced as a sum (the loss is already scaled by the global batch's tokens), once per step and stage,
-after that stage's last backward (`ShardedSync`); until then they accumulate unsharded. At zero=3 a layer's gathered
-weights are freed after each backward too (and gathered again by the next micro-batch's forward), so a step holds one
-layer's weights whole at a time; at zero=2, and on a stage whose backward is split into I and W (zero-bubble: W needs
-the gathered weights' gradients after I), they stay gathered until the stage's reduce. Compute precision stays autocast's (`train.dtype`), so the gathered
+Gradients are reduced as a sum (the loss is already scaled by the global batch's tokens). At zero=3 each layer's
+gradients are reduce-scattered after every micro-batch's backward and accumulate as shards, and its gathered weights
+are freed after each forward and each backward: a step holds one layer's weights and gradients whole at a time, at
+the price of a gather per forward and backward and a reduce-scatter per micro-batch. At zero=2, and on a stage whose
+backward is split into I and W (zero-bubble: W's weight gradients come after I, where FSDP's hook runs), the weights
+stay gathered and the gradients accumulate unsharded until the stage's last backward, then are reduce-scattered once
+(`ShardedSync`, as torch's pipelining does). Compute precision stays autocast's (`train.dtype`), so the gathered
 weights keep the master dtype and every layout computes the same numbers.
 """
 
@@ -45,10 +47,10 @@ LEVELS = (2, 3)  # parallel.zero values that shard with FSDP (0 and 1 keep whole
 
 @dataclass(frozen=True)
 class ShardedStage:
-    """A stage's FSDP root, and whether its layers free their gathered weights after every backward (zero=3)."""
+    """A stage's FSDP root, and whether its layers reduce and reshard after every backward (zero=3, no I/W split)."""
 
     root: FSDPModule
-    reshard_each_backward: bool
+    per_microbatch: bool
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,12 @@ def _marks(param: nn.Parameter) -> dict:
 
 
 def begin_step(stages: dict[int, ShardedStage]) -> None:
-    """Micro-batches accumulate unreduced, unsharded gradients until each stage's last backward (`reduce_stage`)."""
+    """Each micro-batch reduces and reshards (`per_microbatch`), or the gradients accumulate unreduced and unsharded
+    and the weights stay gathered until the stage's last backward (`reduce_stage`)."""
     for stage in stages.values():
         stage.root.set_is_last_backward(False)
-        stage.root.set_reshard_after_backward(stage.reshard_each_backward)
-        stage.root.set_requires_gradient_sync(False)
+        stage.root.set_reshard_after_backward(stage.per_microbatch)
+        stage.root.set_requires_gradient_sync(stage.per_microbatch)
 
 
 def reduce_stage(root: FSDPModule) -> None:

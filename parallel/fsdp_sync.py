@@ -1,9 +1,10 @@
-"""The gradient sync of a sharded step (`parallel.zero=2/3`): FSDP's reductions once per stage, beside the buckets.
+"""The gradient sync of a sharded step (`parallel.zero=2/3`): FSDP's end of each stage's step, beside the buckets.
 
 `GradientSync` still carries the step's loss sums and reduces the parameters FSDP keeps whole (`parallel.fsdp`);
-here each stage's FSDP gradients wait, unsharded and unreduced, through every micro-batch, and are reduce-scattered
-right after that stage's final backward (its last B, or last W under I/W), as torch's pipelining does with
-`set_requires_gradient_sync`. Every DP rank of a stage runs the same actions, so the collectives match by order.
+here each stage's FSDP gradients are finished right after that stage's final backward (its last B, or last W under
+I/W): reduce-scattered there if they waited unsharded through the micro-batches (zero=2, or an I/W stage), as
+torch's pipelining does with `set_requires_gradient_sync`, else the per-micro-batch reductions awaited. Every DP rank
+of a stage runs the same actions, so the collectives match by order.
 """
 
 from __future__ import annotations

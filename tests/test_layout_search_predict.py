@@ -132,11 +132,11 @@ def test_ep_keeps_a_share_of_the_experts_and_pays_its_all_to_alls(tmp_path):
 @pytest.mark.parametrize("zero,replicate,per_param", [
     (0, 1, 4 + 4 + 8),  # weight, gradient, AdamW's two moments (fp32), all whole
     (1, 1, 4 + 4 + 8 / 4),  # ZeRO-1: the moments over dp=4
-    # FSDP at the step's fullest moment: the weight's shard, the gradient accumulated whole until the stage's reduce,
-    # the moments' shard; zero=2 keeps the weights gathered too (scripts/bench/fsdp.py measures the same counts)
+    # FSDP at the step's fullest moment: zero=2 keeps the weights gathered beside their shard and the gradient whole
+    # until the stage's reduce; zero=3 reduces and reshards every micro-batch (scripts/bench/fsdp.py counts the same)
     (2, 1, 4 + 4 / 4 + 4 + 8 / 4),
-    (3, 1, 4 / 4 + 4 + 8 / 4),
-    (3, 2, 4 / 2 + 4 + 8 / 2),  # HSDP: sharded within dp / dp_replicate = 2 ranks, replicated across
+    (3, 1, (4 + 4 + 8) / 4),  # the ideal 1/dp share
+    (3, 2, (4 + 4 + 8) / 2),  # HSDP: sharded within dp / dp_replicate = 2 ranks, replicated across
 ])
 def test_each_zero_level_divides_what_it_shards(tmp_path, zero, replicate, per_param):
     """The memory model's bytes per parameter at each parallel.zero level, at the step's fullest moment."""

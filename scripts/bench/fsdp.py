@@ -7,14 +7,18 @@ Memory is counted, not sampled: in `dp` workers each variant (the engine and opt
 steps, and this rank's bytes are summed tensor by tensor, a shard by its local part: parameters, the gradients as the
 backward left them (after FSDP's reduce-scatter: this rank's shard) and the AdamW state ("held": what a rank keeps
 from one step to the next). The ideal is zero=0's total / dp. "In step" is the same count at the step's fullest
-moment: at zero 2/3 just before a stage's gradients are reduce-scattered (`parallel.fsdp.reduce_stage`, after its
+moment: at zero=2 just before a stage's gradients are reduce-scattered (`parallel.fsdp.reduce_stage`, after its
 last backward), when the weights are still gathered and the gradients of every micro-batch accumulated unsharded; at
-zero 0/1 the held figure is the in-step one. Beside them at dp2, each of dp, zero1, zero3 and the fully_shard loop
-alone in two fresh processes: the fullest rank's peak resident set over three steps above what it held before
+zero=3 (reduced and resharded every micro-batch) at the same point, which leaves out the one layer whose weights and
+gradient are whole inside each forward and backward; at zero 0/1 the held figure is the in-step one. Beside them at
+dp2, each of dp, zero1, zero3 and the fully_shard loop (reducing every micro-batch) alone in two fresh processes:
+the fullest rank's peak resident set over three steps above what it held before
 building the model (activations and communication buffers included).
 
-Step time: Sluice zero=3 and the fully_shard loop live in the same two processes and take turns, one step each per
-round (A B, then B A) after a warm-up; the first losses must agree (rel 1e-5).
+Step time: Sluice zero=3 against the fully_shard loop that reduce-scatters after every micro-batch, as zero=3 does
+(FSDP's default), and zero=2 against the loop with `set_requires_gradient_sync` on the last micro-batch only, as
+zero=2 reduces once a step: all four live in the same two processes and take turns, one step each per round (the
+order turned every round) after a warm-up; the first losses must agree (rel 1e-5).
 
     python scripts/bench/fsdp.py [--smoke] [--rounds N] [--warmup N] [--results PATH]
 """
@@ -53,10 +57,12 @@ LOSS_RTOL = 1e-5
 
 class FullyShardStep(DDPStep):
     """What a PyTorch user writes with FSDP2: `fully_shard` on each decoder layer, then on the model (the tied
-    embedding and head in the root's group), `set_requires_gradient_sync` on the last micro-batch only, the loss
-    times dp (FSDP averages over the replicas, as DDP does), `clip_grad_norm_`, AdamW, `zero_grad`."""
+    embedding and head in the root's group), the loss times dp (FSDP averages over the replicas, as DDP does),
+    `clip_grad_norm_`, AdamW, `zero_grad`; gradients reduce-scattered after every micro-batch (FSDP's default) or,
+    `no_sync`, with `set_requires_gradient_sync` on the last micro-batch only."""
 
-    def __init__(self, setup: Setup, optim_cfg):
+    def __init__(self, setup: Setup, optim_cfg, no_sync: bool = True):
+        self.no_sync = no_sync
         super().__init__(setup, optim_cfg, zero=0)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -65,7 +71,7 @@ class FullyShardStep(DDPStep):
         return fully_shard(model)
 
     def accumulating(self, last: bool):
-        self.model.set_requires_gradient_sync(last)
+        self.model.set_requires_gradient_sync(last or not self.no_sync)
         return nullcontext()
 
 
@@ -165,17 +171,35 @@ def resident_worker(rank: int, world: int, setup: Setup, name: str) -> dict:
     init_gloo()
     optim_cfg = OmegaConf.structured(OptimSchema)
     grid = ParallelGrid.build(dp=world, tp=1, pp=1, backend="gloo", timeout_s=600)
-    build = (lambda: FullyShardStep(setup, optim_cfg)) if name == "fully_shard" else \
+    build = (lambda: FullyShardStep(setup, optim_cfg, no_sync=False)) if name == "fully_shard" else \
         (lambda: SluiceDP(setup, optim_cfg, grid, ZERO[name]))
     return {"peak_mib": peak_growth_mib(build, replica_batches(setup, rank, world))}
 
 
 def timing_worker(rank: int, world: int, setup: Setup) -> dict:
+    """zero=3 against the loop reducing every micro-batch as it does, zero=2 against the loop reducing once a step."""
     init_gloo()
     optim_cfg = OmegaConf.structured(OptimSchema)
     grid = ParallelGrid.build(dp=world, tp=1, pp=1, backend="gloo", timeout_s=600)
-    steps = {"sluice": SluiceDP(setup, optim_cfg, grid, ZERO["zero3"]), "torch": FullyShardStep(setup, optim_cfg)}
+    steps = {"zero3": SluiceDP(setup, optim_cfg, grid, ZERO["zero3"]),
+             "fully_shard": FullyShardStep(setup, optim_cfg, no_sync=False),
+             "zero2": SluiceDP(setup, optim_cfg, grid, ZERO["zero2"]),
+             "fully_shard_no_sync": FullyShardStep(setup, optim_cfg, no_sync=True)}
     return first_then_alternate(steps, replica_batches(setup, rank, world), setup.warmup, setup.rounds)
+
+
+PAIRS = {"zero3": "fully_shard", "zero2": "fully_shard_no_sync"}  # Sluice's level -> the loop reducing as it does
+
+
+def step_row(ours: dict, name: str) -> dict:
+    """One step-time comparison: medians, per-round ratio, wins and the first losses."""
+    peer = PAIRS[name]
+    sluice, torch_ = ours["times"][name], ours["times"][peer]
+    row = {**sluice.summary("sluice"), **torch_.summary("torch")}
+    losses = {"sluice": ours["first_loss"][name], "torch": ours["first_loss"][peer]}
+    return {"dp": TIMING_DP, "zero": ZERO[name], "peer": peer, "sluice_over_torch": row["sluice_s"] / row["torch_s"],
+            **ratio_and_spread(sluice.wall, torch_.wall), **row, **paired(row), "first_loss": losses,
+            "losses_equal": abs(losses["sluice"] - losses["torch"]) <= LOSS_RTOL * abs(losses["torch"])}
 
 
 def memory_table(by_rank: list[dict], dp: int) -> dict:
@@ -203,13 +227,8 @@ def main(argv: list[str]) -> dict:
     with freed_to_the_system():
         resident = {name: max(r["peak_mib"] for r in run_workers(resident_worker, TIMING_DP, setup, name,
                                                                    timeout=1800)) for name in RESIDENT}
-    row = {**ours["times"]["sluice"].summary("sluice"), **ours["times"]["torch"].summary("torch")}
-    losses = ours["first_loss"]
-    step = {"dp": TIMING_DP, "zero": ZERO["zero3"], "sluice_over_torch": row["sluice_s"] / row["torch_s"],
-            **ratio_and_spread(ours["times"]["sluice"].wall, ours["times"]["torch"].wall), **row, **paired(row),
-            "first_loss": losses, "losses_equal": abs(losses["sluice"] - losses["torch"]) <= LOSS_RTOL * abs(
-                losses["torch"])}
-    section = {"memory": memory, "goal": GOAL, "step": step, "peak_growth_mib": resident, "peak_growth_dp": TIMING_DP,
+    steps = {name: step_row(ours, name) for name in PAIRS}
+    section = {"memory": memory, "goal": GOAL, "steps": steps, "peak_growth_mib": resident, "peak_growth_dp": TIMING_DP,
                "bucket_mb": BUCKET_MB, "setup": asdict(setup)}
     update_results("fsdp", section, args.results)
     mib = 2**20
@@ -221,9 +240,10 @@ def main(argv: list[str]) -> dict:
         print(f"{dp} fully_shard loop before its last micro-batch: {table['fully_shard_in_step'] / mib:.1f} MiB "
               f"({table['fully_shard_in_step_over_ideal']:.3f}x)")
     print("dp2 peak resident growth: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in resident.items()))
-    print(f"dp2 zero3 vs fully_shard: sluice {step['sluice_s']:.3f} s, torch {step['torch_s']:.3f} s (ratio "
-          f"{step['sluice_over_torch']:.3f}, per-round median {step['ratio']:.3f} ± {step['spread']:.3f}, Sluice "
-          f"faster in {step['sluice_wins']} of {step['rounds']} rounds); first loss {losses}")
+    for name, step in steps.items():
+        print(f"dp2 {name} vs {step['peer']}: sluice {step['sluice_s']:.3f} s, torch {step['torch_s']:.3f} s (ratio "
+              f"{step['sluice_over_torch']:.3f}, per-round median {step['ratio']:.3f} ± {step['spread']:.3f}, Sluice "
+              f"faster in {step['sluice_wins']} of {step['rounds']} rounds); first loss {step['first_loss']}")
     return section
 
 

@@ -183,16 +183,17 @@ def _zero_shards(cfg: DictConfig, replicas: int) -> int:
 
 
 def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int, split: bool) -> tuple[float, float]:
-    """Bytes a dense and an EP-split expert parameter hold on a rank at the step's fullest moment: weight, gradient
-    and AdamW's moments (`parallel.zero`: 1 shards the moments over the DP replicas; 2/3 all three between steps, over
-    dp / dp_replicate ranks or dp / ep under EP, but a step accumulates the gradients whole until the stage's reduce
-    and, at 2 or on a `split` (I/W) stage, keeps the weights gathered too; experts stay whole, as at zero=0)."""
+    """Bytes a dense and an EP-split expert parameter hold on a rank at the step's fullest moment: weight, gradient,
+    AdamW's moments (`parallel.zero` 1 shards the moments over the DP replicas; 3 all three over dp / dp_replicate
+    ranks, or dp / ep under EP; 2 and a `split` (I/W) stage hold more in the step; experts stay whole)."""
     c, zero = candidate, cfg.parallel.zero
     if zero < 2:  # weight and gradient whole; AdamW's two moments over the DP replicas (the experts' edp) at zero=1
         return tuple(2 * param_bytes + ADAMW_STATE_BYTES / _zero_shards(cfg, n) for n in (c.dp, c.dp // c.ep))
     shards = c.dp // (c.ep if c.ep > 1 and c.dp > c.ep else cfg.parallel.dp_replicate)
-    gathered = param_bytes if zero == 2 or split else 0
-    return gathered + param_bytes * (1 + 1 / shards) + ADAMW_STATE_BYTES / shards, 2 * param_bytes + ADAMW_STATE_BYTES
+    expert = 2 * param_bytes + ADAMW_STATE_BYTES
+    if zero == 2 or split:  # the weights gathered beside their shards, the gradients whole until the stage's reduce
+        return 2 * param_bytes + (param_bytes + ADAMW_STATE_BYTES) / shards, expert
+    return expert / shards, expert  # zero=3 reduces and reshards every micro-batch (one layer whole at a time)
 
 
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
