@@ -90,9 +90,9 @@ class ParallelSchema:
     zero: int = key(0, "`1`: shard the optimizer state over the DP group (ZeRO-1, torch's "
                        "`ZeroRedundancyOptimizer`); with `parallel.ep > 1` the experts' state over the DP ranks "
                        "holding the same experts; `2` and `3`: parameters, gradients and optimizer state (torch's "
-                       "FSDP2 `fully_shard` per decoder layer), 1/dp of each held between steps; within a step `2` "
-                       "gathers a layer's weights once, `3` frees them after each forward and gathers them again "
-                       "(what each saves and when to choose it: [concepts](concepts.md#sharded-data-parallelism))",
+                       "FSDP2 `fully_shard` per decoder layer), 1/dp of each held between steps; in a step `2` "
+                       "gathers a layer once and reduces once, `3` gathers per pass and reduces per micro-batch (what "
+                       "each saves and when to choose it: [concepts](concepts.md#sharded-data-parallelism))",
                     one_of(0, 1, 2, 3))
     dp_replicate: int = key(1, "with `parallel.zero=2/3`: DP replicas of the shards (HSDP: shard within a group of "
                                "dp / dp_replicate ranks, replicate across groups); must divide the DP size", positive)
