@@ -18,6 +18,7 @@ ratios Sluice / peer and their spread (half the interquartile range of those rat
 
 from __future__ import annotations
 
+import argparse
 import sys
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -179,13 +180,16 @@ def comparison(name: str, ours: dict, memory: dict) -> dict:
             "losses_equal": abs(losses["sluice"] - losses["torch"]) <= 1e-5 * abs(losses["torch"])}
 
 
-def main(argv: list[str]) -> dict:
-    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=6, warmup=1)
-    args = parser.parse_args(argv)
+def parsed_setup(doc: str, argv: list[str]) -> tuple[argparse.Namespace, Setup]:
+    """A data-parallel benchmark's options and model: MiniMind 8 x 512 at seq 128, or a tiny one with --smoke."""
+    args = bench_parser(doc, "tiny model, 1 round: checks the script works", rounds=6, warmup=1).parse_args(argv)
     if args.smoke:
-        setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
-    else:
-        setup = Setup(8, 512, 128, 2, 4, args.warmup, args.rounds)
+        return args, Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
+    return args, Setup(8, 512, 128, 2, 4, args.warmup, args.rounds)
+
+
+def main(argv: list[str]) -> dict:
+    args, setup = parsed_setup(__doc__, argv)
     ours = run_workers(timing_worker, DP, setup, timeout=1800)[0]
     with freed_to_the_system():
         memory = {f"{name}_{side}": max(r["peak_mib"] for r in run_workers(memory_worker, DP, setup,

@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import freed_to_the_system, grad_bytes, held_bytes, init_gloo, peak_growth_mib, run_workers  # noqa: E402
-from data_parallel import BUCKET_MB, DDPStep, SluiceDP, replica_batches  # noqa: E402
-from harness import bench_parser, first_then_alternate, paired, ratio_and_spread, update_results  # noqa: E402
+from data_parallel import BUCKET_MB, DDPStep, SluiceDP, parsed_setup, replica_batches  # noqa: E402
+from harness import first_then_alternate, paired, ratio_and_spread, update_results  # noqa: E402
 from vs_torch import Setup  # noqa: E402
 
 import torch  # noqa: E402
@@ -216,12 +216,7 @@ def memory_table(by_rank: list[dict], dp: int) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    parser = bench_parser(__doc__, "tiny model, 1 round: checks the script works", rounds=6, warmup=1)
-    args = parser.parse_args(argv)
-    if args.smoke:
-        setup = Setup(layers=2, hidden=64, seq=16, micro_batch_size=1, microbatches=2, warmup=1, rounds=1)
-    else:
-        setup = Setup(8, 512, 128, 2, 4, args.warmup, args.rounds)
+    args, setup = parsed_setup(__doc__, argv)
     memory = {f"dp{dp}": memory_table(run_workers(memory_worker, dp, setup, timeout=1800), dp) for dp in DPS}
     ours = run_workers(timing_worker, TIMING_DP, setup, timeout=1800)[0]
     with freed_to_the_system():
