@@ -160,14 +160,15 @@ def pth_path(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE) -> P
 PTH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # export_hf.py --pth-dtype
 
 
-def save_pth(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE, dtype: torch.dtype = torch.float16) -> Path:
+def save_pth(model: nn.Module, out: str | Path, stage: str = DEFAULT_STAGE, dtype: torch.dtype = torch.float16,
+             what: str = "export") -> Path:
     """A plain state_dict file, every key present (tied head included), as MiniMind's loader expects; its floating
-    tensors in `dtype` (fp16, as MiniMind saves them: half the bytes of fp32)."""
+    tensors in `dtype` (fp16, as MiniMind saves them: half the bytes of fp32); `what` names the writer in errors."""
     path = pth_path(model, out, stage)
-    output_folder(path.parent, "export")
+    output_folder(path.parent, what)
     weights = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).clone().contiguous()
                for k, v in model.state_dict().items()}
-    save_torch(weights, path, "export")
+    save_torch(weights, path, what)
     return path
 
 
@@ -195,6 +196,6 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapte
         state = merge_adapters(state, lora["alpha"] / lora["rank"])
     model = build_model(meta["model"], state)
     if fmt == "pth":
-        return save_pth(model, out, stage_name(meta), pth_dtype)  # named by the run's task: full_sft_<hidden>.pth after SFT
+        return save_pth(model, out, stage_name(meta), pth_dtype)  # by the run's task: full_sft_<hidden>.pth after SFT
     folder = locate(path)
     return save_hf_folder(model, out, folder / TOKENIZER, root=folder, fmt=fmt)  # a tokenizer link stays inside

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.atomic_write import output_folder, save_torch
-from checkpoint.export import build_model, read_training_weights
+from checkpoint.export import build_model, read_training_weights, save_pth
 from checkpoint.lora_merge import merge_adapters
-from checkpoint.stage_names import stage_file, stage_name
+from checkpoint.stage_names import stage_name
 
 OUT = "out"  # MiniMind's --save_dir, inside the run directory
 
@@ -28,10 +27,5 @@ def write_stage_weights(checkpoint: Path, out_dir: Path, dtype: torch.dtype = to
     state, meta = read_training_weights(checkpoint)
     if (lora := meta.get("lora")) is not None:
         state = merge_adapters(state, lora["alpha"] / lora["rank"])
-    model = build_model(meta["model"], state)
-    path = Path(out_dir) / stage_file(stage_name(meta), model.config)
-    output_folder(path.parent, "checkpoint.export_pth")
-    weights = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    save_torch(weights, path, "checkpoint.export_pth")
-    return path
+    return save_pth(build_model(meta["model"], state), out_dir, stage_name(meta), dtype, what="checkpoint.export_pth")
 

@@ -13,7 +13,8 @@ own config.json gives it (model.hf_config=HF_DIR, unless model overrides are giv
 Qwen3-MoE (checked on the weights: same keys, same logits), so `AutoModelForCausalLM.from_pretrained(OUT)` and
 `AutoTokenizer.from_pretrained(OUT)` load it without custom code; --format minimind writes MiniMind's own classes
 (load with trust_remote_code=True); --format pth a MiniMind state_dict (fp16 as MiniMind's; --pth-dtype fp32 keeps
-every trained bit) named as MiniMind names the run's stage (pretrain_<hidden>.pth, full_sft_<hidden>.pth, dpo_..., grpo_..., full_dist_...; a dense source: pretrain_...).
+every trained bit) named as MiniMind names the run's stage (pretrain_<hidden>.pth, full_sft_<hidden>.pth, dpo_...,
+grpo_..., full_dist_...; a dense source: pretrain_...).
 A LoRA run's checkpoint exports its adapters merged into the weights; --adapters-only writes them alone: a PEFT
 folder (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained(base, OUT)`, or with
 --format pth MiniMind's LoRA .pth for its `apply_lora(model)` then `load_lora(model, OUT)`.
@@ -130,7 +131,8 @@ def main(argv: list[str]) -> int:
         elif args.adapters_only:
             parser.error("--adapters-only exports a LoRA run's training checkpoint; dense weights hold no adapters")
         else:
-            out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides, PTH_DTYPES[args.pth_dtype])
+            out = export_dense(args.source, args.out, args.format, args.tokenizer, overrides,
+                               PTH_DTYPES[args.pth_dtype])
     except (CheckpointError, ModelError) as error:
         print(f"export_hf: {error}", file=sys.stderr)
         return 2
