@@ -14,7 +14,7 @@ from training.launch.cli import preflight
 from training.config import ConfigError, register_schema
 from training.reliability.faults import parse_fault
 from training.config.layout import layout_world_size, process_pp
-from training.config.unknown_keys import nearest_key
+from training.config.run_model import nearest_key
 
 TINY = ["model=tiny"]
 PP2 = ["model=tiny", "parallel.pp=2"]

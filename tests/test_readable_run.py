@@ -17,7 +17,7 @@ from parallel.step import IGNORE_INDEX
 from tests.conftest import ROOT
 from tests.equivalence import compose_run_config
 from training.config.schema import compose_config, model_config
-from training.config.unknown_keys import unknown_key
+from training.config.run_model import unknown_key
 from training.data import build_data, build_tokenizer, run_data_spec
 from training.data.jsonl import parse_row
 from training.data.rows import TASKS

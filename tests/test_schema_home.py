@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
+from pydantic import ValidationError
 
 from minimind.config import MiniMindConfig
 from tests.conftest import ROOT
 from training.config.key_docs import key_table, run_defaults, write_tables
-from training.config.schema import CONF_DIR, schema_keys
+from training.config.run_model import section_model
+from training.config.schema import CONF_DIR, schema_keys, schema_sections
 
 DOC = ROOT / "docs" / "configuration.md"
 CODE = ["training", "parallel", "checkpoint", "models", "minimind", "scripts", "train.py"]
@@ -75,6 +78,20 @@ def test_the_committed_docs_tables_are_the_schemas():
 def test_every_key_has_a_meaning_and_a_rule():
     for key in schema_keys():
         assert key.meaning.strip() and callable(key.rule), key.name
+
+
+def test_the_run_model_is_the_schema_checked_by_pydantic():
+    """One schema: the pydantic model has exactly its sections and keys, forbids others and raises each rule's line."""
+    model = section_model()
+    assert tuple(model.model_fields) == schema_sections()
+    leaves = [f"{s}.{k}" for s, f in model.model_fields.items() for k in f.annotation.model_fields]
+    assert leaves == [key.name for key in schema_keys()]
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate({"train": {"steps": 0, "stepz": 1}, "zzz": {}})
+    assert [(e["type"], e["loc"], e["msg"]) for e in refused.value.errors()] == [
+        ("sluice_rule", ("train", "steps"), "train.steps=0 must be positive; set train.steps to a value > 0"),
+        ("extra_forbidden", ("train", "stepz"), "Extra inputs are not permitted"),
+        ("extra_forbidden", ("zzz",), "Extra inputs are not permitted")]
 
 
 def schema_default(leaf: str, value: object) -> str | None:

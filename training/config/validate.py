@@ -1,6 +1,7 @@
 """validate(cfg): the whole pre-launch check. It reads files and writes none; it fills in the values other keys
 derive (schedule.n_microbatches from train.global_batch_size, parallel.layers_per_stage=auto). Each key's own rule
-sits beside it in the schema; this module applies those and holds the rules that relate several keys.
+sits beside it in the schema, applied by pydantic (`training.config.run_model`); this module holds the rules that
+relate several keys.
 
 One verb: a pre-launch check is `<what>_problem(...) -> str | None`, the one line naming what is wrong and the
 fix, or None; `validate` (and `training.launch.cli.preflight` for what only the command line knows) collects
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config.schema import model_config, model_keys, schema_keys, model_decoder
-from training.config.unknown_keys import unknown_key_problem
+from training.config.run_model import run_config_problem
 from training.rules.values import ConfigError, shown
 from training.config.layout import resolve_global_batch, resolved_dp
 from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem, zero_problem
@@ -53,14 +54,6 @@ def _out_of_scope(cfg: DictConfig) -> Iterator[tuple[bool, str]]:
                        f"{'|'.join(map(str, scope.values))} (here {scope.switch}={state})")
             yield scope.refuse, (f"{problem}; drop {key.name} or change {scope.switch}" if scope.refuse
                                  else f"{problem}; it is ignored")
-
-
-def key_problem(cfg: DictConfig) -> str | None:
-    """The first key that breaks its schema rule or is set outside its scope where that is refused."""
-    for key in schema_keys():
-        if problem := key.rule(key.name, OmegaConf.select(cfg, key.name)):
-            return problem
-    return next((line for refused, line in _out_of_scope(cfg) if refused), None)
 
 
 def model_problem(cfg: DictConfig) -> str | None:
@@ -229,9 +222,9 @@ def checkpoint_problem(cfg: DictConfig) -> str | None:
 def problems(cfg: DictConfig, world_size: int | None = None) -> Iterator[str | None]:
     """Every pre-launch check in order, each run only once the ones before it passed (later ones read what earlier
     ones vouch for); the values derived from other keys are filled in on the way."""
-    yield unknown_key_problem(cfg)
     yield resolvable_problem(cfg)
-    yield key_problem(cfg)
+    yield run_config_problem(cfg)  # keys outside the schema, then each key's own rule
+    yield next((line for refused, line in _out_of_scope(cfg) if refused), None)  # a key read elsewhere only
     yield model_problem(cfg)
     yield train_problem(cfg)
     yield logger_problem(cfg)  # wandb credentials and modes: the logger module's own rule

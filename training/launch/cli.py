@@ -16,7 +16,7 @@ from training.config.presets import group_presets
 from training.config.schema import compose_config
 from training.config.minimind_args import minimind_flag_problem
 from training.config.run_length import length_problem
-from training.config.unknown_keys import override_key_problem
+from training.config.run_model import override_key_problem
 from training.config.output_paths import output_dir_problem
 
 EXIT_CONFIG_ERROR = 2

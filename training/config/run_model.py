@@ -1,10 +1,19 @@
-"""Strict keys: every key outside the schema is refused, `+` or not, with the nearest valid key suggested."""
+"""The run config's keys and values checked by pydantic: one model per schema section, built from the dataclasses
+Hydra composes (`training.config.schema`, so there is one schema), with `extra='forbid'` refusing every key outside it
+(`+` or not, the nearest valid key suggested) and each key's value rule (`training.rules.values`) as its field
+validator, whose line is the message. Rules that relate several keys live in `training.config.validate`."""
 
+import dataclasses
 from difflib import SequenceMatcher
+from functools import cache
+from typing import Annotated, Any
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic_core import PydanticCustomError
 
-from training.config.schema import schema_defaults, schema_sections
+from training.config.schema import RunSchema, schema_defaults, schema_sections
+from training.rules.values import Rule
 
 
 # Names other trainers (Megatron-LM, HF Trainer, torchtitan) use for a schema key: spelling is no guide there.
@@ -57,17 +66,35 @@ def override_key_problem(keys: list[str], groups: set[str]) -> str | None:
     return None
 
 
-def unknown_key_problem(cfg: DictConfig) -> str | None:
-    """The first key of a composed config that the schema does not declare (one added with `+`, say)."""
-    known, sections = set(schema_defaults()), set(schema_sections())
-    for section in cfg.keys():
-        if section == "hydra":
-            continue
-        if section not in sections:
-            return unknown_key(str(section))
-        node = cfg._get_node(section)
-        if isinstance(node, DictConfig):
-            for leaf in node.keys():
-                if f"{section}.{leaf}" not in known:
-                    return unknown_key(f"{section}.{leaf}")
+def _validator(name: str, rule: Rule) -> AfterValidator:
+    """A schema key's rule as a pydantic field validator raising the rule's line (a MISSING value reads as None)."""
+    def check(value: Any) -> Any:
+        if problem := rule(name, None if value == MISSING else value):
+            raise PydanticCustomError("sluice_rule", "{line}", {"line": problem})
+        return value
+    return AfterValidator(check)
+
+
+@cache
+def section_model(node: type = RunSchema, prefix: str = "") -> type[BaseModel]:
+    """The pydantic model of a schema dataclass: its sections nested, its keys typed by the schema and checked by
+    their rules (OmegaConf already enforced the types while composing)."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(node):
+        if dataclasses.is_dataclass(f.type):
+            fields[f.name] = (section_model(f.type, f"{prefix}{f.name}."), Field(default_factory=dict))
+        else:
+            fields[f.name] = (Annotated[Any, _validator(f"{prefix}{f.name}", f.metadata["rule"])], None)
+    return create_model(node.__name__, __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def run_config_problem(cfg: DictConfig) -> str | None:
+    """The first key of a resolved run config outside the schema (those first), else the first value breaking its
+    key's rule, in declaration order; None when every key and value passes."""
+    values = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    try:
+        section_model().model_validate(values)
+    except ValidationError as error:
+        first = min(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
+        return unknown_key(".".join(map(str, first["loc"]))) if first["type"] == "extra_forbidden" else first["msg"]
     return None
