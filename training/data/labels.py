@@ -22,15 +22,6 @@ def spread(n: int, limit: int = SAMPLED) -> torch.Tensor:
         torch.empty(0, dtype=torch.int64)
 
 
-def unlabeled_share(samples: Samples, limit: int = SAMPLED) -> tuple[float, int]:
-    """The share of samples whose labels all lie beyond seq_len (a chat cut before its first assistant token),
-    judged on up to `limit` evenly spaced samples; and how many were looked at."""
-    index = spread(len(samples), limit)
-    if len(index) == 0:
-        return 0.0, 0
-    return float((samples.label_counts(index) == 0).double().mean()), len(index)
-
-
 def percent(share: float) -> str:
     """A share as a percentage that never reads 0% or 100% unless it is."""
     shown = f"{share:.0%}"
@@ -75,14 +66,13 @@ def unlabeled(samples: Samples, key: str, held_out: bool, preference: bool, limi
     """The unlabeled share of a split: of its chat samples, or of each side of its DPO pairs (`samples.rows`, chosen
     at even rows, rejected at odd ones) apart, as a side that is all beyond seq_len leaves the pairs with nothing to
     compare even while the other side keeps half of the rows labelled."""
-    seq_len = samples.seq_len
-    if not preference:
-        share, checked = unlabeled_share(samples, limit)
-        return [Unlabeled(key, "chat samples", held_out, share, checked, seq_len)]
-    pairs = spread(len(samples), limit)
+    index = spread(len(samples), limit)
+    if preference:
+        looks = [(samples.rows, 2 * index + side, f"{name} conversations") for side, name in enumerate(SIDES)]
+    else:
+        looks = [(samples, index, "chat samples")]
     found = []
-    for side, name in enumerate(SIDES):
-        counts = samples.rows.label_counts(2 * pairs + side) if len(pairs) else torch.empty(0)
-        share = float((counts == 0).double().mean()) if len(pairs) else 0.0
-        found.append(Unlabeled(key, f"{name} conversations", held_out, share, len(pairs), seq_len))
+    for rows, picked, what in looks:
+        share = float((rows.label_counts(picked) == 0).double().mean()) if len(picked) else 0.0
+        found.append(Unlabeled(key, what, held_out, share, len(picked), samples.seq_len))
     return found
