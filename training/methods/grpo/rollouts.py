@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.atomic_write import write_text
 from parallel.step import IGNORE_INDEX
 
 STD_EPSILON = 1e-4  # MiniMind's train_grpo.py: (r - mean) / (std + 1e-4), std of the group without Bessel's correction
@@ -51,8 +52,8 @@ def padded(values: torch.Tensor, width: int) -> torch.Tensor:
 def write_samples(run_dir: Path, step: int, records: list[dict]) -> None:
     """Add `records` (one completion each) to `<run_dir>/rollouts.jsonl`, dropping lines of step >= `step` a resumed
     run wrote before: the file is rewritten under a temporary name in the run directory and renamed into place, and
-    a link at either name is refused."""
-    path, tmp = run_dir / "rollouts.jsonl", run_dir / ".rollouts.jsonl.tmp"
+    a link there is refused."""
+    path = run_dir / "rollouts.jsonl"
     kept = []
     if os.path.lexists(path):
         if not stat.S_ISREG(os.lstat(path).st_mode):
@@ -63,11 +64,5 @@ def write_samples(run_dir: Path, step: int, records: list[dict]) -> None:
                     kept.append(line)
             except (ValueError, TypeError, KeyError):
                 continue  # a torn line of a killed run
-    if os.path.lexists(tmp):
-        os.unlink(tmp)  # a link there is removed, not followed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.writelines(line + "\n" for line in kept + [json.dumps(r, ensure_ascii=False) for r in records])
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    lines = kept + [json.dumps(r, ensure_ascii=False) for r in records]
+    write_text(path, "".join(line + "\n" for line in lines), "rollouts.jsonl", OSError)
