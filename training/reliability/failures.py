@@ -13,9 +13,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from checkpoint.atomic_write import open_append, write_text
-from checkpoint.confine import read_small
 from checkpoint.errors import CheckpointError
-from training.reliability.hang import RECORD_LIMIT
+from training.reliability.hang import read_records
 
 # The project's own error classes (ConfigError, CheckpointError, DataError, TransportTimeout, BoundaryMismatch,
 # ScheduleError, InjectedCrash, NonFiniteError, ...) exist to carry a message that says what is wrong and how to
@@ -67,15 +66,7 @@ def record_failure(run_dir: Path | None, rank: int, message: str, announce: bool
 
 def read_failures(run_dir: Path) -> list[dict]:
     """Every failure record the ranks left, earliest first."""
-    records = []
-    for path in (Path(run_dir) / FAILURE_DIR).glob("rank*.json"):
-        try:  # a regular file of bounded size: a FIFO planted there would block the launcher's report
-            record = json.loads(read_small(path, "failure record", RECORD_LIMIT))
-        except (CheckpointError, ValueError, RecursionError):
-            continue
-        if isinstance(record, dict) and type(record.get("time")) in (int, float):
-            records.append(record)
-    return sorted(records, key=lambda r: r["time"])
+    return read_records(Path(run_dir) / FAILURE_DIR, "failure record", "time", (int, float))
 
 
 def first_failure(run_dir: Path, killed: dict[int, str] | None = None) -> str | None:

@@ -237,17 +237,22 @@ class WatchedSync:
         return getattr(self.inner, name)
 
 
-def read_dumps(run_dir: Path) -> list[dict]:
-    """Every rank's dump in the run directory, by rank."""
-    dumps = []
-    for path in sorted((Path(run_dir) / DUMP_DIR).glob("rank*.json")):
+def read_records(folder: Path, what: str, field: str, types: tuple[type, ...]) -> list[dict]:
+    """The JSON objects of the `rank*.json` files in `folder` whose `field` has one of `types`, sorted by it."""
+    records = []
+    for path in Path(folder).glob("rank*.json"):
         try:  # a regular file of bounded size: a FIFO planted there would block the launcher's report
-            dump = json.loads(read_small(path, "hang dump", RECORD_LIMIT))
+            record = json.loads(read_small(path, what, RECORD_LIMIT))
         except (CheckpointError, ValueError, RecursionError):
             continue
-        if isinstance(dump, dict) and type(dump.get("rank")) is int:
-            dumps.append(dump)
-    return sorted(dumps, key=lambda d: d["rank"])
+        if isinstance(record, dict) and type(record.get(field)) in types:
+            records.append(record)
+    return sorted(records, key=lambda r: r[field])
+
+
+def read_dumps(run_dir: Path) -> list[dict]:
+    """Every rank's dump in the run directory, by rank."""
+    return read_records(Path(run_dir) / DUMP_DIR, "hang dump", "rank", (int,))
 
 
 def summarize(dumps: list[dict], world_size: int) -> list[str]:
