@@ -28,8 +28,25 @@ log = logging.getLogger("sluice")
 ROW = "row"  # the payload key: each row's place among the pass's rows [B] long
 
 
+class RowTable:
+    """What every forward-only pass's objective shares: it counts rows and logs nothing (its sums are a table)."""
+
+    def count(self, micro_batch: MicroBatch) -> torch.Tensor:
+        return torch.tensor(micro_batch.labels.shape[0])
+
+    def metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        return {}
+
+
+def placed_rows(micro_batches: list[MicroBatch]) -> tuple[list[MicroBatch], int]:
+    """The micro-batches with each row's place among all their rows in the payload (`ROW`), and the rows in all."""
+    ends = list(itertools.accumulate(len(mb.input_ids) for mb in micro_batches))
+    return [replace(mb, extra={**mb.extra, ROW: torch.arange(end - len(mb.input_ids), end)})
+            for mb, end in zip(micro_batches, ends)], ends[-1]
+
+
 @dataclass(frozen=True)
-class RowLogps:
+class RowLogps(RowTable):
     """The reference pass's objective: no loss; its sums are each row's summed label log-probability at the row's
     place (`extra[ROW]`) among the pass's `width` rows, zero elsewhere, so adding them up keeps every value exact."""
 
@@ -41,20 +58,12 @@ class RowLogps:
         rows = torch.zeros(self.width, dtype=torch.float64, device=logps.device)
         return logps.sum(), rows.index_copy_(0, extra[ROW].to(logps.device), logps)
 
-    def count(self, micro_batch: MicroBatch) -> torch.Tensor:
-        return torch.tensor(micro_batch.labels.shape[0])
-
-    def metrics(self, sums: list[float], count: int) -> dict[str, float]:
-        return {}
-
 
 def row_logps(engine: Engine, micro_batches: list[MicroBatch]) -> torch.Tensor:
     """Each row's summed label log-probability under the engine's current weights, forward only, the micro-batches'
     rows in order (this DP replica's; float64 on the device, on every rank)."""
-    ends = list(itertools.accumulate(len(mb.input_ids) for mb in micro_batches))
-    placed = [replace(mb, extra={**mb.extra, ROW: torch.arange(end - len(mb.input_ids), end)})
-              for mb, end in zip(micro_batches, ends)]
-    return engine.forward_sums(placed, RowLogps(ends[-1]))
+    placed, rows = placed_rows(micro_batches)
+    return engine.forward_sums(placed, RowLogps(rows))
 
 
 def reference_table(engine: Engine, stream: PairBatches, steps: int, grid: ParallelGrid) -> torch.Tensor:

@@ -8,19 +8,17 @@ the rank's own shard: memory = this rank's trainable parameters once more, plus 
 current weights set aside). The pass is the engine's own forward (`Engine.forward_sums`), so it runs in any layout.
 """
 
-import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from parallel.step import Engine, MicroBatch, TokenLoss
 from training.methods.grpo.objective import START, completion_logps
-
-ROW = "row"  # the payload key: each row's place among the pass's rows [B] long
+from training.objectives.reference import ROW, RowTable, placed_rows
 
 
 @dataclass(frozen=True)
-class TokenLogps:
+class TokenLogps(RowTable):
     """A forward-only objective: each row's log-probabilities of its `tokens` completion positions (from its `START`),
     at the row's place among `rows` (zeros elsewhere), so summing the micro-batches' values keeps every value exact."""
 
@@ -39,22 +37,13 @@ class TokenLogps:
         table.index_copy_(0, extra[ROW].to(logps.device), logps)
         return logps.sum(), table.flatten()
 
-    def count(self, micro_batch: MicroBatch) -> torch.Tensor:
-        return torch.tensor(micro_batch.labels.shape[0])
-
-    def metrics(self, sums: list[float], count: int) -> dict[str, float]:
-        return {}
-
 
 def token_logps(engine: Engine, micro_batches: list[MicroBatch], tokens: int) -> torch.Tensor:
     """[rows, tokens] float32 on the CPU: each row's log-probabilities of its `tokens` completion labels (the
     micro-batches carry `START`) under the engine's current weights, forward only, the micro-batches' rows in order
     (every rank of the replica gets them)."""
-    ends = list(itertools.accumulate(len(mb.input_ids) for mb in micro_batches))
-    placed = [replace(mb, extra={START: mb.extra[START], ROW: torch.arange(end - len(mb.input_ids), end)})
-              for mb, end in zip(micro_batches, ends)]
-    sums = engine.forward_sums(placed, TokenLogps(ends[-1], tokens))
-    return sums.view(ends[-1], tokens).float().cpu()
+    placed, rows = placed_rows(micro_batches)
+    return engine.forward_sums(placed, TokenLogps(rows, tokens)).view(rows, tokens).float().cpu()
 
 
 class StartingWeights:
