@@ -26,13 +26,14 @@ AUTO = "train.compile=auto"
 TINY = ["model=tiny"]
 LAYOUTS = [
     Layout("pp2-zb-h1", TINY, ["parallel.pp=2", "schedule=zb-h1", COMPILED], 2, 1),
-    # Composition: EP with full recompute, an emulated ZB-V with selective recompute, bf16 under TP.
+    # Composition: EP with full recompute, an emulated ZB-V with selective recompute, bf16 under TP, FSDP.
     Layout("moe-ep2-full-recompute", ["model=tiny-moe"], ["parallel.dp=2", "parallel.ep=2", "train.recompute=full",
                                                           COMPILED], 2, 2),
     Layout("dp2-pp2-zbv-emu-selective-recompute", TINY,
            ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU, "train.recompute=selective",
             COMPILED], 2, 2),
     Layout("bf16-tp2", [*TINY, "train.dtype=bf16"], ["parallel.tp=2", COMPILED], 2, 1),
+    Layout("dp2-zero3", TINY, ["parallel.dp=2", "parallel.zero=3", COMPILED], 2, 2),  # FSDP's hooks around each layer
     # train.compile=auto: compiled, then eager and compiled in turns (its trial), then the faster; 11 steps pass the
     # choice (the same layers and shapes as pp2-zb-h1: dynamo's cache, no compile of their own).
     Layout("pp2-1f1b-auto", [*TINY, "train.steps=11"], ["parallel.pp=2", "schedule=1f1b", AUTO], 2, 1),

@@ -35,7 +35,8 @@ LAYOUTS = [Layout("pp2-1f1b", [], ["parallel.pp=2", "schedule=1f1b"], 2, 1),
            Layout("dp2", [], ["parallel.dp=2"], 2, 2),
            Layout("tp2-pp2-1f1b-emu", [], ["parallel.tp=2", "parallel.pp=2", "schedule=1f1b", EMU], 2, 1),
            # V placement (the last stage on pipeline rank 0) and the split backward around the teacher's forward
-           Layout("dp2-zbv-emu", [], ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU], 2, 2)]
+           Layout("dp2-zbv-emu", [], ["parallel.dp=2", "parallel.pp=2", "parallel.vpp=2", "schedule=zbv", EMU], 2, 2),
+           Layout("dp2-zero3", [], ["parallel.dp=2", "parallel.zero=3"], 2, 2)]  # FSDP's shards; the teacher whole
 
 
 @pytest.fixture(scope="module")

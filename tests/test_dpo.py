@@ -35,7 +35,8 @@ LAYOUTS = [Layout(f"{name}-{kind}", [*model, *extra], layout, 2, dp)
            for kind, model in (("dense", DENSE), ("moe", MOE))
            for name, layout, dp, extra in (("pp2-1f1b", ["parallel.pp=2", "schedule=1f1b"], 1, []),
                                            ("tp2-pp2-interleaved-emu", INTERLEAVED, 1, []),
-                                           ("dp2-zbv-emu", ZBV, 2, VALIDATION))]
+                                           ("dp2-zbv-emu", ZBV, 2, VALIDATION),
+                                           ("dp2-zero3", ["parallel.dp=2", "parallel.zero=3"], 2, []))]
 # A parameter's difference between layouts is AdamW's update difference (each entry's at most lr), so it grows with
 # lr: this lr is 6x the default (3e-3 against 5e-4); the tolerance 3x the default 1e-4. (tp2 x pp2 MoE: layer 2's k_proj
 # ends 1.24e-4 off on an AMD EPYC and within 1e-4 on CI's CPU: the matmul kernels' summation order differs by CPU.)

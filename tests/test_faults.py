@@ -1,5 +1,6 @@
 """Fault injection, the non-finite policy, strict metrics and the hang summary, in process (no launcher)."""
 
+import itertools
 import json
 import math
 import os
@@ -104,33 +105,42 @@ def test_a_timeout_seen_by_the_main_thread_and_the_watchdog_at_once_is_reported_
 
 
 def _skip_worker(rank: int, world_size: int, cache_dir: str, run_dir: str) -> dict:
-    """dp=2: rank 1 alone gets NaN gradients at step 2 (after the DP sum); both ranks must skip that update."""
+    """dp=2: rank 1 alone gets NaN gradients at step 2 (after the DP sum); both ranks must skip that update, with whole
+    parameters and with FSDP's shards (parallel.zero=3)."""
+    from torch.distributed.tensor import DTensor
+
     from parallel.grid import ParallelGrid
     from training.trainer import Trainer
 
     grid = ParallelGrid.build(2, 1, 1, backend="gloo", timeout_s=60)
     out = {}
-    for name, fault in (("skipped", "'nan@rank=1,step=2'"), ("reference", None)):
-        overrides = ["model=tiny", "train.steps=3", "schedule.n_microbatches=2", "train.on_nonfinite=skip"]
+    for zero, (name, fault) in itertools.product((0, 3), (("skipped", "'nan@rank=1,step=2'"), ("reference", None))):
+        overrides = ["model=tiny", "train.steps=3", "schedule.n_microbatches=2", "train.on_nonfinite=skip",
+                     f"parallel.zero={zero}"]
         cfg = compose_run_config(overrides + ([f"debug.fault={fault}"] if fault else []), Path(cache_dir))
-        trainer = Trainer(cfg, grid, Path(run_dir) / name)
+        trainer = Trainer(cfg, grid, Path(run_dir) / f"{name}-zero{zero}")
         steps: list[int] = []
         if fault is None:  # by construction: step 2's optimizer update never happens, data and LR move on
             real_step = trainer.optimizer.step
             trainer.optimizer.step = lambda: None if steps[-1] == 2 else real_step()
         trainer.fit(on_grads=steps.append)
-        out[name] = {k: p.detach().clone() for k, p in trainer.engine.named_parameters().items()}
-        out[f"{name}_skipped"] = trainer.guard.skipped
+        out[f"{name}-zero{zero}"] = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                                     for k, p in trainer.engine.named_parameters().items()}
+        out[f"{name}-zero{zero}_skipped"] = trainer.guard.skipped
     return out
 
 
 def test_skip_equals_a_run_without_that_update_on_every_rank(tmp_path):
     for result in run_workers(_skip_worker, 2, str(tmp_path / "cache"), str(tmp_path / "run"), timeout=240):
-        assert result["skipped_skipped"] == 1 and result["reference_skipped"] == 0
-        assert result["skipped"].keys() == result["reference"].keys()
-        assert all(torch.equal(result["skipped"][k], result["reference"][k]) for k in result["reference"])
-    rows = [json.loads(line) for line in (tmp_path / "run" / "skipped" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 1)]  # rank 0's finite loss
+        for zero in (0, 3):
+            skipped, reference = result[f"skipped-zero{zero}"], result[f"reference-zero{zero}"]
+            assert result[f"skipped-zero{zero}_skipped"] == 1 and result[f"reference-zero{zero}_skipped"] == 0
+            assert skipped.keys() == reference.keys()
+            assert all(torch.equal(skipped[k], reference[k]) for k in reference), zero
+    for zero in (0, 3):
+        rows = [json.loads(line) for line in (tmp_path / "run" / f"skipped-zero{zero}" / "metrics.jsonl").read_text()
+                .splitlines()]
+        assert [(r["step"], r["skipped_steps"]) for r in rows] == [(1, 0), (2, 1), (3, 1)]  # rank 0's finite loss
 
 
 def test_known_errors_are_one_line_and_unexpected_ones_keep_their_traceback_in_the_rank_log(tmp_path):
