@@ -23,12 +23,6 @@ from training.report.loggers import open_sinks
 log = logging.getLogger("sluice")
 
 
-def peak_tflops_for(cfg: DictConfig, device) -> float | None:
-    """train.peak_tflops when set, else the device's known bf16 peak (None on CPU or an unknown GPU)."""
-    configured = OmegaConf.select(cfg, "train.peak_tflops")
-    return float(configured) if configured else device_peak_tflops(device)
-
-
 class MetricsLogger:
     """Writes one record per logged step to every configured sink; a no-op on ranks other than 0. Opening prints the run
     directory and the run's `header` lines, then starts the bar (at `start_step` when resuming: metrics.jsonl keeps only
@@ -47,8 +41,8 @@ class MetricsLogger:
                      start_step)
         self.started = time.perf_counter()
         self.flops_token = flops_per_token(model_decoder(cfg), cfg.train.seq_len)
-        self.peak_tflops = peak_tflops_for(cfg, device) if device is not None else OmegaConf.select(
-            cfg, "train.peak_tflops")
+        peak = OmegaConf.select(cfg, "train.peak_tflops")  # else the device's known bf16 peak (None: CPU, unknown)
+        self.peak_tflops = float(peak) if peak else device_peak_tflops(device) if device is not None else None
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         with ExitStack() as stack:  # a sink that fails to open closes the ones opened before it
             self.sinks = open_sinks(self.run_dir, cfg, stack)
