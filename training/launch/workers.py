@@ -130,8 +130,7 @@ def worker_main(cfg_dict: dict, run_dir: str) -> list[float]:
             leave_at_once(1)
         sys.exit(1)
     finally:
-        if watchdog is not None:
-            watchdog.stop()
+        watchdog.stop()
 
 
 def leave_at_once(code: int) -> NoReturn:

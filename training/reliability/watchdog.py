@@ -242,19 +242,15 @@ def report_hang(watch: Watch, limits: Limits, announce: bool) -> None:
         if watch.reported:
             return
         watch.reported = True
-        _report(watch, limits, announce)
-
-
-def _report(watch: Watch, limits: Limits, announce: bool) -> None:
-    path = watch.dump("timeout")  # None while the run directory is not known (a torchrun rank >= 1 in start-up)
-    flight_recorder.dump(watch.run_dir, watch.rank)  # NCCL's own record of the ops in flight, beside it
-    bound, key = limits.of(watch)
-    message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s ({key}={bound:g}) "
-               f"in: {watch.state.what}" + (f"; hang dump in {path.parent}" if path else ""))
-    blamed = watch.beater.blame(watch.rank, watch.blocked_s()) if watch.beater is not None else None
-    if blamed is None:
-        record_failure(watch.run_dir, watch.rank, message, announce)
-        return
-    culprit, line = blamed  # the heartbeats name who stopped: that comes first, this rank's wait after it
-    record_failure(watch.run_dir, watch.rank, f"{line} ({message})", announce, culprit.rank, culprit.kind)
-    end_stopped(culprit)
+        path = watch.dump("timeout")  # None while the run directory is not known (a torchrun rank >= 1 in start-up)
+        flight_recorder.dump(watch.run_dir, watch.rank)  # NCCL's own record of the ops in flight, beside it
+        bound, key = limits.of(watch)
+        message = (f"rank {watch.rank}: no progress for {watch.blocked_s():.0f}s ({key}={bound:g}) "
+                   f"in: {watch.state.what}" + (f"; hang dump in {path.parent}" if path else ""))
+        blamed = watch.beater.blame(watch.rank, watch.blocked_s()) if watch.beater is not None else None
+        if blamed is None:
+            record_failure(watch.run_dir, watch.rank, message, announce)
+            return
+        culprit, line = blamed  # the heartbeats name who stopped: that comes first, this rank's wait after it
+        record_failure(watch.run_dir, watch.rank, f"{line} ({message})", announce, culprit.rank, culprit.kind)
+        end_stopped(culprit)
