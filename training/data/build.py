@@ -116,11 +116,8 @@ def build_splits(spec: DataSpec, geo: Geometry, tokenizer: PreTrainedTokenizerBa
 
 def _prepare(cfg: Any, verbose: bool) -> tuple[DataSpec, Geometry, PreTrainedTokenizerBase, Splits]:
     spec, geo = run_data_spec(cfg), geometry(cfg)
-    problem = spec_problem(spec)
-    if problem is not None:
+    if problem := spec_problem(spec, geo.seq_len):
         raise DataError(problem)
-    if geo.seq_len < 2:
-        raise DataError(f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens")
     tokenizer = build_tokenizer(spec)
     splits = build_splits(spec, geo, tokenizer, verbose)
     if spec.chat:

@@ -30,8 +30,8 @@ SCAN_BLOCK = 1 << 20
 PROBE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]  # any template renders it
 
 
-def spec_problem(spec: DataSpec) -> str | None:
-    """Names, ranges and files of the data section (no file content read beyond its size)."""
+def spec_problem(spec: DataSpec, seq_len: int | None = None) -> str | None:
+    """Names, ranges and files of the data section (no file content read beyond its size), then `seq_len` if given."""
     if spec.name not in NAMES:
         return f"data.name: unknown data set '{spec.name}'; use data.name=synthetic or data.name=jsonl"
     if spec.format not in FORMATS:
@@ -70,6 +70,8 @@ def spec_problem(spec: DataSpec) -> str | None:
                    for f in ("tokenizer.json", "tokenizer_config.json")):
             return (f"data.tokenizer: folder '{spec.tokenizer}' has neither tokenizer.json nor tokenizer_config.json; "
                     f"{hint}")
+    if seq_len is not None and seq_len < 2:
+        return f"train.seq_len: {seq_len} is too short; a sample needs at least 2 tokens"
     return None
 
 
@@ -203,9 +205,7 @@ def data_problem(cfg: Any, dp: int | None = None) -> str | None:
         spec, geo = run_data_spec(cfg), geometry(cfg)
     except DataError as error:
         return str(error)
-    problem = spec_problem(spec)
-    if problem is None and geo.seq_len < 2:
-        problem = f"train.seq_len: {geo.seq_len} is too short; a sample needs at least 2 tokens"
+    problem = spec_problem(spec, geo.seq_len)
     if spec.train_task == "grpo":  # prompts, groups, rewards: GRPO's own check follows (training/methods/grpo/checks.py)
         return problem
     if problem is None and geo.micro_batch_size % geo.rows_per_sample:
