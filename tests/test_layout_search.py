@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 from tests.shared import once_per_session
 from training.config import CONF_DIR, register_schema
 from training.layout_search.costs import MeasuredCosts
-from training.layout_search.predict import Candidate, Prediction
+from training.layout_search.predict import Candidate, Prediction, predict
 from training.layout_search.search import GIB, apply_candidate, search
 from training.layout_search.search_report import no_fit_message
 
@@ -48,12 +48,13 @@ def compose_cfg(*overrides: str):
 
 
 def fake_predict(c: Candidate, cfg, costs) -> Prediction:
-    """Bubble-aware step time and a peak of 1 GiB of weights per layer plus 1 GiB per live micro-batch and layer."""
+    """Bubble-aware step time (a second more per ZeRO level) and a peak of 1 GiB of weights per layer (1/dp of it at
+    zero=3) plus 1 GiB per live micro-batch and layer."""
     layers = cfg.model.num_hidden_layers / (c.pp * c.tp)
     live = c.n_microbatches if c.schedule == "gpipe" else min(c.pp, c.n_microbatches)
     discount = 0.9 if c.schedule in ("zb-h1", "zbv") else 1.0
-    step = (c.n_microbatches + (c.pp - 1) * discount) * c.micro_batch_size * layers * EXTRA_TIME[c.recompute]
-    peak = int(GIB * layers * (1 + live * c.micro_batch_size * KEPT[c.recompute]))
+    step = (c.n_microbatches + (c.pp - 1) * discount) * c.micro_batch_size * layers * EXTRA_TIME[c.recompute] + c.zero
+    peak = int(GIB * layers * ((1 / c.dp if c.zero == 3 else 1) + live * c.micro_batch_size * KEPT[c.recompute]))
     return Prediction(step_s=step, peak_bytes=(peak,) * c.pp, sim=None)
 
 
@@ -122,7 +123,7 @@ def test_applying_a_candidate_equals_composing_its_overrides():
     expected = OmegaConf.to_container(compose_cfg(*c.overrides()), resolve=True)
     assert OmegaConf.to_container(apply_candidate(cfg, c), resolve=True) == expected
     moe = compose_cfg("parallel.layout=auto", "model=tiny-moe")
-    c = replace(c, dp=2, pp=1, layers_per_stage=None, ep=2)
+    c = replace(c, dp=2, pp=1, layers_per_stage=None, ep=2, zero=2)
     expected = OmegaConf.to_container(compose_cfg("model=tiny-moe", *c.overrides()), resolve=True)
     assert OmegaConf.to_container(apply_candidate(moe, c), resolve=True) == expected
 
@@ -141,6 +142,34 @@ def test_a_moe_model_is_searched_over_every_expert_split_of_its_dp_ranks():
     assert splits("model=tiny-moe") == {1: {1}, 2: {1, 2}, 4: {1, 2, 4}}
     assert splits("model=tiny-moe", "model.num_experts=6") == {1: {1}, 2: {1, 2}, 4: {1, 2}}
     assert splits() == {1: {1}, 2: {1}, 4: {1}}
+
+
+def test_a_model_that_fits_only_sharded_is_chosen_with_zero_3_and_the_ranking_shows_it():
+    """One layer with one KV head on 2 ranks: dp=2 is the only layout (no TP split of one KV head, no second stage).
+    The real memory model at 1000 parameters of 4 bytes: zero=0 16 KB, 1 12 KB, 2 14 KB, 3 8 KB, plus 50 B of
+    activations (5 B at recompute=full); within 10 KB only zero=3 fits, whatever the recompute mode."""
+    from tests.test_layout_search_predict import fake_costs as round_costs
+    from training.layout_search.search_report import chosen, table
+
+    cfg = compose_cfg("model.num_hidden_layers=1", "model.num_key_value_heads=1", "parallel.memory_budget_gb=1e-5")
+    result = search(cfg, 2, round_costs(), predict)
+    assert {o.candidate.zero for o in result.options} == {0, 1, 2, 3}
+    assert [o.candidate.zero for o in result.options if o.fits] == [3]
+    assert result.best.candidate.zero == 3 and result.best.peak == 8050
+    assert "parallel.zero=3" in chosen(result.best).split()  # the `parallel.layout=auto chose ...` line names it
+    assert any("zero=3" in line.split() and line.split()[-1] == "yes" for line in table(result))
+    assert apply_candidate(cfg, result.best.candidate).parallel.zero == 3
+
+
+def test_a_zero_level_the_config_sets_is_kept():
+    """0 (the default) lets the search shard where dp >= 2; a level set is kept, and refused where it cannot run."""
+    searched = search(compose_cfg(), 2, fake_costs(), fake_predict)
+    assert {(o.candidate.dp, o.candidate.zero) for o in searched.options} == {(1, 0), (2, 0), (2, 1), (2, 2), (2, 3)}
+    assert searched.best.candidate.zero == 0  # no budget: the fake's extra second per level is not worth paying
+    kept = search(compose_cfg("parallel.zero=3"), 2, fake_costs(), fake_predict)
+    assert {(o.candidate.dp, o.candidate.zero) for o in kept.options} == {(2, 3)}
+    assert any(r.candidate.dp == 1 and r.reason.startswith("parallel.zero=3 shards over the data-parallel ranks and "
+                                                           "this layout has one (dp=1)") for r in kept.rejected)
 
 
 @pytest.fixture(scope="module")

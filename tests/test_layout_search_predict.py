@@ -125,7 +125,7 @@ def test_ep_keeps_a_share_of_the_experts_and_pays_its_all_to_alls(tmp_path):
         four.step_s + 3200 * 1e-6 * 1.5)
     zero = compose_run_config(["model=tiny-moe", "model.num_hidden_layers=4", "train.micro_batch_size=2",
                                "parallel.zero=1"], tmp_path)  # dense AdamW state over dp=4, experts' over dp/ep=2
-    assert predict(dataclasses.replace(split, ep=2), zero, costs).peak_bytes == (
+    assert predict(dataclasses.replace(split, ep=2, zero=1), zero, costs).peak_bytes == (
         4 * (200 * (8 + 8 / 4) + 400 * (8 + 8 / 2)) + 400,)
 
 
@@ -142,5 +142,34 @@ def test_each_zero_level_divides_what_it_shards(tmp_path, zero, replicate, per_p
     """The memory model's bytes per parameter at each parallel.zero level, at the step's fullest moment."""
     cfg = compose_run_config(["model=tiny", "model.num_hidden_layers=4", "train.micro_batch_size=2",
                               f"parallel.zero={zero}", f"parallel.dp_replicate={replicate}"], tmp_path)
-    dp4 = Candidate(4, 1, 1, 1, "1f1b", 4, 2, "none")
+    dp4 = Candidate(4, 1, 1, 1, "1f1b", 4, 2, "none", zero=zero)
     assert predict(dp4, cfg, fake_costs()).peak_bytes == (4 * 1000 * per_param + 400,)
+    assert candidate_of(cfg, dp=4) == dp4  # the level a config sets is the candidate's
+
+
+@pytest.mark.parametrize("zero,replicate,schedule,all_reduces", [
+    (0, 1, "1f1b", 1),  # 16 KB of gradients: one all-reduce (a reduce-scatter and an all-gather)
+    (1, 1, "1f1b", 1.5),  # then the stepped parameters gathered
+    (2, 1, "1f1b", 1),  # the weights gathered once, the gradients reduce-scattered once
+    (3, 1, "1f1b", 6),  # two gathers and a reduce-scatter for each of 4 micro-batches
+    (3, 1, "zb-h1", 4.5),  # the I/W split reduces once a step
+    (3, 2, "1f1b", 6 + 4 * 0.5),  # HSDP: then each of 4 shards (half the bytes) all-reduced across the 2 groups
+])
+def test_each_zero_level_pays_its_gathers_and_reduce_scatters(tmp_path, zero, replicate, schedule, all_reduces):
+    """What a per-byte all-reduce cost adds to the step: each all-gather or reduce-scatter is half a ring all-reduce
+    of the rank's bytes over its shard group (at dp=2, or dp=4 with dp_replicate=2: 16 KB x 1e-6 s for 4 layers)."""
+    cfg = compose_run_config(["model=tiny", "model.num_hidden_layers=4", "train.micro_batch_size=2",
+                              f"parallel.zero={zero}", f"parallel.dp_replicate={replicate}"], tmp_path)
+    c = Candidate(2 * replicate, 1, 1 + (schedule == "zb-h1"), 1, schedule, 4, 2, "none", zero=zero)
+    free = predict(c, cfg, fake_costs()).step_s
+    paid = predict(c, cfg, fake_costs(allreduce=Fit(0.0, 1e-6))).step_s
+    assert paid - free == pytest.approx(all_reduces * 16000 / c.pp * 1e-6)
+
+
+def test_fsdp_gathers_and_reduces_layer_by_layer(cfg):
+    """A call's latency: zero=0 all-reduces the 16 KB of gradients in one 25 MB bucket, zero=2 gathers and
+    reduce-scatters each of the 4 layers (FSDP's unit) on its own."""
+    dp2 = Candidate(2, 1, 1, 1, "1f1b", 4, 2, "none")
+    paid = {z: predict(dataclasses.replace(dp2, zero=z), cfg, fake_costs(allreduce=Fit(0.01, 0.0))).step_s
+            - predict(dataclasses.replace(dp2, zero=z), cfg, fake_costs()).step_s for z in (0, 2)}
+    assert paid == pytest.approx({0: 0.01, 2: 4 * (0.01 + 0.01) / 2})

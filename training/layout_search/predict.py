@@ -17,7 +17,7 @@ from training.specs import pipeline_spec
 
 @dataclass(frozen=True)
 class Candidate:
-    """One layout of a world: sizes, schedule, micro-batching, recomputation and partition."""
+    """One layout of a world: sizes, schedule, micro-batching, recomputation, partition and ZeRO level."""
 
     dp: int
     tp: int
@@ -29,6 +29,7 @@ class Candidate:
     recompute: str  # none | full | selective
     layers_per_stage: tuple[int, ...] | None = None  # None: the even split
     ep: int = 1  # DP ranks splitting each MoE layer's experts
+    zero: int = 0  # parallel.zero
 
     def overrides(self) -> list[str]:
         """Hydra overrides that select it."""
@@ -38,9 +39,7 @@ class Candidate:
                f"train.recompute={self.recompute}"]
         if self.layers_per_stage is not None:
             out.append(f"parallel.layers_per_stage=[{','.join(map(str, self.layers_per_stage))}]")
-        if self.ep > 1:
-            out.append(f"parallel.ep={self.ep}")
-        return out
+        return out + [f"parallel.ep={self.ep}"] * (self.ep > 1) + [f"parallel.zero={self.zero}"] * (self.zero > 0)
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def candidate_of(cfg: DictConfig, dp: int | None = None) -> Candidate:
     layers = None if counts is None or isinstance(counts, str) else tuple(counts)  # `auto` not resolved: even
     return Candidate(dp=dp or p.dp or 1, tp=p.tp, pp=p.pp, vpp=p.vpp, schedule=pipeline_spec(cfg).schedule,
                      n_microbatches=cfg.schedule.n_microbatches, micro_batch_size=cfg.train.micro_batch_size,
-                     recompute=cfg.train.recompute, layers_per_stage=layers, ep=p.ep)
+                     recompute=cfg.train.recompute, layers_per_stage=layers, ep=p.ep, zero=p.zero)
 
 
 def lowered_of(candidate: Candidate, num_layers: int, table_path: str | None = None) -> LoweredPipeline:
@@ -154,46 +153,61 @@ def _dp_allreduce(costs: MeasuredCosts, dp: int, nbytes: float, bucket_bytes: fl
     return buckets * costs.allreduce.latency_s * (dp - 1) + nbytes * costs.allreduce.per_byte_s * ring
 
 
-def after_pipeline(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, rank_params: list[int],
-                   tied_copy: bool, rank_experts: list[int] | None = None) -> list[float]:
-    """Seconds each pipeline rank spends after its last action: tied-embedding and DP gradient all-reduces (the
-    EP-split experts' over their dp/ep replicas only), then AdamW. No overlap with the backward is assumed: with
-    gloo on CPU the reduction competes with compute for the same cores; on NCCL only the last bucket (one bucket's
-    time) stays exposed."""
-    c = candidate
-    rank_experts = rank_experts or [0] * len(rank_params)
-    edp = c.dp // c.ep
+def _dp_sync(cfg: DictConfig, c: Candidate, costs: MeasuredCosts, dense: float, experts: float, split: bool) -> float:
+    """Seconds of a rank's DP collectives a step, an all-gather or reduce-scatter priced as half a ring all-reduce:
+    zero=0 all-reduces (EP-split experts over dp/ep), zero=1 then gathers the stepped weights; over the shard group,
+    zero=2 gathers once and reduce-scatters once, zero=3 gathers for every F and B and reduces every micro-batch (once
+    a step on an I/W stage), each reduced shard then all-reduced over its replicas; FSDP calls once per layer."""
     bucket = cfg.parallel.bucket_mb * (1 << 20)
-    out = []
+    expert_time = _dp_allreduce(costs, c.dp // c.ep, experts, bucket)
+    if c.zero < 2:
+        return (1.5 if c.zero else 1.0) * (_dp_allreduce(costs, c.dp, dense, bucket) + expert_time)
+    shards, m = _state_shards(cfg, c)[0], c.n_microbatches
+    layer = max(costs.layer_params * costs.param_bytes // c.tp, shards)  # FSDP's unit: one call per layer
+    gathers, reduces = (2 * m, 1 if split else m) if c.zero == 3 else (1, 1)
+    return ((gathers + reduces) / 2 * _dp_allreduce(costs, shards, dense, layer) + expert_time
+            + reduces * _dp_allreduce(costs, c.dp // shards, dense / shards, layer // shards))
+
+
+def after_pipeline(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts, rank_params: list[int],
+                   tied_copy: bool, rank_experts: list[int], split: list[bool]) -> list[float]:
+    """Seconds each pipeline rank spends after its last action: tied-embedding and DP collectives, then AdamW on its
+    share. No overlap with the backward is assumed: with gloo on CPU the reduction competes with compute for the
+    same cores; on NCCL only the last bucket (one bucket's time) stays exposed."""
+    c, out = candidate, []
+    bucket = cfg.parallel.bucket_mb * (1 << 20)
+    dense_shards, expert_shards = _state_shards(cfg, c)
     for r, (held, experts) in enumerate(zip(rank_params, rank_experts)):
         dense_bytes, expert_bytes = (held - experts) * costs.param_bytes, experts * costs.param_bytes
-        dp_time = _dp_allreduce(costs, c.dp, dense_bytes, bucket) + _dp_allreduce(costs, edp, expert_bytes, bucket)
+        dp_time = _dp_sync(cfg, c, costs, dense_bytes, expert_bytes, split[r])
         if costs.key["backend"] == "nccl":
-            dp_time = min(dp_time, _dp_allreduce(costs, c.dp, min(dense_bytes + expert_bytes, bucket), bucket))
+            dp_time = min(dp_time, _dp_sync(cfg, c, costs, min(dense_bytes + expert_bytes, bucket), 0, split[r]))
         pair = tied_copy and r in (0, c.pp - 1)  # the tied embedding's two copies
         tied = costs.allreduce.time(costs.embed_params * costs.param_bytes / c.tp) if pair else 0.0
-        stepped = (held - experts) / _zero_shards(cfg, c.dp) + experts / _zero_shards(cfg, edp)
+        stepped = (held - experts) / dense_shards + experts / expert_shards
         out.append(dp_time + tied + stepped * costs.optimizer_s_per_param)
     return out
 
 
-def _zero_shards(cfg: DictConfig, replicas: int) -> int:
-    """Ranks sharing the AdamW state of parameters held by `replicas` DP ranks: all of them under ZeRO-1."""
-    return replicas if cfg.parallel.zero else 1
+def _state_shards(cfg: DictConfig, c: Candidate) -> tuple[int, int]:
+    """DP ranks sharing a dense and an EP-split expert parameter's AdamW state: at zero=1 the DP replicas (the
+    experts' dp/ep); at 2 and 3 the dense one's shard group, dp / dp_replicate (dp / ep under EP), experts whole."""
+    if c.zero < 2:
+        return (c.dp, c.dp // c.ep) if c.zero else (1, 1)
+    return c.dp // (c.ep if c.ep > 1 and c.dp > c.ep else cfg.parallel.dp_replicate), 1
 
 
 def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int, split: bool) -> tuple[float, float]:
     """Bytes a dense and an EP-split expert parameter hold on a rank at the step's fullest moment: weight, gradient,
-    AdamW's moments (`parallel.zero` 1 shards the moments over the DP replicas; 3 all three over dp / dp_replicate
-    ranks, or dp / ep under EP; 2 and a `split` (I/W) stage hold more in the step; experts stay whole)."""
-    c, zero = candidate, cfg.parallel.zero
-    if zero < 2:  # weight and gradient whole; AdamW's two moments over the DP replicas (the experts' edp) at zero=1
-        return tuple(2 * param_bytes + ADAMW_STATE_BYTES / _zero_shards(cfg, n) for n in (c.dp, c.dp // c.ep))
-    shards = c.dp // (c.ep if c.ep > 1 and c.dp > c.ep else cfg.parallel.dp_replicate)
-    expert = 2 * param_bytes + ADAMW_STATE_BYTES
-    if zero == 2 or split:  # the weights gathered beside their shards, the gradients whole until the stage's reduce
-        return 2 * param_bytes + (param_bytes + ADAMW_STATE_BYTES) / shards, expert
-    return expert / shards, expert  # zero=3 reduces and reshards every micro-batch (one layer whole at a time)
+    AdamW's moments (zero=1 shards the moments, 3 all three, over `_state_shards`; 2 and a `split` (I/W) stage hold
+    the gathered weight and the whole gradient beside the shards; experts stay whole at 2 and 3)."""
+    dense, expert = _state_shards(cfg, candidate)
+    if candidate.zero < 2:
+        return tuple(2 * param_bytes + ADAMW_STATE_BYTES / n for n in (dense, expert))
+    whole = 2 * param_bytes + ADAMW_STATE_BYTES
+    if candidate.zero == 2 or split:  # the weights gathered beside their shards, the gradients whole until the reduce
+        return 2 * param_bytes + (param_bytes + ADAMW_STATE_BYTES) / dense, whole
+    return whole / dense, whole  # zero=3 reduces and reshards every micro-batch (one layer whole at a time)
 
 
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
@@ -207,11 +221,10 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
     rank_params, rank_experts = ([sum(per_stage[s] for s in rank_stages(r, c.pp, c.vpp, pipeline.placement))
                                   for r in range(c.pp)] for per_stage in (model.params, model.experts))
     tied_copy = tied and c.pp > 1 and pipeline.placement != "v"
-    post = after_pipeline(c, cfg, costs, rank_params, tied_copy, rank_experts)
-    ends = [max(row, default=0.0) for row in sim.end]
-    step = max(end + extra for end, extra in zip(ends, post))
-    state = [state_bytes_per_param(cfg, c, costs.param_bytes, any(a.kind is I for a in actions))
-             for actions in pipeline.lowered]
+    split = [any(a.kind is I for a in actions) for actions in pipeline.lowered]
+    post = after_pipeline(c, cfg, costs, rank_params, tied_copy, rank_experts, split)
+    step = max(max(row, default=0.0) + extra for row, extra in zip(sim.end, post))
+    state = [state_bytes_per_param(cfg, c, costs.param_bytes, s) for s in split]
     peaks = tuple(int((n - e) * dense + e * expert) + live_peak(actions, model.saved, model.deferred)
                   for n, e, (dense, expert), actions in zip(rank_params, rank_experts, state, pipeline.lowered))
     return Prediction(step_s=step, peak_bytes=peaks, sim=sim)

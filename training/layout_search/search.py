@@ -1,6 +1,6 @@
 """The layout search: every layout of a world size (for a MoE model also every expert-parallel split of its DP
-ranks) at a fixed global batch, checked by the pre-launch rules, predicted with measured costs, held to the memory
-budget and ranked by predicted step time."""
+ranks, and every ZeRO level) at a fixed global batch, checked by the pre-launch rules, predicted with measured costs,
+held to the memory budget and ranked by predicted step time."""
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -14,7 +14,7 @@ from training.layout_search.costs import MeasuredCosts
 from training.layout_search.predict import Candidate, Prediction, predict
 from training.config.layout import resolve_global_batch
 from training.rules.values import ConfigError
-from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem
+from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem, zero_problem
 
 GIB = 1 << 30
 Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `predict`, or a fake in tests
@@ -22,6 +22,7 @@ Predictor = Callable[[Candidate, DictConfig, MeasuredCosts], Prediction]  # `pre
 RECOMPUTE_ORDER = ("none", "selective", "full")
 MICRO_BATCH_DIVISORS = (1, 2, 4)  # micro-batch sizes tried: the config's, its half and its quarter
 VIRTUAL_STAGES = (2, 4)  # vpp tried by the schedules that need virtual stages (the search refuses what fails)
+ZERO_LEVELS = (0, 1, 2, 3)  # parallel.zero tried at dp >= 2 when the config leaves it at 0 (a level it sets is kept)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
     """A copy of cfg with the candidate's layout (what composing with `candidate.overrides()` gives)."""
     c, out = candidate, cfg.copy()
     with read_write(out), open_dict(out):
-        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, ep=c.ep, layout=None,
+        out.parallel.update(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, ep=c.ep, zero=c.zero, layout=None,
                             layers_per_stage=list(c.layers_per_stage) if c.layers_per_stage else None)
         out.schedule.update(name=c.schedule, n_microbatches=c.n_microbatches)
         out.train.update(micro_batch_size=c.micro_batch_size, recompute=c.recompute)
@@ -128,7 +129,8 @@ def apply_candidate(cfg: DictConfig, candidate: Candidate) -> DictConfig:
 
 
 def layout_problem(cfg: DictConfig, candidate: Candidate, world_size: int) -> str | None:
-    """The pre-launch check's one line for this candidate's layout, or None when it is valid."""
+    """The pre-launch check's one line for this candidate's shape, or None when it is valid (its zero level's
+    rule, `zero_problem`, the search checks apart: it depends on dp and ep only)."""
     candidate_cfg = apply_candidate(cfg, candidate)
     if problem := parallel_problem(candidate_cfg, world_size):
         return problem
@@ -172,7 +174,7 @@ def structures(cfg: DictConfig, world_size: int, costs: MeasuredCosts) -> Iterat
         experts = expert_choices(cfg, dp)
         for schedule, vpp in schedule_choices(pp):
             base = Candidate(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, n_microbatches=max(total // dp, 1),
-                             micro_batch_size=b0, recompute="none")
+                             micro_batch_size=b0, recompute="none", zero=cfg.parallel.zero)
             if not sizes:
                 yield Rejected(base, batch_problem(total, dp, b0))
                 break  # the same reason for every schedule of this layout: say it once
@@ -208,19 +210,22 @@ def rank_key(option: Option) -> tuple:
 def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Predictor = predict) -> SearchResult:
     """Enumerate, check, predict and rank every layout of `world_size` processes at the config's global batch."""
     result = SearchResult(world_size, global_batch(cfg), OmegaConf.select(cfg, "parallel.memory_budget_gb"), predictor)
-    problems: dict[tuple, str | None] = {}  # layout rules depend on the shape only: check each once
+    problems: dict[tuple, str | None] = {}  # the rules depend on the shape, a zero level's on dp and ep: check once
     for item in structures(cfg, world_size, costs):
         if isinstance(item, Rejected):
             result.rejected.append(item)
             continue
-        c = item
-        key = (c.tp, c.pp, c.vpp, c.schedule, c.n_microbatches, c.layers_per_stage, c.ep)
-        if key not in problems:
-            problems[key] = layout_problem(cfg, c, world_size)
-        if problems[key]:
-            result.rejected.append(Rejected(c, problems[key]))
-            continue
-        evaluate(c, cfg, costs, result)
+        shape = (item.tp, item.pp, item.vpp, item.schedule, item.n_microbatches, item.layers_per_stage, item.ep)
+        if shape not in problems:
+            problems[shape] = layout_problem(cfg, item, world_size)
+        searched = not problems[shape] and not item.zero and item.dp > 1  # a level the config sets is kept
+        for c in [replace(item, zero=z) for z in ZERO_LEVELS] if searched else [item]:
+            if (level := (c.dp, c.ep, c.zero)) not in problems:
+                problems[level] = zero_problem(apply_candidate(cfg, c), c.dp)
+            if problem := problems[shape] or problems[level]:
+                result.rejected.append(Rejected(c, problem))
+            else:
+                evaluate(c, cfg, costs, result)
     result.options.sort(key=rank_key)
     result.rejected.sort(key=lambda r: r.reason.startswith("predicted peak"))  # broken rules first, stable
     return result

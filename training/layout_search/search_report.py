@@ -23,9 +23,9 @@ def short(candidate: Candidate) -> str:
     """The candidate in one compact column."""
     c = candidate
     split = "even" if c.layers_per_stage is None else "[" + ",".join(map(str, c.layers_per_stage)) + "]"
-    ep = f" ep={c.ep}" if c.ep > 1 else ""
-    return (f"dp={c.dp}{ep} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule} m={c.n_microbatches} b={c.micro_batch_size} "
-            f"recompute={c.recompute} layers={split}")
+    ep, zero = f" ep={c.ep}" if c.ep > 1 else "", f" zero={c.zero}" if c.zero else ""
+    return (f"dp={c.dp}{ep}{zero} tp={c.tp} pp={c.pp} vpp={c.vpp} {c.schedule} m={c.n_microbatches} "
+            f"b={c.micro_batch_size} recompute={c.recompute} layers={split}")
 
 
 def table(result: SearchResult) -> list[str]:
