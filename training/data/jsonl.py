@@ -77,12 +77,6 @@ def _lone_surrogate(record: Any) -> str | None:
     return None
 
 
-def too_long(size: int, limit: int) -> str:
-    """The problem of a line longer than data.max_line_bytes."""
-    return f"line of {size} bytes is longer than data.max_line_bytes={limit} (refused, not truncated); " \
-           "raise data.max_line_bytes"
-
-
 class JsonlRows(RowReader):
     """The usable rows of one JSONL file as (1-based line number, payload); blank lines are not rows; `limit`
     stops after that many lines."""
@@ -111,7 +105,8 @@ class JsonlRows(RowReader):
                     return
                 self.bytes_read += size
                 if line is None:
-                    self.reject(number, too_long(size, self.max_line_bytes))
+                    self.reject(number, f"line of {size} bytes is longer than data.max_line_bytes="
+                                        f"{self.max_line_bytes} (refused, not truncated); raise data.max_line_bytes")
                     continue
                 if not line.strip():
                     continue  # blank lines (a trailing newline, spacing) are not rows

@@ -31,12 +31,6 @@ def prompt_turns(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return conversation[:last + 1]
 
 
-def synthetic_prompts(num_docs: int, seed: int) -> list[list[dict[str, str]]]:
-    """The embedded prompts: the questions of the embedded DPO pairs (sums, agreement, counting, recall), so the
-    recipe's SFT and DPO models have seen their kind."""
-    return [prompt_turns(row["chosen"]) for row in synthetic_pairs(num_docs, seed)]
-
-
 def render_prompt(tokenizer: PreTrainedTokenizerBase, turns: list[dict[str, Any]], thinking: bool) -> list[int]:
     """A prompt's token ids: the chat template with the generation prompt (`open_thinking` where the template reads
     it: MiniMind's opens a `<think>` block; the embedded ChatML ignores it)."""
@@ -70,8 +64,8 @@ class PromptSamples:
 
 def prompt_rows(spec: DataSpec) -> tuple[list[list[dict[str, Any]]], int]:
     """(the prompts' turns, bad rows skipped): the embedded prompts, or the rows of `data.path`."""
-    if spec.name == "synthetic":
-        return synthetic_prompts(spec.num_docs, spec.seed), 0
+    if spec.name == "synthetic":  # the embedded DPO pairs' questions: the SFT and DPO models have seen their kind
+        return [prompt_turns(row["chosen"]) for row in synthetic_pairs(spec.num_docs, spec.seed)], 0
 
     rows = data_source(spec, "data.path").reader()
     prompts = [prompt_turns(payload) for _, payload in rows]

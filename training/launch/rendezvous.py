@@ -40,16 +40,12 @@ class AttemptStore:
     run_dir: str
 
 
-def uses_agent_store(env: Mapping[str, str]) -> bool:
-    """True when the launcher hands its workers its own long-lived store (torchrun's c10d rendezvous)."""
-    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env
-
-
 def attempt_store(env: Mapping[str, str], run_dir: str, timeout_s: float) -> AttemptStore | None:
     """Rank 0 makes and announces this start's store; the others find it (within timeout_s). None without an agent
     store (a plain env:// launch, one process): the process group then rendezvouses as usual."""
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    if world_size < 2 or not uses_agent_store(env):
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the launcher's own long-lived store (c10d)
+    if world_size < 2 or not agent_store or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
     host = env["MASTER_ADDR"]  # global rank 0 runs on the agent store's host: the first node holds ranks 0..n-1
     agent = dist.TCPStore(host, int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s))

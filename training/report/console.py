@@ -108,17 +108,14 @@ class TqdmHandler(logging.Handler):
             self.handleError(record)
 
 
-def _is_console(handler: logging.Handler) -> bool:
-    return type(handler) is logging.StreamHandler and getattr(handler, "stream", None) in (sys.stdout, sys.stderr)
-
-
 @contextmanager
 def log_above_bar() -> Iterator[None]:
     """Route the root logger's console output through tqdm.write while a bar is shown; restore it after. Where nothing
     prints log lines to the console (self-launched workers log to train.log only), add one, so every launch path shows
     the same lines. tqdm.contrib.logging does the swap but never adds a handler."""
     root = logging.getLogger()
-    consoles = [h for h in root.handlers if _is_console(h)]
+    consoles = [h for h in root.handlers
+                if type(h) is logging.StreamHandler and getattr(h, "stream", None) in (sys.stdout, sys.stderr)]
     replacements = [TqdmHandler(h.stream, h.formatter) for h in consoles] or [TqdmHandler(sys.stdout, None)]
     for handler in consoles:
         root.removeHandler(handler)

@@ -32,17 +32,12 @@ START = "grpo_start"  # [B] long: the shifted position of each row's first compl
 KEYS = (ADVANTAGES, OLD_LOGPS, REF_LOGPS, REWARDS, FLAT, START)
 
 
-def completion_positions(starts: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width]: the shifted positions of each row's completion tokens."""
-    return starts.long()[:, None] + torch.arange(width, device=starts.device)
-
-
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor, width: int,
                      token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, width] log-probabilities, [B, width] mask) of each row's `width` completion positions from its start (0
     and False where the label is -100)."""
     shifted = -token_loss(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).view(labels.shape[0], -1)
-    where = completion_positions(starts.to(shifted.device), width)
+    where = starts.to(shifted.device).long()[:, None] + torch.arange(width, device=shifted.device)  # [B, width]
     mask = labels[:, 1:].to(shifted.device).gather(1, where) != IGNORE_INDEX
     return shifted.gather(1, where).float(), mask
 
