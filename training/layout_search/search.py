@@ -83,9 +83,8 @@ class SearchResult:
 def global_batch(cfg: DictConfig) -> int:
     """Sequences per optimizer step the search holds fixed: train.global_batch_size, else the config's own."""
     fixed = OmegaConf.select(cfg, "train.global_batch_size")
-    if fixed is not None:
-        return int(fixed)
-    return cfg.schedule.n_microbatches * cfg.train.micro_batch_size * (cfg.parallel.dp or 1)
+    written = cfg.schedule.n_microbatches * cfg.train.micro_batch_size * (cfg.parallel.dp or 1)
+    return written if fixed is None else int(fixed)
 
 
 def divisors(n: int) -> list[int]:
