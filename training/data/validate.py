@@ -128,11 +128,8 @@ def _head_documents(rows: RowReader, tokenizer: PreTrainedTokenizerBase, spec: D
 
 def _line_upper_bound(path: str) -> int:
     """At most this many rows: newlines + 1 (read in blocks, nothing kept)."""
-    lines = 1
     with open(path, "rb") as f:
-        while block := f.read(SCAN_BLOCK):
-            lines += block.count(b"\n")
-    return lines
+        return 1 + sum(block.count(b"\n") for block in iter(lambda: f.read(SCAN_BLOCK), b""))
 
 
 def _source_bound(spec: DataSpec, key: str, seq_len: int, fraction: float) -> tuple[int, int] | None:

@@ -53,12 +53,6 @@ def logger_problem(cfg: DictConfig) -> str | None:
     return None
 
 
-def strict_json(record: dict[str, Any]) -> str:
-    """One JSON line; NaN and infinities become null so every reader's strict parser accepts the file."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False)
-
-
 def flat_config(cfg: DictConfig) -> dict[str, Any]:
     """The resolved config as dotted keys with scalar values (lists as text): TensorBoard's hparams need it."""
     flat: dict[str, Any] = {}
@@ -82,7 +76,9 @@ class JsonlSink:
         self.file = open_append(run_dir / "metrics.jsonl", "metrics")  # never through a link
 
     def write(self, step: int, record: dict[str, Any]) -> None:
-        self.file.write(strict_json({"step": step, **record}) + "\n")
+        # NaN and infinities become null, so every reader's strict parser accepts the file.
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.file.write(json.dumps({"step": step, **clean}, allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:
