@@ -167,8 +167,7 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, conversation: list[dict[str,
 
 def encode_conversations(tokenizer: PreTrainedTokenizerBase,
                          conversations: list[list[dict[str, Any]]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each conversation rendered with the tokenizer's chat template (and its think rule, `chat_rules`): (ids,
-    assistant-only label mask)."""
+    """(ids, assistant-only label mask) of each conversation rendered with the chat template and its think rule."""
     texts = [finish(c, render_chat(tokenizer, c)) for c in conversations]
     start, end = chat_patterns(tokenizer)
     return [(ids, assistant_mask(ids, start, end)) for ids in _ids(tokenizer, texts)]

@@ -78,8 +78,7 @@ def _lone_surrogate(record: Any) -> str | None:
 
 
 class JsonlRows(RowReader):
-    """The usable rows of one JSONL file as (1-based line number, payload); blank lines are not rows; `limit`
-    stops after that many lines."""
+    """The usable rows of one JSONL file as (1-based line number, payload); blank lines are not rows."""
 
     unit = "line"
     progress_unit = "B"

@@ -136,8 +136,7 @@ def other_task(record: Any, task: Task) -> str | None:
 
 
 def read_row(record: Any, task: Task) -> tuple[Any, str | None]:
-    """(payload, problem): what `task` encodes of one row, or why the row is unusable (naming the train.task that
-    reads it, when the row is shaped for another task)."""
+    """(payload, problem): what `task` encodes of one row, or why it is unusable (and the train.task that reads it)."""
     problem = task.problem(record)
     if problem is not None and (hint := other_task(record, task)):
         problem += hint

@@ -138,8 +138,7 @@ def _without_nulls(value: Any) -> Any:
 
 
 def missing_columns(table: Table, key: str, task: Task, reader: str) -> str | None:
-    """One line naming the file, the columns it lacks for the task (`reader`: the setting that reads them, such as
-    `data.format=chat`) and the columns it has, or None."""
+    """One line naming the file, the task's columns it lacks (read by `reader`, a setting) and those it has, or None."""
     missing = [c for c in task.columns if c not in table.columns]
     if not missing:
         return None

@@ -111,8 +111,7 @@ def worker(path: str, layout: Layout, prompts: torch.Tensor, mask: torch.Tensor,
 
 def generate_in_workers(path: str | Path, layout: Layout, prompts: torch.Tensor, mask: torch.Tensor,
                         sampling: Sampling) -> Rollout:
-    """Launch layout.world_size local workers (torch's elastic launcher, as train.py self-launches) and return the
-    first rank's Rollout."""
+    """Launch layout.world_size local workers (torch's elastic launcher, as train.py's) and return rank 0's Rollout."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if layout.world_size == 1:  # an emulated pipeline of one process: nothing to launch

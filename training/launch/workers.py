@@ -215,8 +215,7 @@ def agreed_layout(cfg: DictConfig, watch: Watch, start: AttemptStore | None) -> 
 
 
 def configure_worker_logging(run_dir: Path, rank: int) -> None:
-    """Self-launched workers start without Hydra's logging: rank 0 logs as Hydra would, to the console and the
-    run's train.log."""
+    """Self-launched workers start without Hydra's logging: rank 0 logs as Hydra would, to the console and train.log."""
     root = logging.getLogger()
     if root.handlers or rank != 0:
         return  # Hydra configured this process already, or this rank stays quiet

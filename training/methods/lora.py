@@ -176,8 +176,7 @@ def apply_lora(decoder: Decoder, spec: LoraSpec, grid: ParallelGrid) -> Decoder:
 
 def _adapt(name: str, linear: nn.Module, spec: LoraSpec, grid: ParallelGrid,
            initial: dict[str, torch.Tensor] | None) -> None:
-    """Give one linear its adapters (dense initial values from `initial`, else drawn), sliced as TP slices it, and
-    the branch that adds them."""
+    """Give one linear its adapters (from `initial`, else drawn), sliced as TP slices it, and the branch adding them."""
     out_features, in_features = dense_shape(linear.weight, grid.tp)
     row, col = isinstance(linear, RowParallelLinear), isinstance(linear, ColumnParallelLinear)
     for child, shape, dim in (("lora_A", (spec.rank, in_features), 1 if row else None),

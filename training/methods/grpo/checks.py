@@ -48,8 +48,7 @@ def known_tokenizer(spec: DataSpec):
 
 
 def prompts_problem(spec: DataSpec, geo: Geometry, dp: int) -> str | None:
-    """The first bad prompt row of `data.path` (no user turn, not a conversation), or fewer prompts than one global
-    batch of them."""
+    """The first bad prompt row of `data.path`, or fewer prompts than one global batch of them."""
     batch = geo.global_batch(dp)
     if spec.name == "synthetic":
         available = spec.num_docs

@@ -34,8 +34,7 @@ KEYS = (ADVANTAGES, OLD_LOGPS, REF_LOGPS, REWARDS, FLAT, START)
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor, starts: torch.Tensor, width: int,
                      token_loss: TokenLoss) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, width] log-probabilities, [B, width] mask) of each row's `width` completion positions from its start (0
-    and False where the label is -100)."""
+    """([B, width] log-probabilities, mask) of each row's completion positions from its start (0, False at -100)."""
     shifted = -token_loss(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()).view(labels.shape[0], -1)
     where = starts.to(shifted.device).long()[:, None] + torch.arange(width, device=shifted.device)  # [B, width]
     mask = labels[:, 1:].to(shifted.device).gather(1, where) != IGNORE_INDEX

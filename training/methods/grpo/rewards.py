@@ -59,8 +59,7 @@ def reward_name(entry: Any) -> str:
 
 
 def reward_function(entry: Any) -> RewardFn:
-    """A `grpo.rewards` entry as a callable: a rule by name, or the `_target_` Hydra instantiates (with the entry's
-    other keys bound as keyword arguments)."""
+    """A `grpo.rewards` entry as a callable: a rule by name, or its `_target_` with the entry's other keys bound."""
     if isinstance(entry, str):
         return RULES[entry]
     from functools import partial

@@ -57,8 +57,7 @@ class GrpoSpec:
 
 
 class GrpoStep:
-    """Turns a step's prompt micro-batches into its training micro-batches (`prepare`), then logs what the step
-    did (`after_step`, `record`)."""
+    """Turns a step's prompt micro-batches into its training micro-batches (`prepare`), then logs it (`after_step`)."""
 
     def __init__(self, cfg: DictConfig, engine: Engine, grid: ParallelGrid, tokenizer: PreTrainedTokenizerBase,
                  run_dir: Path):
@@ -75,8 +74,7 @@ class GrpoStep:
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, seed=sampling_seed(s.seed, step))
 
     def prepare(self, step: int, prompt_batches: list[MicroBatch]) -> list[MicroBatch]:
-        """The training micro-batches of `step` (1-based) from this replica's prompt micro-batches (left-padded ids,
-        labels -100 on padding); every micro-batch keeps its prompts' groups."""
+        """The training micro-batches of `step` (1-based) from the replica's prompt micro-batches, groups kept whole."""
         group, width = self.spec.num_generations, self.spec.max_new_tokens
         prompts = torch.cat([mb.input_ids for mb in prompt_batches]).repeat_interleave(group, dim=0)
         mask = torch.cat([mb.labels != IGNORE_INDEX for mb in prompt_batches]).repeat_interleave(group, dim=0)
