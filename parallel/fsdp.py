@@ -19,8 +19,10 @@ are freed after each forward and each backward: a step holds one layer's weights
 the price of a gather per forward and backward and a reduce-scatter per micro-batch. At zero=2, and on a stage whose
 backward is split into I and W (zero-bubble: W's weight gradients come after I, where FSDP's hook runs), the weights
 stay gathered and the gradients accumulate unsharded until the stage's last backward, then are reduce-scattered once
-(`ShardedSync`, as torch's pipelining does). Compute precision stays autocast's (`train.dtype`), so the gathered
-weights keep the master dtype and every layout computes the same numbers.
+(`ShardedSync`, as torch's pipelining does). By default (`parallel.mixed_precision_param=fp32`) compute precision
+stays autocast's (`train.dtype`), so the gathered weights keep the master dtype and every layout computes the same
+numbers; at bf16 FSDP gathers and computes in bf16 and reduces in fp32 (`policies`). `parallel.cpu_offload` keeps the
+shards in CPU memory (CUDA only).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from parallel.decoder import submodule
@@ -108,9 +110,12 @@ def kept_whole(stages: dict[int, Stage]) -> set[nn.Parameter]:
 
 def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec,
                  timeout: timedelta) -> dict[int, ShardedStage]:
-    """Shard every stage this process holds (in stage order); return each stage's FSDP root."""
+    """Shard every stage this process holds (in stage order); return each stage's FSDP root. With bf16 gathers a stage
+    computes under bf16 autocast whatever `train.dtype` says: the parameters FSDP leaves whole meet bf16 inputs."""
     meshes = shard_meshes(grid, spec.replicate, timeout)
     kept = kept_whole(stages)
+    for stage in stages.values():
+        stage.dtype = stage.dtype if spec.param_dtype == torch.float32 else spec.param_dtype
     return {index: ShardedStage(_shard_chunk(stages[index], meshes, kept, spec),
                                 spec.level == 3 and stages[index].weight_grads is None) for index in sorted(stages)}
 
@@ -118,7 +123,7 @@ def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec,
 def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spec: ShardSpec) -> FSDPModule:
     chunk, module = stage.chunk, stage.module
     marks = {name: _marks(p) for name, p in module.named_parameters()}
-    options = {"mesh": meshes.dense, "reshard_after_forward": spec.level == 3}
+    options = {"mesh": meshes.dense, "reshard_after_forward": spec.level == 3, **policies(spec)}
     for _, layer in chunk.blocks():
         fully_shard(layer, **options, ignored_params=_within(layer, kept))
     ends = [m for name in (chunk.plan.embedding, *chunk.plan.finals, chunk.plan.head)
@@ -139,6 +144,15 @@ def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spe
             for attr, value in marks.get(name, {}).items():
                 setattr(param, attr, value)
     return root
+
+
+def policies(spec: ShardSpec) -> dict:
+    """`fully_shard`'s precision and offload policies: at bf16, weights gathered and computed in bf16, gradients
+    reduced in fp32 into the fp32 master shards, each sharded module's output cast back to fp32 (the boundary's and the
+    residual stream's dtype); with `cpu_offload` the shards, their gradients and so AdamW's step live in CPU memory."""
+    mixed = spec.param_dtype != torch.float32
+    return {"mp_policy": MixedPrecisionPolicy(spec.param_dtype, torch.float32, torch.float32) if mixed
+            else MixedPrecisionPolicy(), "offload_policy": CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()}
 
 
 def _within(module: nn.Module, kept: set[nn.Parameter]) -> set[nn.Parameter]:

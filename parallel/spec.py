@@ -34,6 +34,8 @@ class ShardSpec:
 
     level: int  # 2: gradients and optimizer state sharded, parameters kept gathered from forward to the step's end
     replicate: int = 1  # parallel.dp_replicate: DP ranks (dp // replicate of them) shard within a replica
+    param_dtype: torch.dtype = torch.float32  # parallel.mixed_precision_param: the gathered weights' (compute) dtype
+    cpu_offload: bool = False  # parallel.cpu_offload: shards, their gradients and AdamW's state in CPU memory
 
 
 @dataclass(frozen=True)

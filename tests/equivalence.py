@@ -45,9 +45,9 @@ EMU = "parallel.emulate=true"  # one process plays every pipeline rank of its (d
 BF16_SPREAD = 3.0  # see bf16_tolerances
 
 
-def bf16_tolerances(bf16: dict, fp32: dict) -> Tolerances:
+def bf16_tolerances(bf16: dict, fp32: dict, spread: float = BF16_SPREAD) -> Tolerances:
     """Tolerances of a bf16 layout against the bf16 one-process run `bf16`, derived from how far that run is from the
-    fp32 one-process run `fp32` on the same model, data and steps: BF16_SPREAD x that distance, per quantity (its worst
+    fp32 one-process run `fp32` on the same model, data and steps: `spread` x that distance, per quantity (its worst
     step or tensor), never below fp32's.
 
     Why. bf16 keeps 8 significant bits: every cast under autocast rounds by up to u = 2^-8 relative. A value made of n
@@ -70,11 +70,11 @@ def bf16_tolerances(bf16: dict, fp32: dict) -> Tolerances:
     per_rank = max((error for error, _ in _close("loss", bf16["losses"], fp32["losses"], 0.0)), default=0.0)
     loss = max(per_rank, worst_step("loss"), worst_step("aux_loss"))
     tensor = {f: max(e for e, _ in _relative_errors([bf16], fp32, f, 1)) for f in ("grads", "params")}
-    return Tolerances(loss=max(FP32.loss, BF16_SPREAD * loss),
-                      grad_norm=max(FP32.grad_norm, BF16_SPREAD * worst_step("grad_norm")),
-                      grad=max(FP32.grad, BF16_SPREAD * tensor["grads"]),
-                      param=max(FP32.param, BF16_SPREAD * tensor["params"]),
-                      routing=max(FP32.routing, BF16_SPREAD * worst_step("expert_imbalance")))
+    return Tolerances(loss=max(FP32.loss, spread * loss),
+                      grad_norm=max(FP32.grad_norm, spread * worst_step("grad_norm")),
+                      grad=max(FP32.grad, spread * tensor["grads"]),
+                      param=max(FP32.param, spread * tensor["params"]),
+                      routing=max(FP32.routing, spread * worst_step("expert_imbalance")))
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,15 @@ BAD = [
     (["parallel.zero=2"], "parallel.zero=2 shards over the data-parallel ranks and this layout has one (dp=1): "
                             "nothing to shard"),
     (["parallel.zero=4"], "parallel.zero=4 is not supported; use one of 0, 1, 2, 3"),
+    (["parallel.dp_replicate=2"], "parallel.dp_replicate=2 is read only when parallel.zero=2|3 (here parallel.zero=0)"),
+    (["parallel.zero=1", "parallel.mixed_precision_param=bf16"], "parallel.mixed_precision_param=bf16 is read only "
+                                                                 "when parallel.zero=2|3 (here parallel.zero=1)"),
+    (["parallel.mixed_precision_param=fp16"], "parallel.mixed_precision_param=fp16 is not supported; use one of fp32, "
+                                              "bf16"),
+    (["parallel.cpu_offload=true"], "parallel.cpu_offload=True is read only when parallel.zero=2|3"),
+    (["parallel.dp=2", "parallel.zero=3", "parallel.backend=gloo", "parallel.cpu_offload=true"],
+     "parallel.cpu_offload=true needs CUDA (shards in CPU memory, gathered to the GPU that computes), but "
+     "parallel.backend=gloo computes on the CPU here"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb=0.0 must be positive"),
     (["parallel.transport=tcp"], "parallel.transport=tcp is not supported; use one of auto, shm, p2p"),
     (["parallel.layout=manual"], "parallel.layout=manual is not supported; use one of auto"),

@@ -16,7 +16,7 @@ from parallel.pipeline.lowered import lower_pipeline
 from parallel.pipeline.tables import dump_builtin
 from tests.equivalence import (EMU, Layout, assert_equivalent, assert_equivalent_bf16, baseline, compose_run_config,
                                layout_worker, layouts_worker, run_training)
-from tests.fsdp_layouts import FSDP_LAYOUTS, assert_sharded
+from tests.fsdp_layouts import FSDP_LAYOUTS, GATHER_BF16, assert_bf16_gathers, assert_sharded
 from tests.shared import once_per_session
 from tests.spawn import run_workers
 from training.config import model_config
@@ -156,6 +156,9 @@ def test_layout_equals_single_process(workspace, case):
     if "train.dtype=bf16" in case.run:
         fp32 = reference_run(workspace, dataclasses.replace(case, run=[*case.run, "train.dtype=fp32"]))
         assert_equivalent_bf16(results, reference, fp32)
+    elif GATHER_BF16 in case.layout:
+        bf16 = reference_run(workspace, dataclasses.replace(case, run=[*case.run, "train.dtype=bf16"]))
+        assert_bf16_gathers(results, reference, bf16)
     else:
         assert_equivalent(results, reference, case.tol)
     if case in FSDP_LAYOUTS:

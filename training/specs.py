@@ -82,7 +82,8 @@ ENGINE_KEYS = {"timeout_s": "parallel.timeout_s", "emulate": "parallel.emulate",
 def shard_spec(cfg: DictConfig) -> ShardSpec | None:
     """parallel.zero=2/3 (FSDP over the DP ranks, HSDP with parallel.dp_replicate); None at zero 0 and 1."""
     p = cfg.parallel
-    return ShardSpec(level=p.zero, replicate=p.dp_replicate) if p.zero in LEVELS else None
+    return (ShardSpec(p.zero, p.dp_replicate, DTYPES[p.mixed_precision_param], p.cpu_offload) if p.zero in LEVELS
+            else None)
 
 
 def engine_spec(cfg: DictConfig, device: torch.device) -> EngineSpec:

@@ -54,7 +54,7 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
     prompts were stacked in DP-rank order."""
     config = next(iter(engine.stages.values())).chunk.config
     check_prompts(prompts, prompt_mask, sampling, getattr(config, "max_position_embeddings", None))
-    grid, pipeline, spec = engine.grid, engine.pipeline, engine.spec
+    grid, pipeline = engine.grid, engine.pipeline
     n_stages, device = pipeline.n_stages, grid.device
     batch = len(prompts)
     first_row = grid.dp_rank * batch if first_row is None else first_row
@@ -68,7 +68,7 @@ def generate_in_layout(engine: LayoutEngine, prompts: torch.Tensor, prompt_mask:
         stages[r] = {}
         for s, st in rank_stages.items():
             seqs = [Sequences(mask[p], [first_row + int(i) for i in p], st.chunk.adapter.new_cache()) for p in parts]
-            stages[r][s] = GenerationStage(st.chunk, s, n_stages, device, spec.dtype, seqs, sampling, gather, handoff,
+            stages[r][s] = GenerationStage(st.chunk, s, n_stages, device, st.dtype, seqs, sampling, gather, handoff,
                                            first_here=0 in rank_stages)
     inputs = [prompts[p].to(device) for p in parts]
     last = _last_stage(stages, n_stages)

@@ -67,14 +67,14 @@ def zero_problem(cfg: DictConfig, dp: int) -> str | None:
     """Why `parallel.zero` / `parallel.dp_replicate` cannot run at the data-parallel size `dp`, or None."""
     p = cfg.parallel
     zero, replicate, ep = p.zero, p.dp_replicate, p.ep
-    if replicate > 1 and zero < 2:
-        return (f"parallel.dp_replicate={replicate} replicates FSDP's shards (HSDP) and is read only with "
-                f"parallel.zero=2 or 3 (here {zero}); set parallel.zero=3 or parallel.dp_replicate=1")
-    if zero < 2:
+    if zero < 2:  # dp_replicate, mixed_precision_param and cpu_offload are refused then by their scope (the schema)
         return None
     if dp == 1:
         return (f"parallel.zero={zero} shards over the data-parallel ranks and this layout has one (dp=1): nothing "
                 "to shard; use parallel.zero=0, or parallel.dp>=2 (with that many more workers)")
+    if p.cpu_offload and resolve_backend(p.backend)[1].type != "cuda":
+        return (f"parallel.cpu_offload=true needs CUDA (shards in CPU memory, gathered to the GPU that computes), but "
+                f"parallel.backend={p.backend} computes on the CPU here; set parallel.cpu_offload=false")
     if dp % replicate:
         choices = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
         return (f"parallel.dp_replicate={replicate} does not divide the data-parallel size {dp}; choose one of "

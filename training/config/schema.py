@@ -95,7 +95,19 @@ class ParallelSchema:
                        "each saves and when to choose it: [concepts](concepts.md#sharded-data-parallelism))",
                     one_of(0, 1, 2, 3))
     dp_replicate: int = key(1, "with `parallel.zero=2/3`: DP replicas of the shards (HSDP: shard within a group of "
-                               "dp / dp_replicate ranks, replicate across groups); must divide the DP size", positive)
+                               "dp / dp_replicate ranks, replicate across groups); must divide the DP size", positive,
+                            ReadWhen("parallel.zero", (2, 3), True))
+    mixed_precision_param: str = key(
+        "fp32", "with `parallel.zero=2/3`: the dtype FSDP gathers the weights in and the layers compute in "
+        "(torchtitan's name): `fp32` the master weights as they are, computing in `train.dtype` (one process's "
+        "numbers); `bf16` gathers and computes in bf16 whatever `train.dtype` says and reduces the gradients in fp32 "
+        "into the fp32 master shards (FSDP2's `MixedPrecisionPolicy`; [concepts](concepts.md#precision-and-offload))",
+        one_of("fp32", "bf16"), ReadWhen("parallel.zero", (2, 3), True))
+    cpu_offload: bool = key(
+        False, "with `parallel.zero=2/3`, on CUDA: the weight shards, their gradients and AdamW's state in pinned CPU "
+        "memory, each layer's weights copied to the GPU when gathered and AdamW stepping on the CPU (FSDP2's "
+        "`CPUOffloadPolicy`, torchtitan's `enable_cpu_offload`; [concepts](concepts.md#precision-and-offload))",
+        read_when=ReadWhen("parallel.zero", (2, 3), True))
     bucket_mb: float = key(
         25.0, "size (MB) of the gradient buckets whose DP reduction starts as soon as their gradients are final, "
         "overlapping the backward", positive)
