@@ -173,12 +173,11 @@ def encode_conversations(tokenizer: PreTrainedTokenizerBase,
     return [(ids, assistant_mask(ids, start, end)) for ids in _ids(tokenizer, texts)]
 
 
-def in_memory(parts: list[np.ndarray], masks: list[np.ndarray] | None, vocab_size: int,
-              skipped_lines: int = 0) -> Documents:
+def in_memory(parts: list[np.ndarray], masks: list[np.ndarray] | None, vocab_size: int) -> Documents:
     """Documents held in memory from per-document arrays."""
     lengths = np.fromiter((len(p) for p in parts), np.int64, len(parts))
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     dtype = token_dtype(vocab_size)
     tokens = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype)
     mask = None if masks is None else (np.concatenate(masks) if masks else np.empty(0, np.uint8))
-    return Documents(tokens, offsets, mask, skipped_lines)
+    return Documents(tokens, offsets, mask)

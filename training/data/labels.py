@@ -16,12 +16,6 @@ SIDES = ("chosen", "rejected")  # a DPO pair's rows, in order
 FIX = "raise train.seq_len or use shorter conversations"
 
 
-def spread(n: int, limit: int = SAMPLED) -> torch.Tensor:
-    """Up to `limit` evenly spaced indices among `n`, ascending."""
-    return torch.from_numpy(np.unique(np.linspace(0, n - 1, min(n, limit)).astype(np.int64))) if n else \
-        torch.empty(0, dtype=torch.int64)
-
-
 def percent(share: float) -> str:
     """A share as a percentage that never reads 0% or 100% unless it is."""
     shown = f"{share:.0%}"
@@ -61,12 +55,12 @@ class Unlabeled:
         return f"{self._finding()}; {self._effect()} ({FIX})"
 
 
-def unlabeled(samples: Samples, key: str, held_out: bool, preference: bool, limit: int = SAMPLED
-              ) -> list[Unlabeled]:
+def unlabeled(samples: Samples, key: str, held_out: bool, preference: bool) -> list[Unlabeled]:
     """The unlabeled share of a split: of its chat samples, or of each side of its DPO pairs (`samples.rows`, chosen
     at even rows, rejected at odd ones) apart, as a side that is all beyond seq_len leaves the pairs with nothing to
     compare even while the other side keeps half of the rows labelled."""
-    index = spread(len(samples), limit)
+    n = len(samples)
+    index = torch.from_numpy(np.unique(np.linspace(0, n - 1, min(n, SAMPLED)).astype(np.int64)))  # evenly spaced
     if preference:
         looks = [(samples.rows, 2 * index + side, f"{name} conversations") for side, name in enumerate(SIDES)]
     else:
