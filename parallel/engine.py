@@ -80,7 +80,7 @@ class ParallelEngine:
         self.objective: Objective = spec.objective
         self.stages_of: StagesByRank = build_stages(spec, self.pipeline, decoder, grid, ranks, weights)
         self.stages = {s: st for stages in self.stages_of.values() for s, st in stages.items()}
-        self.sharded = shard_built(self.stages, grid, spec)
+        self.sharded = shard_built(self.stages, grid, spec, weights)
         self.transport, self.peer_of = choose_transport(spec, self.pipeline, grid, config.hidden_size)
         self.programs = self._programs_of(self.pipeline.lowered)
         self.pair = tied_pair(decoder.plan.ties, type(decoder.module).__name__, self.stages, self.pipeline.n_stages)

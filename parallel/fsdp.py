@@ -1,10 +1,12 @@
 """Fully sharded data parallelism (`parallel.zero=2/3`): torch's FSDP2 `fully_shard` as one more pass over built stages.
 
-Each stage's chunk, once every chunk pass (pruning, TP, EP, adapters, recompute, materialising) has run, is sharded
-over the data-parallel mesh: one FSDP group per decoder layer, one for the pieces around the layers (embedding, final
+Each stage's chunk, once the chunk passes (pruning, TP, EP, adapters, recompute, compile) have run, is sharded over
+the data-parallel mesh: one FSDP group per decoder layer, one for the pieces around the layers (embedding, final
 norms, head), and the chunk's module as the root. The pass runs after the stages exist, not inside the chunk pass
 list, because V placement re-ties the embedding and head of two chunks on one rank after they are built, and one
-Parameter must not enter two FSDP groups.
+Parameter must not enter two FSDP groups. It shards the chunk while still on the meta device, then materialises it:
+each rank reads every dense tensor once and keeps only its shard (`materialize_`), so it never holds its stage
+whole, whether the weights come from the seeded initialisation or `checkpoint.load_dense`.
 
 A parameter FSDP cannot manage here stays whole and keeps the data-parallel buckets of `grad_sync`: a tied embedding
 pair (one Parameter in two chunks, or two copies summed over the embedding group), a parameter whose gradient a hook
@@ -38,7 +40,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from parallel.decoder import submodule
+from parallel.materialize import WeightSource, is_meta, materialize_
 from parallel.spec import ShardSpec
+from parallel.tensor_pass import grad_summed_params, sync_replicated_grads
 
 if TYPE_CHECKING:  # names in annotations only
     from parallel.grid import ParallelGrid
@@ -89,10 +93,10 @@ def shard_meshes(grid: ParallelGrid, replicate: int, timeout: timedelta) -> Shar
     return ShardMeshes(dense)
 
 
-def kept_whole(stages: dict[int, Stage]) -> set[nn.Parameter]:
+def kept_whole(stages: dict[int, Stage], grid: ParallelGrid) -> set[nn.Parameter]:
     """The parameters FSDP leaves whole (see the module's docstring): they keep the DP buckets."""
     chunks: dict[int, int] = {}  # id(param) -> the chunks holding it
-    kept: set[nn.Parameter] = set()
+    kept: set[nn.Parameter] = {p for stage in stages.values() for p in grad_summed_params(stage.chunk, grid)}
     for stage in stages.values():
         module, ties = stage.module, stage.chunk.plan.ties
         for param in module.parameters():
@@ -101,23 +105,32 @@ def kept_whole(stages: dict[int, Stage]) -> set[nn.Parameter]:
             twin = stage.chunk.parameter(ties[name]) if name in ties else None
             copy = name in ties.values() or name in ties  # one half of a tied pair...
             one_here = twin is param or any(stage.chunk.parameter(t) is param for t, s in ties.items() if s == name)
-            if (copy and not one_here) or param._backward_hooks or getattr(param, "expert_parallel", False):
+            if (copy and not one_here) or getattr(param, "expert_parallel", False):
                 kept.add(param)  # ...unless both halves are this one Parameter, in one FSDP group here
     for stage in stages.values():
         kept.update(p for p in stage.module.parameters() if chunks[id(p)] > 1)
     return kept
 
 
-def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec,
-                 timeout: timedelta) -> dict[int, ShardedStage]:
-    """Shard every stage this process holds (in stage order); return each stage's FSDP root. With bf16 gathers a stage
-    computes under bf16 autocast whatever `train.dtype` says: the parameters FSDP leaves whole meet bf16 inputs."""
+def shard_stages(stages: dict[int, Stage], grid: ParallelGrid, spec: ShardSpec, timeout: timedelta,
+                 weights: WeightSource | None) -> dict[int, ShardedStage]:
+    """Shard every stage this process holds (in stage order), fill a meta stage from `weights` (each rank its own
+    shards, the parameters FSDP leaves whole whole), add TP's gradient sums to those; return each stage's FSDP root.
+    With bf16 gathers a stage computes under bf16 autocast whatever `train.dtype` says: the parameters FSDP leaves
+    whole meet bf16 inputs."""
     meshes = shard_meshes(grid, spec.replicate, timeout)
-    kept = kept_whole(stages)
+    kept = kept_whole(stages, grid)
     for stage in stages.values():
         stage.dtype = stage.dtype if spec.param_dtype == torch.float32 else spec.param_dtype
-    return {index: ShardedStage(_shard_chunk(stages[index], meshes, kept, spec),
-                                spec.level == 3 and stages[index].weight_grads is None) for index in sorted(stages)}
+    roots = {index: _shard_chunk(stages[index], meshes, kept, spec) for index in sorted(stages)}
+    for index, root in roots.items():
+        chunk = stages[index].chunk
+        if is_meta(chunk.module):
+            materialize_(chunk, weights, grid.tp_rank, grid.tp, grid.device)
+        sync_replicated_grads(chunk, grid)  # after materialising: a meta tensor's hooks would not survive it
+        fully_shard.state(root)._lazy_init()  # the root by construction: the chunk is never called as a module
+    return {index: ShardedStage(root, spec.level == 3 and stages[index].weight_grads is None)
+            for index, root in roots.items()}
 
 
 def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spec: ShardSpec) -> FSDPModule:
@@ -132,7 +145,6 @@ def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spe
         fully_shard(ends, **options, ignored_params={p for m in ends for p in m.parameters() if p in kept})
     left = {p for p in module.parameters() if not isinstance(p, DTensor)}
     root = fully_shard(module, **options, ignored_params=left)
-    fully_shard.state(root)._lazy_init()  # the root by construction: the chunk is never called as a module
     for inner in module.modules():
         if isinstance(inner, FSDPModule):
             # A sum over DP (the loss is scaled by the global batch already), as plain SUM collectives: gloo has no

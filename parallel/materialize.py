@@ -4,6 +4,9 @@ A stage is pruned and TP-sharded while its parameters are still meta tensors; th
 from a `WeightSource`, which yields the *dense* tensor of one global name at a time (a seeded initialiser or a
 lazily read checkpoint), sliced here to this rank's TP block. So no rank holds the whole model, and a given
 seed gives the same dense weights in every layout.
+
+Under FSDP (`parallel.zero=2/3`) a stage is sharded while still meta (`parallel.fsdp`), and a sharded parameter
+gets only this rank's rows of its TP block: a rank holds one dense tensor at a time, never its whole stage.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel.decoder import ContractError, Decoder
 from parallel.tensor_pass import local_block
@@ -56,7 +60,8 @@ def local_share(dense: torch.Tensor, param: nn.Parameter, tp_rank: int, tp: int)
 
 
 def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, device: torch.device) -> None:
-    """Give the meta chunk storage on `device`, each parameter (once) filled from `source`, TP-sliced.
+    """Give the meta chunk storage on `device`, each parameter (once) filled from `source`, TP-sliced (and, for
+    FSDP's sharded parameters, sliced again to this rank's shard).
 
     Each Parameter keeps its identity (a tie stays one object) and its attributes (the TP marks): the
     storage is swapped in, not a new Parameter made, as `Module.to_empty` would."""
@@ -69,6 +74,8 @@ def materialize_(decoder: Decoder, source: WeightSource, tp_rank: int, tp: int, 
                                "register them afterwards")
         dense = source(name, dense_shape(param, tp))
         local = local_share(dense, param, tp_rank, tp)
+        if isinstance(param, DTensor):  # FSDP's shard: no collective (every rank read the same dense tensor)
+            local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
         # A block is copied: as a view it would pin the whole dense tensor.
         fresh = nn.Parameter(local.to(device=device, dtype=param.dtype, copy=local is not dense).contiguous(),
                              param.requires_grad)

@@ -2,7 +2,9 @@
 
 A pass is a callable `(chunk, site) -> chunk` bound to its own settings only. `chunk_passes` is the one ordered
 list: prune, TP, EP, the caller's own passes (`EngineSpec.passes`: they see the layers TP and EP made), recompute,
-compile, materialise, then the TP gradient sums (a hook on a meta tensor would not survive materialising).
+compile, materialise, then the TP gradient sums (a hook on a meta tensor would not survive materialising). Under
+FSDP (`sharded`: `EngineSpec.shard` on pipeline stages) the last two wait for the sharding pass (`parallel.fsdp.shard_stages`): a meta chunk is
+sharded first, so each rank fills only its shards.
 `build_chunk` runs a list for one site: the one-process engine's whole model and every pipeline stage alike.
 """
 
@@ -46,14 +48,15 @@ def prune(decoder: Decoder, site: Site) -> Decoder:
     return decoder.prune(site.kept, site.first, site.last)
 
 
-def materialise(chunk: Decoder, site: Site, weights: WeightSource | None) -> Decoder:
-    """A meta chunk gets storage on the device, filled from `weights`; a built one is moved there."""
+def materialise(chunk: Decoder, site: Site, weights: WeightSource | None, deferred: bool = False) -> Decoder:
+    """A meta chunk gets storage on the device, filled from `weights` (unless `deferred`: FSDP's pass fills its
+    shards); a built one is moved there."""
     grid = site.grid
     if not is_meta(chunk.module):
         chunk.module.to(grid.device)
     elif weights is None:
         raise ValueError("a model built on the meta device needs a weight source (seeded init or checkpoint)")
-    else:
+    elif not deferred:
         materialize_(chunk, weights, grid.tp_rank, grid.tp, grid.device)
     return chunk
 
@@ -64,14 +67,14 @@ def _replicated_grad_sums(chunk: Decoder, site: Site) -> Decoder:
     return chunk
 
 
-def chunk_passes(spec: EngineSpec, weights: WeightSource | None) -> list[ChunkPass]:
-    """The ordered passes of `spec`, materialising from `weights`."""
+def chunk_passes(spec: EngineSpec, weights: WeightSource | None, sharded: bool = False) -> list[ChunkPass]:
+    """The ordered passes of `spec`, materialising from `weights` (left to FSDP's pass when `sharded`)."""
     return [prune, lambda chunk, site: shard_modules(chunk, site.grid),
             lambda chunk, site: apply_expert_parallel(chunk, site.grid), *spec.passes,
             lambda chunk, site: apply_recompute(chunk, spec.recompute),
             lambda chunk, site: apply_compile(chunk, compile_mode(spec.compile, site.grid.device)),
-            partial(materialise, weights=weights),
-            _replicated_grad_sums]
+            partial(materialise, weights=weights, deferred=sharded),
+            *([_replicated_grad_sums] if not sharded else [])]
 
 
 def build_chunk(decoder: Decoder, site: Site, passes: list[ChunkPass]) -> Decoder:

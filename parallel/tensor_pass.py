@@ -74,19 +74,23 @@ def shard_modules(decoder: Decoder, grid: ParallelGrid) -> Decoder:
     return decoder
 
 
+def grad_summed_params(decoder: Decoder, grid: ParallelGrid) -> list[nn.Parameter]:
+    """The trainable replicated parameters that see only part of the sharded activations: their gradients sum over
+    TP (`sync_replicated_grads`), so FSDP leaves them whole (`parallel.fsdp.kept_whole`)."""
+    if grid.tp == 1:
+        return []
+    return [param for _, target, style in _planned(decoder.module, decoder.plan.tp_plan) if style in GRAD_SUMMED
+            for param in ([target] if isinstance(target, nn.Parameter) else target.parameters(recurse=False))
+            if param.requires_grad]  # a frozen weight has no gradient to sum
+
+
 def sync_replicated_grads(decoder: Decoder, grid: ParallelGrid) -> None:
     """Replicated parameters that see only part of the sharded activations sum their gradient over TP.
 
     A leaf hook, not a trainer step: the gradient is exact as soon as backward returns. Registered after the
     weights are materialised, since a meta tensor's hooks do not survive getting storage."""
-    if grid.tp == 1:
-        return
-    for _, target, style in _planned(decoder.module, decoder.plan.tp_plan):
-        if style in GRAD_SUMMED:
-            params = [target] if isinstance(target, nn.Parameter) else target.parameters(recurse=False)
-            for param in params:
-                if param.requires_grad:  # a frozen weight has no gradient to sum
-                    param.register_hook(partial(_all_reduce_grad, group=grid.tp_group))
+    for param in grad_summed_params(decoder, grid):
+        param.register_hook(partial(_all_reduce_grad, group=grid.tp_group))
 
 
 def _all_reduce_grad(grad: torch.Tensor, group) -> torch.Tensor:

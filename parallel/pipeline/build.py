@@ -45,7 +45,8 @@ def whole_model(spec: EngineSpec, decoder: Decoder, grid: ParallelGrid, weights:
 def build_stages(spec: EngineSpec, pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, ranks: list[int],
                  weights: WeightSource | None) -> StagesByRank:
     """The Stages of the given pipeline ranks (one rank, or every rank under emulation)."""
-    token_loss, passes, stages = choose_token_loss(grid, decoder.config.vocab_size), chunk_passes(spec, weights), {}
+    passes = chunk_passes(spec, weights, sharded=spec.shard is not None)
+    token_loss, stages = choose_token_loss(grid, decoder.config.vocab_size), {}
     for rank in ranks:
         split = {a.stage for a in pipeline.lowered[rank] if a.kind is Kind.I}  # stages whose backward is I + W
         stages[rank] = {s: Stage(chunk, s, pipeline.n_stages, grid.device, spec.dtype, token_loss, s in split,
@@ -54,12 +55,12 @@ def build_stages(spec: EngineSpec, pipeline: LoweredPipeline, decoder: Decoder, 
     return stages
 
 
-def shard_built(stages: dict[int, Stage], grid: ParallelGrid, spec: EngineSpec) -> dict:
-    """`parallel.zero=2/3`: the built stages sharded with FSDP over the DP ranks, after every chunk pass (the FSDP
-    modules by stage; none at zero 0/1)."""
+def shard_built(stages: dict[int, Stage], grid: ParallelGrid, spec: EngineSpec, weights: WeightSource | None) -> dict:
+    """`parallel.zero=2/3`: the built stages sharded with FSDP over the DP ranks, after every chunk pass, then filled
+    from `weights` shard by shard (the FSDP modules by stage; none at zero 0/1)."""
     if spec.shard is None:
         return {}
-    return shard_stages(stages, grid, spec.shard, timedelta(seconds=spec.timeout_s))
+    return shard_stages(stages, grid, spec.shard, timedelta(seconds=spec.timeout_s), weights)
 
 
 def rank_chunks(pipeline: LoweredPipeline, decoder: Decoder, grid: ParallelGrid, rank: int,
