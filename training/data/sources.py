@@ -16,7 +16,7 @@ from training.data.cache import file_identity
 from training.data.jsonl import JsonlRows
 from training.data.rows import TASKS, RowReader, Task
 from training.data.spec import DataError, DataSpec
-from training.data.tables import Table, TableRows, missing_columns, open_table
+from training.data.tables import OPENERS, Table, TableRows, missing_columns
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")  # a missing path with one is a missing file, not a name
@@ -82,7 +82,7 @@ class Source:
         """The opened table (parquet, Arrow, saved or Hub), once; its columns checked against the task's."""
         if self._table is None:
             try:
-                table = open_table(self.kind, self.path)
+                table = OPENERS[self.kind](self.path)
             except DataError as error:
                 raise DataError(f"{self.key}: {error}") from None
             reader = "train.task=dpo" if self.spec.preference else f"data.format={self.spec.format}"

@@ -116,12 +116,8 @@ def _hub(name: str) -> Table:
     return _dataset_table(name, dataset, identity)
 
 
+# A source kind -> its opener: the Table at a path, memory-mapped (nothing is read but its schema).
 OPENERS: dict[str, Callable[[str], Table]] = {"parquet": _parquet, "arrow": _arrow, "saved": _saved, "hub": _hub}
-
-
-def open_table(kind: str, path: str) -> Table:
-    """The table source of `kind` at `path` (memory-mapped; nothing is read but its schema)."""
-    return OPENERS[kind](path)
 
 
 def _first_line(error: BaseException) -> str:
