@@ -170,6 +170,10 @@ def test_a_zero_level_the_config_sets_is_kept():
     assert {(o.candidate.dp, o.candidate.zero) for o in kept.options} == {(2, 3)}
     assert any(r.candidate.dp == 1 and r.reason.startswith("parallel.zero=3 shards over the data-parallel ranks and "
                                                            "this layout has one (dp=1)") for r in kept.rejected)
+    fsdp_only = search(compose_cfg("parallel.mixed_precision_param=bf16"), 2, fake_costs(), fake_predict)
+    assert {(o.candidate.dp, o.candidate.zero) for o in fsdp_only.options} == {(2, 2), (2, 3)}  # bf16 gathers are FSDP's
+    assert any(r.candidate.zero == 0 and r.reason.startswith("parallel.mixed_precision_param=bf16 is read only when "
+                                                             "parallel.zero=2|3") for r in fsdp_only.rejected)
 
 
 @pytest.fixture(scope="module")

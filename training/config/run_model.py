@@ -5,6 +5,7 @@ validator, whose line is the message. Rules that relate several keys live in `tr
 
 import dataclasses
 from difflib import SequenceMatcher
+from collections.abc import Iterator
 from functools import cache
 from typing import Annotated, Any
 
@@ -12,8 +13,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_core import PydanticCustomError
 
-from training.config.schema import RunSchema, schema_defaults, schema_sections
-from training.rules.values import Rule
+from training.config.schema import RunSchema, schema_defaults, schema_keys, schema_sections
+from training.rules.values import Rule, shown
 
 
 # Names other trainers (Megatron-LM, HF Trainer, torchtitan) use for a schema key: spelling is no guide there.
@@ -98,3 +99,20 @@ def run_config_problem(cfg: DictConfig) -> str | None:
         first = min(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
         return unknown_key(".".join(map(str, first["loc"]))) if first["type"] == "extra_forbidden" else first["msg"]
     return None
+
+
+def out_of_scope(cfg: DictConfig) -> Iterator[tuple[bool, str]]:
+    """(refused, line) for each key set away from its default while the key it depends on leaves it unread."""
+    for key in (k for k in schema_keys() if k.read_when):
+        scope, value = key.read_when, OmegaConf.select(cfg, key.name)
+        state = OmegaConf.select(cfg, scope.switch)
+        if state not in scope.values and value != key.default:
+            problem = (f"{key.name}={shown(value)} is read only when {scope.switch}="
+                       f"{'|'.join(map(str, scope.values))} (here {scope.switch}={state})")
+            yield scope.refuse, (f"{problem}; drop {key.name} or change {scope.switch}" if scope.refuse
+                                 else f"{problem}; it is ignored")
+
+
+def scope_problem(cfg: DictConfig) -> str | None:
+    """The first key set where another key's value leaves it unread and that is refused (elsewhere: a warning)."""
+    return next((line for refused, line in out_of_scope(cfg) if refused), None)

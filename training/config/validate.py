@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from training.config.schema import model_config, model_keys, schema_keys, model_decoder
-from training.config.run_model import run_config_problem
+from training.config.run_model import out_of_scope, run_config_problem, scope_problem
 from training.rules.values import ConfigError, shown
 from training.config.layout import resolve_global_batch, resolved_dp
 from training.config.layout_checks import experts_problem, model_split_problem, parallel_problem, zero_problem
@@ -42,18 +42,6 @@ def resolvable_problem(cfg: DictConfig) -> str | None:
         reason = str(error).strip().splitlines()[0]
         return f"{key}: cannot resolve its interpolation ({reason}); fix or drop the ${{...}}"
     return None
-
-
-def _out_of_scope(cfg: DictConfig) -> Iterator[tuple[bool, str]]:
-    """(refused, line) for each key set away from its default while the key it depends on leaves it unread."""
-    for key in (k for k in schema_keys() if k.read_when):
-        scope, value = key.read_when, OmegaConf.select(cfg, key.name)
-        state = OmegaConf.select(cfg, scope.switch)
-        if state not in scope.values and value != key.default:
-            problem = (f"{key.name}={shown(value)} is read only when {scope.switch}="
-                       f"{'|'.join(map(str, scope.values))} (here {scope.switch}={state})")
-            yield scope.refuse, (f"{problem}; drop {key.name} or change {scope.switch}" if scope.refuse
-                                 else f"{problem}; it is ignored")
 
 
 def model_problem(cfg: DictConfig) -> str | None:
@@ -224,7 +212,7 @@ def problems(cfg: DictConfig, world_size: int | None = None) -> Iterator[str | N
     ones vouch for); the values derived from other keys are filled in on the way."""
     yield resolvable_problem(cfg)
     yield run_config_problem(cfg)  # keys outside the schema, then each key's own rule
-    yield next((line for refused, line in _out_of_scope(cfg) if refused), None)  # a key read elsewhere only
+    yield scope_problem(cfg)  # a key set where another key's value leaves it unread
     yield model_problem(cfg)
     yield train_problem(cfg)
     yield logger_problem(cfg)  # wandb credentials and modes: the logger module's own rule
@@ -244,5 +232,5 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> list[str]:
     for problem in problems(cfg, world_size):
         if problem:
             raise ConfigError(problem)
-    harmless = [line for refused, line in _out_of_scope(cfg) if not refused]  # ignored, said aloud
+    harmless = [line for refused, line in out_of_scope(cfg) if not refused]  # ignored, said aloud
     return [*harmless, *train_warnings(cfg), *lora_warnings(cfg)]

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from parallel.pipeline.schedules import SCHEDULES
 from training.layout_search.balance import cost_balanced_partition, measured_weights
 from training.config.schema import model_config
+from training.config.run_model import scope_problem
 from training.layout_search.costs import MeasuredCosts
 from training.layout_search.predict import Candidate, Prediction, predict
 from training.config.layout import resolve_global_batch
@@ -220,7 +221,8 @@ def search(cfg: DictConfig, world_size: int, costs: MeasuredCosts, predictor: Pr
         searched = not problems[shape] and not item.zero and item.dp > 1  # a level the config sets is kept
         for c in [replace(item, zero=z) for z in ZERO_LEVELS] if searched else [item]:
             if (level := (c.dp, c.ep, c.zero)) not in problems:
-                problems[level] = zero_problem(apply_candidate(cfg, c), c.dp)
+                applied = apply_candidate(cfg, c)  # with its level: bf16 gathers, HSDP, offload need FSDP's
+                problems[level] = zero_problem(applied, c.dp) or scope_problem(applied)
             if problem := problems[shape] or problems[level]:
                 result.rejected.append(Rejected(c, problem))
             else:
