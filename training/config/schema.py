@@ -117,8 +117,8 @@ class ParallelSchema:
         "`shm` when every rank is on one host and computes on the CPU, else `p2p`", one_of("auto", "shm", "p2p"))
     layout: Optional[str] = key(
         None, "`auto`: before launch, search every layout (dp, tp, pp, vpp, ep of a MoE model, schedule, micro-batches "
-        "at the same global batch, recompute, partition) of the launched world on measured costs and run the fastest predicted "
-        "one within `memory_budget_gb`; prints `sluice: parallel.layout=auto chose ...`. `python scripts/preview.py "
+        "at the same global batch, recompute, partition, and `parallel.zero` where dp >= 2 unless the config sets a "
+        "level) of the launched world on measured costs and run the fastest predicted one within `memory_budget_gb`; prints `sluice: parallel.layout=auto chose ...`. `python scripts/preview.py "
         "--search world_size=N ...` shows the whole ranking", optional(one_of("auto")))
     memory_budget_gb: Optional[float] = key(
         None, "per-rank memory budget (GiB): `layout=auto` and `scripts/preview.py --search` reject a layout whose "
