@@ -38,8 +38,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def _pieces(text: str) -> list[str]:
     """`text` cut before spaces into pieces of about PIECE_CHARS (byte-level BPE never merges across)."""
-    if len(text) <= PIECE_CHARS:
-        return [text]
     pieces, start = [], 0
     while len(text) - start > PIECE_CHARS:
         match = _CUT.search(text, start + PIECE_CHARS)

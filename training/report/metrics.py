@@ -35,8 +35,7 @@ class MetricsLogger:
         self.start_step, self.steps = start_step, 0  # this run's steps, counted as the bar moves
         if not enabled:
             return
-        dropped = drop_rows_after(self.run_dir / "metrics.jsonl", start_step)
-        if dropped:
+        if dropped := drop_rows_after(self.run_dir / "metrics.jsonl", start_step):
             log.info("metrics.jsonl: %d row(s) after step %d dropped; this run does those steps again", dropped,
                      start_step)
         self.started = time.perf_counter()
