@@ -3,8 +3,8 @@
 A pass is a callable `(chunk, site) -> chunk` bound to its own settings only. `chunk_passes` is the one ordered
 list: prune, TP, EP, the caller's own passes (`EngineSpec.passes`: they see the layers TP and EP made), recompute,
 compile, materialise, then the TP gradient sums (a hook on a meta tensor would not survive materialising). Under
-FSDP (`sharded`: `EngineSpec.shard` on pipeline stages) the last two wait for the sharding pass (`parallel.fsdp.shard_stages`): a meta chunk is
-sharded first, so each rank fills only its shards.
+FSDP (`sharded`: `EngineSpec.shard` on pipeline stages) the last two wait for the sharding pass
+(`parallel.fsdp.shard_stages`): a meta chunk is sharded first, so each rank fills only its shards.
 `build_chunk` runs a list for one site: the one-process engine's whole model and every pipeline stage alike.
 """
 
