@@ -78,6 +78,14 @@ def read_training_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], di
     return state, meta
 
 
+def read_merged_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`read_training_weights` with a LoRA run's adapters merged into the weights they adapt (alpha / rank)."""
+    state, meta = read_training_weights(path)
+    if (lora := meta.get("lora")) is not None:
+        state = merge_adapters(state, lora["alpha"] / lora["rank"])
+    return state, meta
+
+
 def model_record_config(folder: Path, record: dict[str, Any]):
     """The config of a checkpoint's model record, its values and size checked (the whole model is built in this
     process, in fp32: it must fit this host's memory); CheckpointError naming meta.json and the field."""
@@ -179,10 +187,9 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapte
     (`adapters_only`) as a PEFT folder (`hf`) or MiniMind's LoRA .pth (`pth`); a `pth` model in `pth_dtype`."""
     if fmt not in FORMATS:
         raise CheckpointError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
-    state, meta = read_training_weights(path)
-    lora = meta.get("lora")
     if adapters_only:
-        if lora is None:
+        state, meta = read_training_weights(path)
+        if (lora := meta.get("lora")) is None:
             raise CheckpointError(f"--adapters-only: checkpoint {locate(path)} was trained without LoRA (lora.rank=0) "
                                   "and holds no adapters; drop --adapters-only to export its weights")
         if fmt == "pth":
@@ -192,8 +199,7 @@ def export_checkpoint(path: str | Path, out: str | Path, fmt: str = "hf", adapte
             raise CheckpointError(f"--adapters-only --format {fmt}: adapters go out as a PEFT folder (hf) or "
                                   "MiniMind's LoRA .pth (pth)")
         return save_adapters(state, lora, out)
-    if lora is not None:
-        state = merge_adapters(state, lora["alpha"] / lora["rank"])
+    state, meta = read_merged_weights(path)
     model = build_model(meta["model"], state)
     if fmt == "pth":
         return save_pth(model, out, stage_name(meta), pth_dtype)  # by the run's task: full_sft_<hidden>.pth after SFT

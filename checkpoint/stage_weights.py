@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.export import build_model, read_training_weights, save_pth
-from checkpoint.lora_merge import merge_adapters
+from checkpoint.export import build_model, read_merged_weights, save_pth
 from checkpoint.stage_names import stage_name
 
 OUT = "out"  # MiniMind's --save_dir, inside the run directory
@@ -24,8 +23,6 @@ OUT = "out"  # MiniMind's --save_dir, inside the run directory
 
 def write_stage_weights(checkpoint: Path, out_dir: Path, dtype: torch.dtype = torch.float16) -> Path:
     """`out_dir/<stage>_<hidden>[_moe].pth` from the complete training checkpoint `checkpoint`, in `dtype`."""
-    state, meta = read_training_weights(checkpoint)
-    if (lora := meta.get("lora")) is not None:
-        state = merge_adapters(state, lora["alpha"] / lora["rank"])
+    state, meta = read_merged_weights(checkpoint)
     return save_pth(build_model(meta["model"], state), out_dir, stage_name(meta), dtype, what="checkpoint.export_pth")
 

@@ -324,10 +324,10 @@ def test_generate_script_takes_a_checkpoint_and_a_layout(trained, capsys):
 
 
 def test_a_checkpoints_greedy_completion_equals_transformers_on_its_weights(trained):
-    from checkpoint.export import build_model
-    from training.launch.generation_run import Layout, checkpoint_weights, layout_engine
+    from checkpoint.export import build_model, read_merged_weights
+    from training.launch.generation_run import Layout, layout_engine
 
-    state, meta = checkpoint_weights(trained)
+    state, meta = read_merged_weights(trained)
     model = build_model(meta["model"], state)
     prompts, mask = left_padded(model.config.vocab_size, rows=3)
     engine = layout_engine(state, meta, Layout(), ParallelGrid.single(CPU), prompts.shape[1])

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.export import read_training_weights
-from checkpoint.lora_merge import merge_adapters
+from checkpoint.export import read_merged_weights
 from models import build_model, config_from_record, decoder_of
 from parallel.engine import build_engine
 from parallel.expert import check_expert_parallel
@@ -81,14 +80,6 @@ def layout_problem(meta: dict, layout: Layout) -> str | None:
     return None
 
 
-def checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The checkpoint's dense weights (LoRA adapters merged in, as the export merges them) and its meta.json."""
-    state, meta = read_training_weights(path)
-    if (lora := meta.get("lora")) is not None:
-        state = merge_adapters(state, lora["alpha"] / lora["rank"])
-    return state, meta
-
-
 def layout_engine(state: dict[str, torch.Tensor], meta: dict, layout: Layout, grid: ParallelGrid, context: int):
     """This rank's step engine on the checkpoint's weights: the model built on the meta device, then each rank's
     parameters materialised from `state` by the engine's passes (pruned, TP-sharded, EP-split)."""
@@ -102,7 +93,7 @@ def layout_engine(state: dict[str, torch.Tensor], meta: dict, layout: Layout, gr
 def worker(path: str, layout: Layout, prompts: torch.Tensor, mask: torch.Tensor, sampling: Sampling) -> Rollout:
     """One launched rank: join the group, build its share, generate; every replica completes every prompt (row
     numbers from 0, so every replica draws what one process draws)."""
-    state, meta = checkpoint_weights(path)
+    state, meta = read_merged_weights(path)
     grid = ParallelGrid.build(layout.dp, layout.tp, 1 if layout.emulate else layout.pp, backend="gloo",
                               timeout_s=120, ep=layout.ep)
     engine = layout_engine(state, meta, layout, grid, prompts.shape[1] + sampling.max_new_tokens)

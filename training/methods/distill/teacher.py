@@ -23,14 +23,13 @@ from models import ModelError, config_from_record, model_config, build_model, de
 from models.model_size import host_memory, size_problem
 from checkpoint.dense import read_dense_state_dict, check_dense_files
 from checkpoint.pth_config import pth_config
-from checkpoint.export import locate, build_model as checkpoint_model, read_training_weights
+from checkpoint.export import locate, build_model as checkpoint_model, read_merged_weights
 from checkpoint.manager import read_meta, find_checkpoint
 from training.data import DataError, run_data_spec
 from training.data.tokenizer import weights_tokenizer_problem
 from checkpoint.distributed import read_metadata
 from checkpoint.dense_source import dense_source
 from parallel.materialize import materialize_
-from checkpoint.lora_merge import merge_adapters
 
 log = logging.getLogger("sluice")
 
@@ -100,9 +99,7 @@ def load_teacher(path: str, device: torch.device) -> Decoder:
         expected = {name: tuple(t.shape) for name, t in teacher.module.state_dict().items()}
         materialize_(teacher, dense_source(path, expected, teacher.plan.ties, teacher.config.model_type), 0, 1, device)
     else:
-        state, meta = read_training_weights(path)
-        if (lora := meta.get("lora")) is not None:
-            state = merge_adapters(state, lora["alpha"] / lora["rank"])
+        state, meta = read_merged_weights(path)
         teacher = decoder_of(checkpoint_model(meta["model"], state).to(device))
     teacher.module.eval().requires_grad_(False)
     return teacher
