@@ -147,6 +147,22 @@ def test_each_zero_level_divides_what_it_shards(tmp_path, zero, replicate, per_p
     assert candidate_of(cfg, dp=4) == dp4  # the level a config sets is the candidate's
 
 
+@pytest.mark.parametrize("keys,device,host", [
+    # bf16 gathers: the gathered copy at 2 bytes; the gradient accumulates in fp32 (FSDP's reduce dtype), shards fp32
+    (["parallel.zero=2", "parallel.mixed_precision_param=bf16"], 2 + 4 + (4 + 8) / 4, 0),
+    (["parallel.zero=3", "parallel.mixed_precision_param=bf16"], (4 + 4 + 8) / 4, 0),
+    # offload: the shards, their gradients and AdamW's moments on the host; the gathered weights and gradients stay
+    (["parallel.zero=2", "parallel.cpu_offload=true"], 4 + 4, (4 + 4 + 8) / 4),
+    (["parallel.zero=3", "parallel.cpu_offload=true"], 0, (4 + 4 + 8) / 4),
+    (["parallel.zero=2", "parallel.mixed_precision_param=bf16", "parallel.cpu_offload=true"], 2 + 4, (4 + 4 + 8) / 4),
+])
+def test_bf16_gathers_and_offloaded_shards_are_priced(tmp_path, keys, device, host):
+    """What each FSDP option moves: bytes per parameter on the device (and in host memory) at the fullest moment."""
+    cfg = compose_run_config(["model=tiny", "model.num_hidden_layers=4", "train.micro_batch_size=2", *keys], tmp_path)
+    got = predict(Candidate(4, 1, 1, 1, "1f1b", 4, 2, "none", zero=int(keys[0][-1])), cfg, fake_costs())
+    assert (got.peak_bytes, got.host_bytes) == ((4 * 1000 * device + 400,), (4 * 1000 * host,))
+
+
 @pytest.mark.parametrize("zero,replicate,schedule,all_reduces", [
     (0, 1, "1f1b", 1),  # 16 KB of gradients: one all-reduce (a reduce-scatter and an all-gather)
     (1, 1, "1f1b", 1.5),  # then the stepped parameters gathered

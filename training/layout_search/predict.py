@@ -47,8 +47,9 @@ class Prediction:
     """Predicted optimizer-step time and peak bytes per pipeline rank, with the simulated timeline."""
 
     step_s: float
-    peak_bytes: tuple[int, ...]  # params + grads + optimizer state + live activations
+    peak_bytes: tuple[int, ...]  # params + grads + optimizer state + live activations, on the device
     sim: SimResult
+    host_bytes: tuple[int, ...] = ()  # parallel.cpu_offload: the shards, their gradients and AdamW state, on the host
 
 
 @dataclass(frozen=True)
@@ -197,17 +198,19 @@ def _state_shards(cfg: DictConfig, c: Candidate) -> tuple[int, int]:
     return c.dp // (c.ep if c.ep > 1 and c.dp > c.ep else cfg.parallel.dp_replicate), 1
 
 
-def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int, split: bool) -> tuple[float, float]:
-    """Bytes a dense and an EP-split expert parameter hold on a rank at the step's fullest moment: weight, gradient,
-    AdamW's moments (zero=1 shards the moments, 3 all three, over `_state_shards`; 2 and a `split` (I/W) stage hold
-    the gathered weight and the whole gradient beside the shards; experts stay whole at 2 and 3)."""
+def state_bytes_per_param(cfg: DictConfig, candidate: Candidate, param_bytes: int, split: bool) -> tuple[float, ...]:
+    """Bytes a dense and an EP-split expert parameter hold on a rank's device at the step's fullest moment, and a dense
+    one on the host: weight, gradient, AdamW's moments (zero=1 shards the moments, 3 all three, over `_state_shards`;
+    2 and a `split` (I/W) stage hold the gathered weight (bf16 at mixed_precision_param=bf16) and the whole gradient
+    beside the shards; cpu_offload puts the shards on the host; experts stay whole on the device at 2 and 3)."""
     dense, expert = _state_shards(cfg, candidate)
     if candidate.zero < 2:
-        return tuple(2 * param_bytes + ADAMW_STATE_BYTES / n for n in (dense, expert))
-    whole = 2 * param_bytes + ADAMW_STATE_BYTES
-    if candidate.zero == 2 or split:  # the weights gathered beside their shards, the gradients whole until the reduce
-        return 2 * param_bytes + (param_bytes + ADAMW_STATE_BYTES) / dense, whole
-    return whole / dense, whole  # zero=3 reduces and reshards every micro-batch (one layer whole at a time)
+        return *(2 * param_bytes + ADAMW_STATE_BYTES / n for n in (dense, expert)), 0
+    whole, p = 2 * param_bytes + ADAMW_STATE_BYTES, cfg.parallel
+    gathered = candidate.zero == 2 or split  # weights gathered beside the shards, gradients whole until the reduce
+    in_step = gathered * ((2 if p.mixed_precision_param == "bf16" else param_bytes) + param_bytes)
+    shards = (whole - gathered * param_bytes) / dense  # zero=3 reshards every micro-batch (one layer whole: left out)
+    return (in_step, whole, whole / dense) if p.cpu_offload else (in_step + shards, whole, 0)
 
 
 def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Prediction:
@@ -226,5 +229,6 @@ def predict(candidate: Candidate, cfg: DictConfig, costs: MeasuredCosts) -> Pred
     step = max(max(row, default=0.0) + extra for row, extra in zip(sim.end, post))
     state = [state_bytes_per_param(cfg, c, costs.param_bytes, s) for s in split]
     peaks = tuple(int((n - e) * dense + e * expert) + live_peak(actions, model.saved, model.deferred)
-                  for n, e, (dense, expert), actions in zip(rank_params, rank_experts, state, pipeline.lowered))
-    return Prediction(step_s=step, peak_bytes=peaks, sim=sim)
+                  for n, e, (dense, expert, _), actions in zip(rank_params, rank_experts, state, pipeline.lowered))
+    host = tuple(int((n - e) * offloaded) for n, e, (_, _, offloaded) in zip(rank_params, rank_experts, state))
+    return Prediction(step_s=step, peak_bytes=peaks, sim=sim, host_bytes=host)
