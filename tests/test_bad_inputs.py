@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from tests.test_config_errors import train_py_here
@@ -226,6 +227,53 @@ def test_a_gpu_smaller_than_a_rank_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=24 * GIB))
     cfg = compose_validated(["model=tiny", *SEVEN_B])
     assert " but rank 0's GPU has 24.0 GiB; " in memory_problem(cfg)
+
+
+def with_keys(cfg, **parallel):
+    """A copy of `cfg` with these parallel.* values (as composing them would give)."""
+    return OmegaConf.merge(cfg, {"parallel": parallel})
+
+
+def test_a_refusal_at_dp_2_or_more_names_the_zero_level_that_fits():
+    """At dp >= 2 the refusal prices the other parallel.zero levels of the same layout (a 7B model over dp=8, needing
+    about 126 GiB per rank at zero=0) and names the lowest that fits the budget, with its figure."""
+    cfg = compose_validated(["model=tiny", *SEVEN_B, "parallel.dp=8"])
+    at = [max(per_rank_bytes(with_keys(cfg, zero=z), None).values()) / GIB for z in range(4)]
+    assert at[0] > 90 > at[1] > 40 > at[3] > 20 and at[2] > 40
+    for budget, named in [(90, f"parallel.zero=1 would need {at[1]:.1f} GiB per rank and fit, or "),  # the lowest
+                          (40, f"parallel.zero=3 would need {at[3]:.1f} GiB per rank and fit, or "),
+                          (20, f"parallel.zero=3 alone would still need {at[3]:.1f} GiB per rank; ")]:  # the closest
+        assert memory_problem(with_keys(cfg, memory_budget_gb=budget)) == (
+            f"the model (model=tiny, 6.74B parameters) needs about {at[0]:.1f} GiB per rank (weights, gradients, "
+            "AdamW state, activations at train.micro_batch_size=1 x train.seq_len=2048) but "
+            f"parallel.memory_budget_gb={budget}; {named}use a smaller model, more GPUs or hosts (parallel.tp/pp split "
+            "the weights), train.recompute=full or a smaller train.micro_batch_size, or raise the budget")
+    at_three = memory_problem(with_keys(cfg, zero=3, memory_budget_gb=20))
+    assert "; use a smaller model" in at_three and "parallel.zero=" not in at_three  # no level does better than 3
+
+
+def test_bf16_gathers_are_priced_and_offloaded_shards_are_checked_against_the_host(monkeypatch):
+    import torch
+
+    import training.launch.memory_fit as memory_fit
+
+    cfg = compose_validated(["model=tiny", *SEVEN_B, "parallel.dp=2", "parallel.zero=2"])
+    fp32, bf16 = (per_rank_bytes(with_keys(cfg, mixed_precision_param=d), None)[0] for d in ("fp32", "bf16"))
+    assert fp32 - bf16 == pytest.approx(2 * 6.74e9, rel=1e-3)  # the gathered weights at 2 bytes, not 4
+    monkeypatch.setattr(memory_fit, "_on_gpu", lambda cfg: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * GIB))
+    whole = per_rank_bytes(with_keys(cfg, zero=3), None)
+    offload = with_keys(cfg, zero=3, cpu_offload=True)  # validate needs a CUDA build for it: merged, not composed
+    device, host = per_rank_bytes(offload, None), per_rank_bytes(offload, None, host=True)
+    assert host[0] == host[1] == pytest.approx(16 * 6.74e9 / 2, rel=1e-3)  # the shards, their gradients, AdamW
+    assert device[0] + host[0] == pytest.approx(whole[0], abs=8)  # moved off the GPU, not lost
+    fake_host(monkeypatch, 24)
+    assert memory_problem(offload).split("; ")[0].endswith(
+        f"but its ranks pin {2 * host[0] / GIB:.1f} GiB of host memory (parallel.cpu_offload=true) and this host has "
+        "24.0 GiB available")
+    fake_host(monkeypatch, 2.5 * host[0] / GIB)
+    assert memory_problem(offload) is None
 
 
 def test_a_normal_tiny_run_is_not_refused(capsys):
