@@ -17,8 +17,9 @@ root hooks never run and the pieces' groups gather their own weights.
 
 Gradients are reduced as a sum (the loss is already scaled by the global batch's tokens). At zero=3 each layer's
 gradients are reduce-scattered after every micro-batch's backward and accumulate as shards, and its gathered weights
-are freed after each forward and each backward: a step holds one layer's weights and gradients whole at a time, at
-the price of a gather per forward and backward and a reduce-scatter per micro-batch. At zero=2, and on a stage whose
+are freed after each forward and each backward (the head's group, run last forward and first backward, after the
+backward): a step holds one layer's weights and gradients whole at a time beside the head's group, at the price of a
+gather per forward and backward and a reduce-scatter per micro-batch. At zero=2, and on a stage whose
 backward is split into I and W (zero-bubble: W's weight gradients come after I, where FSDP's hook runs), the weights
 stay gathered and the gradients accumulate unsharded until the stage's last backward, then are reduce-scattered once
 (`ShardedSync`, as torch's pipelining does). By default (`parallel.mixed_precision_param=fp32`) compute precision
@@ -142,7 +143,12 @@ def _shard_chunk(stage: Stage, meshes: ShardMeshes, kept: set[nn.Parameter], spe
     ends = [m for name in (chunk.plan.embedding, *chunk.plan.finals, chunk.plan.head)
             if (m := submodule(module, name)) is not None]
     if any(p not in kept for m in ends for p in m.parameters()):
-        fully_shard(ends, **options, ignored_params={p for m in ends for p in m.parameters() if p in kept})
+        # The group holding the head runs last in the forward and first in the backward: resharded after the forward
+        # it would be gathered again at once, so it stays gathered in between, as FSDP's root group does (one gather
+        # of the largest group saved per micro-batch; the backward reshards it, so the step's peak is the same).
+        head_here = submodule(module, chunk.plan.head) is not None
+        fully_shard(ends, **{**options, "reshard_after_forward": options["reshard_after_forward"] and not head_here},
+                    ignored_params={p for m in ends for p in m.parameters() if p in kept})
     left = {p for p in module.parameters() if not isinstance(p, DTensor)}
     root = fully_shard(module, **options, ignored_params=left)
     for inner in module.modules():

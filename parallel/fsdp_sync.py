@@ -9,8 +9,6 @@ of a stage runs the same actions, so the collectives match by order.
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import FSDPModule
-
 from parallel.fsdp import ShardedStage, begin_step, reduce_stage
 from parallel.grad_sync import GradientSync
 from parallel.pipeline.actions import Action
@@ -19,17 +17,9 @@ from parallel.pipeline.actions import Action
 class ShardedSync(GradientSync):
     """A `GradientSync` that also reduces each stage's FSDP gradients after its final backward."""
 
-    def __init__(self, *args, roots: dict[int, ShardedStage], heads: dict[int, object] | None = None, **kwargs):
+    def __init__(self, *args, roots: dict[int, ShardedStage], **kwargs):
         super().__init__(*args, **kwargs)
         self.roots = roots  # stage -> its FSDP root
-        for stage, head in (heads or {}).items():
-            if roots[stage].per_microbatch and isinstance(head, FSDPModule):
-                # The group holding the head (with the final norms, and the embedding where tied on this stage) runs
-                # last in the chunk's forward and first in its backward: resharded after the forward, it is gathered
-                # again at once (FSDP's root keeps its group gathered for this reason). Kept, each micro-batch saves
-                # one gather of the largest group (a zero=3 step gathered 18 groups per micro-batch against the
-                # fully_shard loop's 17 at 8 layers) and holds no more at the step's peak; the backward reshards it.
-                head.set_reshard_after_forward(False, recurse=False)
 
     def start_step(self) -> None:
         begin_step(self.roots)

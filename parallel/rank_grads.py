@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel.decoder import submodule
 from parallel.expert import is_expert
 from parallel.grad_sync import Bucket, GradientSync, Rider, split_buckets
 from parallel.grid import ParallelGrid
@@ -92,8 +91,7 @@ def gradient_sync(stages: dict[int, Stage], lists: dict[int, list[Action]], grid
     if sharded:
         from parallel.fsdp_sync import ShardedSync
 
-        heads = {s: submodule(stages[s].module, stages[s].chunk.plan.head) for s in sharded}
-        return ShardedSync(buckets, final, rider, local_tie, grid.dp_group, roots=sharded, heads=heads)
+        return ShardedSync(buckets, final, rider, local_tie, grid.dp_group, roots=sharded)
     return GradientSync(buckets, final, rider, local_tie, grid.dp_group)
 
 
