@@ -205,6 +205,16 @@ def reduce_stage(root: FSDPModule) -> None:
     state._root_post_backward_final_callback()
 
 
+def reshard_all(stages: dict[int, ShardedStage]) -> None:
+    """Free every gathered group after a forward-only pass (reference, rollouts, validation): a group kept gathered
+    from its forward to a backward that never comes (the head's at zero=3, every one at zero=2) would otherwise carry
+    weights the next optimizer step makes stale into the next forward."""
+    for stage in stages.values():
+        for module in stage.root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -248,6 +248,7 @@ def layout_cases():
     return [Layout("dp2", [*DENSE], ["parallel.dp=2"], 2, 2),
             Layout("tp2-pp2-emu", [*DENSE], ["parallel.tp=2", "parallel.pp=2", EMU], 2, 1),
             Layout("ep2-moe", [*MOE], ["parallel.dp=2", "parallel.ep=2"], 2, 2),
+            Layout("dp2-zero3", [*DENSE], ["parallel.dp=2", "parallel.zero=3"], 2, 2),  # rollouts through the shards
             Layout("pp2-emu", [*DENSE], ["parallel.pp=2", EMU], 1, 1)]
 
 
@@ -288,7 +289,7 @@ def layout_runs(tmp_path_factory):
     return once_per_session(tmp_path_factory, "grpo-layouts", compute)
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2-pp2-emu", "ep2-moe", "pp2-emu"])
+@pytest.mark.parametrize("name", ["dp2", "tp2-pp2-emu", "ep2-moe", "dp2-zero3", "pp2-emu"])
 def test_a_layout_samples_and_trains_as_one_process(layout_runs, name):
     """The same completions (replica 0's sampled groups, the global batch's reward and length statistics), the same
     losses, gradients and parameters as one process over the same global batch."""
