@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.collectives import all_reduce_
-from parallel.fsdp import reshard_all
 from parallel.pipeline.build import StagesByRank, build_stages, shard_built, whole_model
 from parallel.pipeline.connect import choose_transport, programs_of
 from parallel.pipeline.evaluation import forward_only
@@ -198,7 +197,7 @@ class ParallelEngine:
             for stage in self.stages.values():
                 stage.module.train()
                 stage.objective = self.objective
-            reshard_all(self.sharded)
+            self._free_gathered()
         return all_reduce_(sums, grid.pp_group)
 
     def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
@@ -208,7 +207,12 @@ class ParallelEngine:
         try:
             return generate_in_layout(self, prompts, prompt_mask, sampling, first_row)
         finally:
-            reshard_all(self.sharded)
+            self._free_gathered()
+
+    def _free_gathered(self) -> None:
+        """FSDP's groups resharded after a pass with no backward (`ShardedStage.reshard`; nothing at zero 0/1)."""
+        for sharded in self.sharded.values():
+            sharded.reshard()
 
     def _trace_start(self, trace: bool) -> tuple[dict[int, list[Timed]] | None, float]:
         """Empty timings and a common time origin for every rank, when tracing."""

@@ -59,6 +59,14 @@ class ShardedStage:
     root: FSDPModule
     per_microbatch: bool
 
+    def reshard(self) -> None:
+        """Free every gathered group after a forward-only pass (reference, rollouts, validation): a group kept gathered
+        from its forward to a backward that never comes (the head's at zero=3, every one at zero=2) would otherwise
+        carry weights the next optimizer step makes stale into the next forward."""
+        for module in self.root.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
 
 @dataclass(frozen=True)
 class ShardMeshes:
@@ -203,16 +211,6 @@ def reduce_stage(root: FSDPModule) -> None:
         for group in inner._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
-
-
-def reshard_all(stages: dict[int, ShardedStage]) -> None:
-    """Free every gathered group after a forward-only pass (reference, rollouts, validation): a group kept gathered
-    from its forward to a backward that never comes (the head's at zero=3, every one at zero=2) would otherwise carry
-    weights the next optimizer step makes stale into the next forward."""
-    for stage in stages.values():
-        for module in stage.root.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
